@@ -1,0 +1,31 @@
+"""The Decoder interface: what the engine needs from a backend (the PyTorch reference, the megakernel).
+
+A decoder owns a static KV cache of `max_slots` × `max_context` positions. A sequence lives in one slot from
+its prefill to its end; the engine, not the decoder, decides which slot is whose.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from service.model.config import ModelConfig
+
+
+class Decoder(Protocol):
+    config: ModelConfig
+    max_slots: int
+    max_context: int
+    device: torch.device
+    name: str
+
+    def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
+        """Run `token_ids` at positions start_pos.. in `slot` (positions < start_pos are already cached),
+        writing their K/V. Returns the float32 logits [vocab] of the last token."""
+        ...
+
+    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One step for a batch: token_ids[i] sits at positions[i] of slots[i]. Writes its K/V and returns
+        float32 logits [batch, vocab]."""
+        ...

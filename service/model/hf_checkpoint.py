@@ -1,0 +1,111 @@
+"""Load a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json): Llama-3.x, SmolLM2, Qwen2.5."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from service.model.config import ModelConfig, ModelError, RopeScaling
+from service.model.tokenizer import Tokenizer, tokenizer_from_hf_dir
+from service.model.weights import LayerWeights, ModelWeights
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ModelError(f"{name}: architecture {archs or cfg.get('model_type')} is not supported "
+                         f"(supported: {sorted(ARCHITECTURES)})")
+    scaling = None
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        scaling = RopeScaling(
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        )
+    elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+        raise ModelError(f"{name}: rope scaling {rs.get('rope_type', rs.get('type'))!r} is not supported")
+    theta = cfg.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    heads = int(cfg["num_attention_heads"])
+    return ModelConfig(
+        name=name,
+        architecture=arch,
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rope_theta=float(theta),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"model directory not found: {path}")
+    for needed in ("config.json", "tokenizer.json"):
+        if not (path / needed).is_file():
+            raise ModelError(f"{path}: {needed} is missing")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelError(f"{path}: no *.safetensors weights")
+    config = config_from_hf(json.loads((path / "config.json").read_text()), path.name)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(shard))
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelError(f"{path}: tensor {name!r} is missing")
+        return tensors[name]
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        bias = (lambda n, p=p: take(p + f"self_attn.{n}_proj.bias")) if config.qkv_bias else (lambda n: None)
+        layers.append(
+            LayerWeights(
+                attn_norm=take(p + "input_layernorm.weight"),
+                wq=take(p + "self_attn.q_proj.weight"),
+                wk=take(p + "self_attn.k_proj.weight"),
+                wv=take(p + "self_attn.v_proj.weight"),
+                wo=take(p + "self_attn.o_proj.weight"),
+                mlp_norm=take(p + "post_attention_layernorm.weight"),
+                w_gate=take(p + "mlp.gate_proj.weight"),
+                w_up=take(p + "mlp.up_proj.weight"),
+                w_down=take(p + "mlp.down_proj.weight"),
+                bq=bias("q"),
+                bk=bias("k"),
+                bv=bias("v"),
+            )
+        )
+    embed = take("embed_tokens.weight")
+    tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
+    weights = ModelWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=take("norm.weight"),
+        lm_head=embed if tied else take("lm_head.weight"),
+    )
+    return config, weights, tokenizer_from_hf_dir(path)

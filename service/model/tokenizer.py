@@ -1,0 +1,143 @@
+"""Tokenizer: Hugging Face `tokenizers` for text ↔ ids, the model's chat template, and an incremental
+detokenizer that turns a stream of ids into text without ever splitting a UTF-8 sequence or losing a byte."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+# A plain ChatML template, for checkpoints that ship none.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (what a ByteLevel token string is spelled in) → the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+    ) -> None:
+        self.hf = tokenizer
+        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.token_bytes = self._token_bytes()
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(self.chat_template)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
+        return cls(HFTokenizer.from_file(str(path)), **kwargs)
+
+    def _token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for; special tokens stand for none (they are never shown to users)."""
+        vocab = self.hf.get_vocab(with_added_tokens=True)
+        size = max(vocab.values()) + 1
+        table = [b""] * size
+        special = {t.content for t in self.hf.get_added_tokens_decoder().values() if t.special}
+        byte_level = isinstance(self.hf.decoder, decoders.ByteLevel)
+        alphabet = _byte_level_alphabet()
+        for piece, i in vocab.items():
+            if piece in special:
+                continue
+            if byte_level and all(c in alphabet for c in piece):
+                table[i] = bytes(alphabet[c] for c in piece)
+            elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                table[i] = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+            else:
+                table[i] = piece.replace("\u2581", " ").encode()
+        return table
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Plain text; the tokenizer's post-processor adds a BOS where the model wants one."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self.token_bytes[i] for i in ids if 0 <= i < len(self.token_bytes)).decode(
+            "utf-8", errors="replace"
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        # The template writes the BOS itself where the model wants one.
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.token_bytes)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+class IncrementalDetokenizer:
+    """Ids in, text out, one token at a time. A multi-byte character split across tokens is held back until
+    its last byte arrives; `flush` hands over whatever is left (invalid bytes as U+FFFD), so nothing is lost."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self._bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        piece = self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+        return self._utf8.decode(piece)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
+    """tokenizer.json plus tokenizer_config.json (chat template, BOS/EOS) of a Hugging Face checkpoint."""
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+
+    def token_text(v: Any) -> str | None:
+        return v.get("content") if isinstance(v, dict) else v
+
+    template = cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    return Tokenizer(
+        HFTokenizer.from_file(str(path / "tokenizer.json")),
+        chat_template=template,
+        bos_token=token_text(cfg.get("bos_token")),
+        eos_token=token_text(cfg.get("eos_token")),
+    )

@@ -1,0 +1,60 @@
+"""ModelWeights: one decoder's tensors under one naming, whatever file they came from.
+
+Layout (PyTorch's F.linear convention, out × in): wq [q_size, hidden], wk/wv [kv_size, hidden],
+wo [hidden, q_size], w_gate/w_up [ffn, hidden], w_down [hidden, ffn]. Q and K rows follow the
+rotate-half RoPE layout that Hugging Face checkpoints use (GGUF's interleaved rows are undone on load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> LayerWeights:
+        moved = {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device, dtype))
+            for f in fields(self)
+        }
+        return LayerWeights(**moved)
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> ModelWeights:
+        tied = self.lm_head is self.embed
+        embed = self.embed.to(device, dtype)
+        return ModelWeights(
+            embed=embed,
+            layers=[layer.to(device, dtype) for layer in self.layers],
+            final_norm=self.final_norm.to(device, dtype),
+            lm_head=embed if tied else self.lm_head.to(device, dtype),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes a decode step streams: every weight once (the tied head counted once, as the LM head)."""
+        total = self.lm_head.numel() * self.lm_head.element_size() + self.final_norm.nbytes
+        for layer in self.layers:
+            total += sum(t.nbytes for t in vars(layer).values() if t is not None)
+        return total
