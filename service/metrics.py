@@ -1,0 +1,78 @@
+"""Prometheus metrics, prefix `parley_`, named after vLLM's habits. Every latency histogram has a bucket edge at
+exactly 0.1 s, the SLA line, so that "share of requests under 100 ms" is one bucket read, not an interpolation.
+
+Each Metrics object owns its registry, so that several engines (tests) never collide on names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# 0.1 is an edge on purpose; dense around it.
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5,
+                   0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                 0.2, 0.5, 1.0)
+STEP_BUCKETS = (0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
+                0.02, 0.05, 0.1, 0.5)
+
+OUTCOMES = ("completed", "cancelled", "rejected", "failed")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self, sla_tokens: int = 64, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.info = Gauge("parley_info", "The model, backend and device this server runs (value 1)",
+                          ["model", "backend", "device"], registry=r)
+        self.time_to_first_token = Histogram(
+            "parley_time_to_first_token_seconds", "Arrival to first generated token", buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.time_to_nth_token = Histogram(
+            "parley_time_to_nth_token_seconds", f"Arrival to the SLA's token (the {sla_tokens}th)",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "parley_inter_token_latency_seconds", "Time between two tokens of one request", buckets=TOKEN_BUCKETS,
+            registry=r)
+        self.e2e_latency = Histogram(
+            "parley_e2e_request_latency_seconds", "Arrival to the last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "parley_request_queue_time_seconds", "Arrival to the start of prefill", buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.prefill_time = Histogram(
+            "parley_request_prefill_time_seconds", "Prefill of one request", buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_step = Histogram(
+            "parley_decode_step_seconds", "One decode step of the whole running batch", ["batch_size"],
+            buckets=STEP_BUCKETS, registry=r)
+        self.requests = Counter(
+            "parley_requests", "Requests by outcome (completed, cancelled, rejected, failed) and reason",
+            ["outcome", "reason"], registry=r)
+        self.sla_violations = Counter(
+            "parley_sla_violations", "Admitted requests whose SLA token came after the deadline", registry=r)
+        self.sla_checked = Counter(
+            "parley_sla_checked", "Admitted requests that reached the SLA token or finished before it", registry=r)
+        self.prompt_tokens = Counter("parley_prompt_tokens", "Prompt tokens received", registry=r)
+        self.prefilled_tokens = Counter(
+            "parley_prefilled_tokens", "Prompt tokens actually prefilled (the rest came from a session's cache)",
+            registry=r)
+        self.generation_tokens = Counter("parley_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("parley_requests_running", "Requests holding a KV slot and decoding", registry=r)
+        self.waiting = Gauge("parley_requests_waiting", "Admitted requests waiting for a slot", registry=r)
+        self.kv_slots_free = Gauge("parley_kv_slots_free", "KV-cache slots free", registry=r)
+        self.kv_slots_total = Gauge("parley_kv_slots_total", "KV-cache slots in all", registry=r)
+        self.sla_headroom = Gauge(
+            "parley_sla_headroom_seconds",
+            "Smallest predicted slack to its deadline among running requests (the SLA itself when idle)",
+            registry=r)
+        self.sla_seconds = Gauge("parley_sla_seconds", "The SLA deadline for the SLA token", registry=r)
+        self.sla_tokens = Gauge("parley_sla_tokens", "Which token the SLA is about", registry=r)
+        self.gpu_hourly_usd = Gauge("parley_gpu_hourly_usd", "Configured price of this replica's GPU per hour",
+                                    registry=r)
+        self.sla_tokens.set(sla_tokens)
+        for outcome in OUTCOMES:  # so that rate() has a series from the start
+            self.requests.labels(outcome=outcome, reason="")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
