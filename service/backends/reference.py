@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from service.backends.decoder import DecodeOutput
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
 
@@ -98,13 +99,14 @@ class ReferenceDecoder:
         return self._logits(x[:, -1])[0]
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
         kv_len = max(positions) + 1
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         pos_t = torch.tensor(positions, device=dev)
         x = self.weights.embed[torch.tensor(token_ids, device=dev)].unsqueeze(1)  # [b, 1, hidden]
-        return self.decode_tensors(x, slot_t, pos_t, kv_len)
+        logits = self.decode_tensors(x, slot_t, pos_t, kv_len)
+        return DecodeOutput(logits, logits.argmax(-1))
 
     def decode_tensors(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                        kv_len: int) -> torch.Tensor:

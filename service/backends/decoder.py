@@ -6,11 +6,16 @@ its prefill to its end; the engine, not the decoder, decides which slot is whose
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from service.model.config import ModelConfig
+
+
+class DecodeOutput(NamedTuple):
+    logits: torch.Tensor  # float32 [batch, vocab], for sampling with temperature/top-p/top-k
+    argmax: torch.Tensor  # int64 [batch], the greedy token (the megakernel computes it in the same launch)
 
 
 class Decoder(Protocol):
@@ -25,7 +30,7 @@ class Decoder(Protocol):
         writing their K/V. Returns the float32 logits [vocab] of the last token."""
         ...
 
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for a batch: token_ids[i] sits at positions[i] of slots[i]. Writes its K/V and returns
-        float32 logits [batch, vocab]."""
+    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+        """One step for a batch of any size up to max_slots: token_ids[i] sits at positions[i] of slots[i].
+        Writes its K/V; returns the logits and the greedy token of each sequence."""
         ...
