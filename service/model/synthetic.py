@@ -72,6 +72,6 @@ def load_synthetic(
         )
         for _ in range(config.num_layers)
     ]
-    embed = rand(config.vocab_size, h, std=1.0)
+    embed = rand(config.vocab_size, h)
     weights = ModelWeights(embed=embed, layers=layers, final_norm=norm(), lm_head=embed)
     return config, weights, byte_tokenizer(config.vocab_size)
