@@ -1,0 +1,207 @@
+"""The megakernel's instruction set and its schedule, built in plain Python.
+
+A decode step is a list of tasks. Each task is one instruction on one tile of work; every program of the
+persistent kernel (one per SM) walks its own slice of the list in order. A task waits until a global counter
+reaches a target (its inputs are ready), runs, and adds one to its own counter. The list is ordered by phase, so
+the waits only ever look backwards; with all programs resident, nothing deadlocks. With a single program (the
+CPU interpreter), every wait is already met when it is reached.
+
+The instructions (one layer = QKV → ATTN → OPROJ → GATEUP → DOWN):
+
+  EMBED   x[b] = embed[token[b]] for every row of the bucket
+  QKV     rows [n0, n0+BN) of qkv = RMSNorm(x) @ [Wq; Wk; Wv]^T (+ bias)
+  ATTN    one split of flash-decoding for (row b, KV head g): RoPE on q and the new k, partial softmax over the
+          cached positions of the split (split 0 also takes the new token and appends k, v to the cache); the last
+          split to arrive merges the partials into attn[b, heads of g]
+  OPROJ   rows [n0, n0+BN) of x += attn @ Wo^T
+  GATEUP  rows [n0, n0+BN) of ffn = silu(RMSNorm(x) @ Wgate^T) * (RMSNorm(x) @ Wup^T)
+  DOWN    rows [n0, n0+BN) of x += ffn @ Wdown^T
+  LMHEAD  rows [n0, n0+BN) of logits = RMSNorm(x) @ lm_head^T, and the tile's (max, argmax) per row
+  ARGMAX  reduce the tiles' (max, argmax) into the greedy token; reset every counter for the next step
+
+Each task also names up to two weight regions (address, bytes) that the kernel prefetches into L2 a few tasks
+ahead: weights never depend on activations, so their loads need not wait for anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# opcodes
+EMBED, QKV, ATTN, OPROJ, GATEUP, DOWN, LMHEAD, ARGMAX = range(8)
+OP_NAMES = ("EMBED", "QKV", "ATTN", "OPROJ", "GATEUP", "DOWN", "LMHEAD", "ARGMAX")
+
+# fields of one task record (int64)
+F_OP, F_LAYER, F_A0, F_A1, F_A2, F_WAIT, F_TARGET, F_DONE, F_PF0, F_PF0_BYTES, F_PF1, F_PF1_BYTES = range(12)
+NUM_FIELDS = 12
+
+# counters: one per (layer, phase), then EMBED and LMHEAD, then the ATTN arrival counters per (layer, row, kv head)
+PHASES_PER_LAYER = 5  # QKV, ATTN, OPROJ, GATEUP, DOWN
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the kernel needs to know of the model: shapes only, no framework types."""
+
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rms_eps: float
+    qkv_bias: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile sizes of the schedule (rows of weight per task) and of the attention split."""
+
+    bn_qkv: int = 16
+    bn_o: int = 16
+    bn_gu: int = 16
+    bn_down: int = 16
+    bn_lm: int = 64
+    attn_splits: int = 1  # splits of the cached positions per (row, kv head)
+
+
+def default_tiling(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16) -> Tiling:
+    """Row tiles of 16 (the smallest a tensor-core dot takes) and enough attention splits to cover the SMs."""
+    splits = max(1, min(max_splits, round(num_programs / (batch * dims.num_kv_heads))))
+    return Tiling(attn_splits=splits)
+
+
+@dataclass
+class Schedule:
+    tasks: torch.Tensor  # int64 [num_tasks, NUM_FIELDS], grouped by program
+    starts: torch.Tensor  # int32 [num_programs + 1]: program p runs tasks[starts[p]:starts[p+1]]
+    num_programs: int
+    num_counters: int
+    num_lm_tiles: int
+    tiling: Tiling
+    batch: int
+
+    def describe(self) -> str:
+        ops = self.tasks[:, F_OP].tolist()
+        counts = {OP_NAMES[o]: ops.count(o) for o in range(len(OP_NAMES))}
+        per_prog = (self.starts[1:] - self.starts[:-1]).tolist()
+        return f"batch {self.batch}, {self.num_programs} programs, {len(ops)} tasks {counts}, " \
+               f"tasks per program {min(per_prog)}..{max(per_prog)}"
+
+
+def counter_index(dims: ModelDims, layer: int, phase: int) -> int:
+    return layer * PHASES_PER_LAYER + phase
+
+
+def num_counters(dims: ModelDims, batch: int) -> int:
+    return dims.num_layers * PHASES_PER_LAYER + 2 + dims.num_layers * batch * dims.num_kv_heads
+
+
+def build_schedule(dims: ModelDims, batch: int, num_programs: int,
+                   weight_regions: dict[str, tuple[int, int]] | None = None, elem_bytes: int = 2,
+                   tiling: Tiling | None = None) -> Schedule:
+    """The task lists of one decode step for a batch bucket.
+
+    weight_regions: name → (address, bytes per layer) of the packed weights "qkv", "o", "gate", "up", "down",
+    and (address, 0) of "lm_head"; used only for the L2 prefetch hints, never for correctness (None: no hints).
+    """
+    t = tiling or default_tiling(dims, batch, num_programs)
+    L, H, V = dims.num_layers, dims.hidden, dims.vocab
+    c_embed = L * PHASES_PER_LAYER
+    c_lm = c_embed + 1
+    c_arrive0 = c_embed + 2
+
+    def cdiv(a: int, b: int) -> int:
+        return (a + b - 1) // b
+
+    def region(name: str, layer: int, row0: int, rows: int, row_len: int, total_rows: int) -> tuple[int, int]:
+        if weight_regions is None:
+            return 0, 0
+        addr, per_layer = weight_regions[name]
+        rows = max(0, min(rows, total_rows - row0))
+        return addr + layer * per_layer + row0 * row_len * elem_bytes, rows * row_len * elem_bytes
+
+    phases: list[list[list[int]]] = []
+
+    def task(op: int, layer: int, a0: int = 0, a1: int = 0, a2: int = 0, wait: int = -1, target: int = 0,
+             done: int = -1, pf0: tuple[int, int] = (0, 0), pf1: tuple[int, int] = (0, 0)) -> list[int]:
+        return [op, layer, a0, a1, a2, wait, target, done, pf0[0], pf0[1], pf1[0], pf1[1]]
+
+    phases.append([task(EMBED, 0, done=c_embed)])
+    n_qkv, n_o = cdiv(dims.qkv_rows, t.bn_qkv), cdiv(H, t.bn_o)
+    n_gu, n_down = cdiv(dims.ffn, t.bn_gu), cdiv(H, t.bn_down)
+    for layer in range(L):
+        c = [counter_index(dims, layer, p) for p in range(PHASES_PER_LAYER)]
+        wait, target = (c_embed, 1) if layer == 0 else (counter_index(dims, layer - 1, 4), n_down)
+        phases.append([
+            task(QKV, layer, n0, wait=wait, target=target, done=c[0],
+                 pf0=region("qkv", layer, n0, t.bn_qkv, H, dims.qkv_rows))
+            for n0 in range(0, dims.qkv_rows, t.bn_qkv)
+        ])
+        phases.append([
+            task(ATTN, layer, b, g, s, wait=c[0], target=n_qkv, done=c[1])
+            for b in range(batch) for g in range(dims.num_kv_heads) for s in range(t.attn_splits)
+        ])
+        phases.append([
+            task(OPROJ, layer, n0, wait=c[1], target=batch * dims.num_kv_heads, done=c[2],
+                 pf0=region("o", layer, n0, t.bn_o, dims.q_size, H))
+            for n0 in range(0, H, t.bn_o)
+        ])
+        phases.append([
+            task(GATEUP, layer, n0, wait=c[2], target=n_o, done=c[3],
+                 pf0=region("gate", layer, n0, t.bn_gu, H, dims.ffn), pf1=region("up", layer, n0, t.bn_gu, H, dims.ffn))
+            for n0 in range(0, dims.ffn, t.bn_gu)
+        ])
+        phases.append([
+            task(DOWN, layer, n0, wait=c[3], target=n_gu, done=c[4],
+                 pf0=region("down", layer, n0, t.bn_down, dims.ffn, H))
+            for n0 in range(0, H, t.bn_down)
+        ])
+    n_lm = cdiv(V, t.bn_lm)
+    phases.append([
+        task(LMHEAD, 0, n0, a1=i, wait=counter_index(dims, L - 1, 4), target=n_down, done=c_lm,
+             pf0=region("lm_head", 0, n0, t.bn_lm, H, V))
+        for i, n0 in enumerate(range(0, V, t.bn_lm))
+    ])
+    phases.append([task(ARGMAX, 0, a0=c_arrive0, wait=c_lm, target=n_lm)])
+
+    # Deal each phase's tasks round-robin, starting where the last phase stopped, so the counts even out.
+    per_prog: list[list[list[int]]] = [[] for _ in range(num_programs)]
+    nxt = 0
+    for ph in phases:
+        for tk in ph:
+            per_prog[nxt].append(tk)
+            nxt = (nxt + 1) % num_programs
+    # The single ARGMAX task runs last in its program's list by construction (it is the last phase).
+    rows = [tk for prog in per_prog for tk in prog]
+    starts = [0]
+    for prog in per_prog:
+        starts.append(starts[-1] + len(prog))
+    return Schedule(
+        tasks=torch.tensor(rows, dtype=torch.int64),
+        starts=torch.tensor(starts, dtype=torch.int32),
+        num_programs=num_programs,
+        num_counters=num_counters(dims, batch),
+        num_lm_tiles=n_lm,
+        tiling=t,
+        batch=batch,
+    )

@@ -1,0 +1,179 @@
+"""`parley-loadtest`: what one GPU holds under the SLA, and what a token costs. Runs against any OpenAI-compatible
+server (Parley, vLLM, ...) from a client box: it needs httpx, websockets and rich (matplotlib for --plot)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from loadtest.clients import Target, first_model, http_client
+from loadtest.record import RequestRecord
+from loadtest.report import plot, print_run, sweep_table, write_json
+from loadtest.runner import Load, run_load
+from loadtest.stats import summarize
+from loadtest.sweep import find_max_rate
+from loadtest.workload import Session, dataset_sessions, load_dataset, synthetic_sessions
+
+# An assumption, not a quote: on-demand H100 80GB prices at GPU clouds ranged about $2-4 per GPU-hour in 2025-26
+# (hyperscalers higher). Pass your own with --gpu-hourly-usd.
+DEFAULT_GPU_HOURLY_USD = 2.50
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="parley-loadtest", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Load-test an OpenAI-compatible server: per-request latencies measured at the client, "
+                    "SLA attainment (first N tokens within M ms), goodput, and USD per 1M output tokens.")
+    g = p.add_argument_group("server")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server")
+    g.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    g.add_argument("--endpoint", choices=("completions", "chat", "realtime"), default="completions",
+                   help="/v1/completions, /v1/chat/completions (SSE), or Parley's /v1/realtime WebSocket")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds before a request counts as an error")
+    g.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into each request body")
+    g = p.add_argument_group("load")
+    g.add_argument("--rate", type=float, help="sessions per second, open loop (default: unlimited, so the "
+                                              "concurrency cap makes it a closed loop)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular")
+    g.add_argument("--concurrency", type=int, help="sessions in flight at most (default 1 when no --rate)")
+    g.add_argument("--num-requests", type=int, help="measured sessions (default 100 unless --duration)")
+    g.add_argument("--duration", type=float, help="seconds during which sessions arrive")
+    g.add_argument("--warmup", type=int, default=2, help="sessions sent first and left out of every figure")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("sweep")
+    g.add_argument("--sweep", action="store_true",
+                   help="find the highest rate at which >= --sla-target of ALL requests meet the SLA")
+    g.add_argument("--sweep-rates", type=lambda s: [float(x) for x in s.split(",")],
+                   help="comma-separated rates to measure instead of searching (e.g. 1,2,4,8)")
+    g.add_argument("--sweep-start", type=float, default=1.0, help="first rate of the search (doubled until "
+                                                                  "the SLA breaks, then bisected)")
+    g.add_argument("--sweep-max-rate", type=float, default=1024.0)
+    g.add_argument("--sweep-bisect", type=int, default=3, help="bisection steps after the doubling")
+    g.add_argument("--sla-target", type=float, default=0.99, help="share of requests that must meet the SLA")
+    g = p.add_argument_group("work")
+    g.add_argument("--input-len", type=int, default=32, help="synthetic prompt tokens (one-token words)")
+    g.add_argument("--output-len", type=int, default=64, help="max_tokens, sent with ignore_eos=true")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="leave ignore_eos out (for servers that refuse the field; lengths are then not exact)")
+    g.add_argument("--len-spread", type=float, default=0.0,
+                   help="lengths drawn uniformly from len×[1-s, 1+s]")
+    g.add_argument("--dataset", help="JSONL: one {\"prompt\": str} | {\"messages\": [...]} | {\"turns\": [...]} "
+                                     "a line, optional \"max_tokens\"")
+    g.add_argument("--shuffle", action="store_true", help="shuffle the dataset's rows")
+    g.add_argument("--turns", type=int, default=1,
+                   help="synthetic voice sessions of K turns, each extending the conversation")
+    g.add_argument("--cancel-after-tokens", type=int, help="barge in after K tokens (close the stream / "
+                                                           "response.cancel)")
+    g.add_argument("--cancel-share", type=float, default=1.0, help="share of turns barged in on")
+    g = p.add_argument_group("SLA and cost")
+    g.add_argument("--sla-tokens", type=int, default=64, help="N: the SLA is on the time to the Nth token")
+    g.add_argument("--sla-ms", type=float, default=100.0)
+    g.add_argument("--gpu-hourly-usd", type=float, default=DEFAULT_GPU_HOURLY_USD,
+                   help="USD per GPU-hour. The default is an ASSUMPTION (a typical on-demand H100 hour at GPU "
+                        "clouds, 2025-26: about $2-4), not a quote: pass your own")
+    g.add_argument("--gpus", type=int, default=1, help="GPUs serving the measured server")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", help="write every figure and one record per request to this file")
+    g.add_argument("--plot", help="write latency CDFs (and latency against rate for a sweep) to this PNG")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def sessions_from(args: argparse.Namespace) -> Iterator[Session]:
+    if args.dataset:
+        return dataset_sessions(load_dataset(args.dataset, args.output_len), args.shuffle, args.seed)
+    return synthetic_sessions(args.input_len, args.output_len, args.len_spread, args.turns, args.seed)
+
+
+def load_from(args: argparse.Namespace) -> Load:
+    num = args.num_requests if args.num_requests is not None else (None if args.duration else 100)
+    conc = args.concurrency if args.concurrency or args.rate or args.sweep else 1
+    return Load(rate=args.rate, burstiness=args.burstiness, concurrency=conc, num_sessions=num,
+                duration_s=args.duration, cancel_after=args.cancel_after_tokens, cancel_share=args.cancel_share,
+                sla_tokens=args.sla_tokens, sla_ms=args.sla_ms, seed=args.seed)
+
+
+async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    target = Target(url=args.url.rstrip("/"), endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+                    timeout_s=args.timeout, extra_body=args.extra_body, ignore_eos=args.ignore_eos)
+    load, sessions = load_from(args), sessions_from(args)
+    runs: list[dict[str, Any]] = []
+    turns = 1 if args.dataset else args.turns
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    async with http_client(target) as client:
+        if target.model is None:
+            try:
+                target.model = await first_model(client)
+            except Exception as e:
+                if target.endpoint != "realtime":
+                    raise SystemExit(f"no --model given and GET {args.url}/v1/models failed: {e}") from e
+        with Progress(*columns, console=console, disable=args.quiet, transient=True) as progress:
+            async def measure(rate: float | None) -> dict[str, Any]:
+                total = load.num_sessions * turns if load.num_sessions is not None else None
+                task = progress.add_task(f"rate {rate if rate is not None else '∞'}", total=total)
+                counts = dict.fromkeys(("ok", "rejected", "error", "cancelled"), 0)
+
+                def on_record(r: RequestRecord) -> None:
+                    counts[r.outcome] += 1
+                    progress.update(task, advance=1, description=f"rate {rate if rate is not None else '∞'} "
+                                    f"ok {counts['ok']} rej {counts['rejected']} err {counts['error']} "
+                                    f"cancel {counts['cancelled']}")
+
+                lag: list[float] = []
+                recs = await run_load(client, target, sessions, replace(load, rate=rate),
+                                      warmup=args.warmup if not runs else 0, on_record=on_record, loop_lag_ms=lag)
+                progress.update(task, completed=progress.tasks[task].total or len(recs), visible=False)
+                summary = summarize(recs, args.gpu_hourly_usd, args.gpus, lag)
+                runs.append({"rate": rate, "concurrency": load.concurrency, "model": target.model,
+                             "endpoint": target.endpoint, "summary": summary, "requests": recs})
+                return summary
+
+            sweep = None
+            if args.sweep:
+                points, best = await find_max_rate(measure, args.sla_target, args.sweep_rates, args.sweep_start,
+                                                   args.sweep_max_rate, args.sweep_bisect)
+                best_summary = next((s for r, s in points if r == best), None)
+                sweep = {"target": args.sla_target, "best_rate": best, "best": best_summary}
+            else:
+                await measure(args.rate)
+    if sweep is not None:
+        console.print(sweep_table([(r["rate"], r["summary"]) for r in runs], sweep["best_rate"], args.sla_target))
+        if sweep["best"] is not None:
+            console.print(f"At the highest rate holding the SLA ({sweep['best_rate']:g} sessions/s):")
+            print_run(console, sweep["best"], args.sla_tokens, args.sla_ms)
+    else:
+        print_run(console, runs[0]["summary"], args.sla_tokens, args.sla_ms)
+    config = {k: v for k, v in vars(args).items() if k != "api_key"} | {"model": target.model}
+    if args.json:
+        write_json(args.json, config, runs, sweep)
+    if args.plot:
+        try:
+            plot(args.plot, runs, args.sla_tokens, args.sla_ms)
+        except ImportError:
+            console.print("[yellow]--plot needs matplotlib: pip install matplotlib[/yellow]")
+    return {"config": config, "runs": runs, "sweep": sweep}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.sweep and args.duration is None and args.num_requests is None:
+        args.num_requests = 100
+    console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=140)  # logs: wide
+    asyncio.run(amain(args, console))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

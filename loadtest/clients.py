@@ -1,0 +1,234 @@
+"""The two ways to talk to a server: OpenAI-style HTTP with SSE streaming (/v1/completions,
+/v1/chat/completions) and Parley's realtime WebSocket (/v1/realtime). Each turn fills one RequestRecord."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidStatus
+
+from loadtest.record import RequestRecord
+from loadtest.workload import Message, prompt_text
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "realtime": "/v1/realtime"}
+
+
+@dataclass
+class Target:
+    url: str  # the server's base URL, e.g. http://127.0.0.1:8000
+    endpoint: str = "completions"  # completions | chat | realtime
+    model: str | None = None
+    api_key: str | None = None
+    timeout_s: float = 300.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    ignore_eos: bool = True  # exact output lengths (vLLM, SGLang and Parley accept it; OpenAI's API does not)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def eos(target: Target) -> dict[str, bool]:
+    return {"ignore_eos": True} if target.ignore_eos else {}
+
+
+def http_client(target: Target) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=target.url, headers=target.headers, limits=limits,
+                             timeout=httpx.Timeout(target.timeout_s))
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    """The first model the server lists (GET /v1/models)."""
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The generated text one SSE chunk carries ('' for a role-only, usage-only or empty chunk)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if "text" in c:
+        return c["text"] or ""
+    delta = c.get("delta") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+def retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def is_rate_limit(err: dict[str, Any]) -> bool:
+    """An error event that sheds load (the WebSocket's 429)."""
+    words = f"{err.get('type', '')} {err.get('code', '')}".lower()
+    return err.get("retry_after_ms") is not None or "rate_limit" in words or "overload" in words or "429" in words
+
+
+async def http_turn(client: httpx.AsyncClient, target: Target, conversation: list[Message], max_tokens: int,
+                    rec: RequestRecord, cancel_after: int | None = None) -> RequestRecord:
+    """One streamed request. `cancel_after`: close the stream after that many tokens (barge-in)."""
+    body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, **eos(target), **target.extra_body}
+    if target.endpoint == "chat":
+        body["messages"] = conversation
+    else:
+        body["prompt"] = prompt_text(conversation)
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", PATHS[target.endpoint], json=body) as resp:
+            rec.status = resp.status_code
+            if resp.status_code == 429:
+                rec.outcome, rec.retry_after_s = "rejected", retry_after(resp.headers.get("retry-after"))
+                await resp.aread()
+            elif resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+            else:
+                await _read_sse(resp, rec, t0, cancel_after)
+    except httpx.HTTPError as e:
+        rec.outcome, rec.error = "error", f"{type(e).__name__}: {e}"
+    rec.end_s = rec.start_s + time.perf_counter() - t0
+    return rec
+
+
+async def _read_sse(resp: httpx.Response, rec: RequestRecord, t0: float, cancel_after: int | None) -> None:
+    parts: list[str] = []
+    usage_tokens: int | None = None
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            rec.error = json.dumps(chunk["error"])[:300]
+            return
+        text = chunk_text(chunk)
+        if text:
+            rec.token_times_s.append(time.perf_counter() - t0)
+            parts.append(text)
+        usage = chunk.get("usage")
+        if usage:
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            usage_tokens = usage.get("completion_tokens")
+        if cancel_after is not None and len(rec.token_times_s) >= cancel_after:
+            rec.outcome = "cancelled"  # leaving the `async with` unread closes the connection
+            break
+    rec.text = "".join(parts)
+    rec.output_tokens = usage_tokens if usage_tokens is not None else len(rec.token_times_s)
+    if rec.outcome != "cancelled":
+        rec.outcome = "ok"
+
+
+def ws_url(url: str) -> str:
+    return url.replace("https://", "wss://", 1).replace("http://", "ws://", 1).rstrip("/") + PATHS["realtime"]
+
+
+class RealtimeSession:
+    """One WebSocket, one conversation: each turn is a response.create whose input is the turn's new
+    messages (the server keeps the conversation, so a turn prefills only what is new)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.ws: ClientConnection | None = None
+
+    async def open(self, rec: RequestRecord) -> bool:
+        """Connect and wait for session.created. False (and `rec` says why) when refused or failed."""
+        t0 = time.perf_counter()
+        try:
+            self.ws = await connect(ws_url(self.target.url), additional_headers=self.target.headers,
+                                    max_size=None, open_timeout=self.target.timeout_s)
+            event = json.loads(await self.ws.recv())
+            if event.get("type") == "error":
+                self._error(rec, event.get("error") or {})
+                return False
+            return True
+        except InvalidStatus as e:
+            rec.status = e.response.status_code
+            if rec.status == 429:
+                rec.outcome = "rejected"
+                rec.retry_after_s = retry_after(e.response.headers.get("retry-after"))
+            else:
+                rec.error = f"WebSocket refused: HTTP {rec.status}"
+            return False
+        except Exception as e:  # any failure to connect is this turn's error, not the run's
+            rec.error = f"{type(e).__name__}: {e}"
+            return False
+        finally:
+            rec.end_s = rec.start_s + time.perf_counter() - t0
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+
+    @staticmethod
+    def _error(rec: RequestRecord, err: dict[str, Any]) -> None:
+        if is_rate_limit(err):
+            rec.outcome, rec.status = "rejected", 429
+            ms = err.get("retry_after_ms")
+            rec.retry_after_s = ms / 1000.0 if ms is not None else None
+        else:
+            rec.outcome, rec.error = "error", json.dumps(err)[:300]
+
+    async def turn(self, messages: list[Message], max_tokens: int, rec: RequestRecord,
+                   cancel_after: int | None = None) -> RequestRecord:
+        assert self.ws is not None
+        rid = f"resp_{uuid.uuid4().hex[:16]}"
+        response = {"id": rid, "input": messages, "max_tokens": max_tokens, **eos(self.target),
+                    **self.target.extra_body}
+        t0 = time.perf_counter()
+        cancel_t: float | None = None
+        usage_tokens: int | None = None
+        parts: list[str] = []
+        try:
+            await self.ws.send(json.dumps({"type": "response.create", "response": response}))
+            rec.status = 101
+            async for raw in self.ws:
+                event = json.loads(raw)
+                kind = event.get("type")
+                if kind == "response.created":
+                    rid = (event.get("response") or {}).get("id", rid)
+                elif kind == "response.output_text.delta" and event.get("delta"):
+                    rec.token_times_s.append(time.perf_counter() - t0)
+                    parts.append(event["delta"])
+                    if cancel_after is not None and cancel_t is None and len(rec.token_times_s) >= cancel_after:
+                        cancel_t = time.perf_counter()
+                        await self.ws.send(json.dumps({"type": "response.cancel", "response_id": rid}))
+                elif kind == "response.done":
+                    resp = event.get("response") or {}
+                    usage = resp.get("usage") or {}
+                    rec.prompt_tokens = usage.get("input_tokens", usage.get("prompt_tokens"))
+                    usage_tokens = usage.get("output_tokens", usage.get("completion_tokens"))
+                    status = resp.get("status", "completed")
+                    if cancel_t is not None:
+                        rec.cancel_ms = (time.perf_counter() - cancel_t) * 1000.0
+                    if status == "completed":
+                        rec.outcome = "ok"
+                    elif status == "cancelled":
+                        rec.outcome = "cancelled"
+                    else:
+                        self._error(rec, resp.get("status_details") or resp.get("error") or {"status": status})
+                    break
+                elif kind == "error":
+                    self._error(rec, event.get("error") or {})
+                    break
+            else:
+                rec.error = "the server closed the WebSocket mid-response"
+        except Exception as e:  # a dropped socket is this turn's error, not the run's
+            rec.outcome, rec.error = "error", f"{type(e).__name__}: {e}"
+        rec.text = "".join(parts)
+        rec.output_tokens = usage_tokens if usage_tokens is not None else len(rec.token_times_s)
+        rec.end_s = rec.start_s + time.perf_counter() - t0
+        return rec

@@ -1,0 +1,126 @@
+"""Driving the load: sessions arrive open-loop at a rate (gamma/Poisson gaps), optionally capped at N in flight;
+with no rate, N in flight is a closed loop. Turns of a session run one after another, each after the last reply."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import httpx
+
+from loadtest.clients import RealtimeSession, Target, http_turn
+from loadtest.record import RequestRecord, finish
+from loadtest.workload import Message, Session, arrival_gaps, should_cancel
+
+
+@dataclass
+class Load:
+    rate: float | None = None  # sessions per second; None = as fast as the concurrency cap lets them in
+    burstiness: float = 1.0
+    concurrency: int | None = None  # sessions in flight at most
+    num_sessions: int | None = 100  # None: until `duration_s`
+    duration_s: float | None = None  # arrivals stop after this many seconds
+    cancel_after: int | None = None  # barge in after this many tokens...
+    cancel_share: float = 0.0  # ...on this share of turns
+    sla_tokens: int = 64
+    sla_ms: float = 100.0
+    seed: int = 0
+
+
+OnRecord = Callable[[RequestRecord], None]
+
+
+async def run_session(client: httpx.AsyncClient, target: Target, session: Session, load: Load, t0: float,
+                      on_record: OnRecord) -> list[RequestRecord]:
+    """All turns of one session; it stops at its first rejected or failed turn (as a caller would hang up)."""
+    records: list[RequestRecord] = []
+    conversation: list[Message] = []
+    rt = RealtimeSession(target) if target.endpoint == "realtime" else None
+    try:
+        for k, turn in enumerate(session.turns):
+            rec = RequestRecord(session=session.index, turn=k, start_s=time.perf_counter() - t0)
+            cancel = should_cancel(load.seed, session.index, k, load.cancel_share)
+            cancel_after = load.cancel_after if cancel and load.cancel_after is not None \
+                and load.cancel_after < turn.max_tokens else None
+            conversation += turn.messages
+            try:
+                async with asyncio.timeout(target.timeout_s):
+                    if rt is None:
+                        await http_turn(client, target, conversation, turn.max_tokens, rec, cancel_after)
+                    elif k > 0 or await rt.open(rec):
+                        rec.start_s = time.perf_counter() - t0  # TTFT counts from response.create, not connect
+                        await rt.turn(turn.messages, turn.max_tokens, rec, cancel_after)
+            except Exception as e:  # a timeout or a malformed reply fails this turn, not the run
+                rec.outcome, rec.error = "error", f"{type(e).__name__}: {e}"
+                rec.end_s = time.perf_counter() - t0
+            records.append(finish(rec, load.sla_tokens, load.sla_ms))
+            on_record(rec)
+            if rec.outcome not in ("ok", "cancelled"):
+                break
+            conversation.append({"role": "assistant", "content": rec.text})
+    finally:
+        if rt is not None:
+            await rt.close()
+    return records
+
+
+async def run_phase(client: httpx.AsyncClient, target: Target, sessions: Iterable[Session], load: Load,
+                    on_record: OnRecord = lambda r: None) -> list[RequestRecord]:
+    """Launch sessions as they arrive; wait for all; return every turn's record (start_s/end_s since t0)."""
+    t0 = time.perf_counter()
+    gaps = arrival_gaps(load.rate, load.burstiness, load.seed)
+    sem = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+    tasks: list[asyncio.Task[list[RequestRecord]]] = []
+    due = 0.0
+
+    async def one(session: Session) -> list[RequestRecord]:
+        try:
+            return await run_session(client, target, session, load, t0, on_record)
+        finally:
+            if sem is not None:
+                sem.release()
+
+    for session in sessions:
+        due += next(gaps)
+        if load.duration_s is not None and due >= load.duration_s:
+            break
+        await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
+        if sem is not None:
+            await sem.acquire()
+        if load.duration_s is not None and time.perf_counter() - t0 >= load.duration_s:
+            if sem is not None:
+                sem.release()
+            break
+        tasks.append(asyncio.create_task(one(session)))
+    results = await asyncio.gather(*tasks)
+    return [r for rs in results for r in rs]
+
+
+def take(sessions: Iterator[Session], n: int | None) -> Iterable[Session]:
+    return sessions if n is None else itertools.islice(sessions, n)
+
+
+async def watch_loop_lag(samples: list[float], period_s: float = 0.01) -> None:
+    """How late this event loop wakes a sleeper (ms). A client whose loop lags adds that lag to every latency
+    it measures: then the figures are the client's, not the server's."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period_s)
+        samples.append(max(0.0, (time.perf_counter() - t - period_s) * 1000.0))
+
+
+async def run_load(client: httpx.AsyncClient, target: Target, sessions: Iterator[Session], load: Load,
+                   warmup: int = 0, on_record: OnRecord = lambda r: None,
+                   loop_lag_ms: list[float] | None = None) -> list[RequestRecord]:
+    """Warm-up sessions first (same load, not measured, waited for), then the measured phase, during which
+    the client's own event-loop lag is sampled into `loop_lag_ms`."""
+    if warmup:
+        await run_phase(client, target, itertools.islice(sessions, warmup), load)
+    watcher = asyncio.create_task(watch_loop_lag(loop_lag_ms if loop_lag_ms is not None else []))
+    try:
+        return await run_phase(client, target, take(sessions, load.num_sessions), load, on_record)
+    finally:
+        watcher.cancel()

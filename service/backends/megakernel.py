@@ -1,0 +1,176 @@
+"""The megakernel backend: one persistent Triton launch per decode step (kernels/), behind the Decoder interface.
+
+Prefill stays in PyTorch (the ReferenceDecoder, compute-bound work that cuBLAS and SDPA do well), writing into
+the same KV cache the kernel reads. The weights are packed once into the layer-stacked layout the kernel reads;
+the reference decoder sees views of those same tensors, so nothing is stored twice.
+
+Decode pads the batch to the next bucket (1, 2, 4, 8, 16) with rows that write into a spare scratch slot, and
+on a GPU replays one CUDA graph per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+
+from service.backends.decoder import DecodeOutput
+from service.backends.reference import ReferenceDecoder
+from service.model.config import ModelConfig
+from service.model.weights import LayerWeights, ModelWeights
+
+
+def megakernel_available() -> bool:
+    """True where the megakernel can run: a CUDA device and an importable Triton. Cheap: compiles nothing."""
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def pack_weights(config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype):  # noqa: ANN201
+    """The kernel's layer-stacked tensors, and a ModelWeights made of views into them (for the prefill)."""
+    from kernels.megakernel import PackedWeights
+
+    c = config
+    q, kv = c.q_size, c.kv_size
+
+    def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([t.to(device, dtype) for t in ts]).contiguous()
+
+    layers = weights.layers
+    packed = PackedWeights(
+        embed=weights.embed.to(device, dtype).contiguous(),
+        wqkv=stack([torch.cat([lw.wq, lw.wk, lw.wv]) for lw in layers]),
+        bqkv=stack([torch.cat([lw.bq, lw.bk, lw.bv]) for lw in layers]) if c.qkv_bias else None,
+        wo=stack([lw.wo for lw in layers]),
+        w_gate=stack([lw.w_gate for lw in layers]),
+        w_up=stack([lw.w_up for lw in layers]),
+        w_down=stack([lw.w_down for lw in layers]),
+        attn_norm=stack([lw.attn_norm for lw in layers]),
+        mlp_norm=stack([lw.mlp_norm for lw in layers]),
+        final_norm=weights.final_norm.to(device, dtype).contiguous(),
+        lm_head=None,  # type: ignore[arg-type]
+    )
+    tied = weights.lm_head is weights.embed
+    packed.lm_head = packed.embed if tied else weights.lm_head.to(device, dtype).contiguous()
+    views = ModelWeights(
+        embed=packed.embed,
+        layers=[
+            LayerWeights(
+                attn_norm=packed.attn_norm[i], wq=packed.wqkv[i, :q], wk=packed.wqkv[i, q:q + kv],
+                wv=packed.wqkv[i, q + kv:], wo=packed.wo[i], mlp_norm=packed.mlp_norm[i], w_gate=packed.w_gate[i],
+                w_up=packed.w_up[i], w_down=packed.w_down[i],
+                bq=packed.bqkv[i, :q] if c.qkv_bias else None,
+                bk=packed.bqkv[i, q:q + kv] if c.qkv_bias else None,
+                bv=packed.bqkv[i, q + kv:] if c.qkv_bias else None,
+            )
+            for i in range(c.num_layers)
+        ],
+        final_norm=packed.final_norm,
+        lm_head=packed.lm_head,
+    )
+    return packed, views
+
+
+class MegakernelDecoder:
+    name = "megakernel"
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
+                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 num_programs: int | None = None, kernel_config: object | None = None,
+                 use_cuda_graphs: bool | None = None) -> None:
+        from kernels.instructions import ModelDims
+        from kernels.megakernel import Megakernel
+
+        self.config = config
+        self.max_slots = max_slots
+        self.max_context = max_context
+        self.device = torch.device(device)
+        self.dtype = dtype
+        packed, views = pack_weights(config, weights, self.device, dtype)
+        # one slot more than asked: the scratch slot that padding rows write into
+        self.reference = ReferenceDecoder(config, views, max_slots + 1, max_context, self.device, dtype)
+        self.scratch_slot = max_slots
+        dims = ModelDims(
+            hidden=config.hidden_size, num_layers=config.num_layers, num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
+            vocab=config.vocab_size, rms_eps=config.rms_norm_eps, qkv_bias=config.qkv_bias,
+        )
+        cache = self.reference.cache
+        self.kernel = Megakernel(dims, packed, cache.k, cache.v, self.reference.cos, self.reference.sin,
+                                 max_batch=max(Megakernel.BUCKETS), num_programs=num_programs,
+                                 config=kernel_config)  # type: ignore[arg-type]
+        self.buckets = Megakernel.BUCKETS
+        self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # one host buffer for the three int32 input rows, copied to the device in one transfer
+        n = self.kernel.bpad
+        self._host = torch.zeros(3, n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._inputs = torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions])
+        self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs.unbind(0)
+
+    # -- the Decoder interface ------------------------------------------------------------------------
+    def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
+        return self.reference.prefill(slot, token_ids, start_pos)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+        n = len(slots)
+        if not (n == len(token_ids) == len(positions)) or n == 0:
+            raise ValueError("decode needs one slot, token and position per sequence")
+        if max(positions) >= self.max_context or min(positions) < 0:
+            raise ValueError(f"a position is outside the context of {self.max_context}")
+        top = self.buckets[-1]
+        if n > top:  # more sequences than the largest bucket: run it in pieces
+            parts = [self.decode(slots[i:i + top], token_ids[i:i + top], positions[i:i + top])
+                     for i in range(0, n, top)]
+            return DecodeOutput(torch.cat([p.logits for p in parts]), torch.cat([p.argmax for p in parts]))
+        b = self.bucket(n)
+        pad = b - n
+        self._host[0, :b] = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.int32)
+        self._host[1, :b] = torch.tensor(list(slots) + [self.scratch_slot] * pad, dtype=torch.int32)
+        self._host[2, :b] = torch.tensor(list(positions) + [0] * pad, dtype=torch.int32)
+        self._inputs.copy_(self._host, non_blocking=True)
+        self.run_step(b)
+        return DecodeOutput(self.kernel.logits[:n].clone(), self.kernel.argmax[:n].clone())
+
+    def run_step(self, bucket: int) -> None:
+        """Run (or replay) the step of a bucket on whatever the input buffers hold."""
+        if not self.use_graphs:
+            self.kernel.step(bucket)
+            return
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            graph = self.capture(bucket)
+        graph.replay()
+
+    def capture(self, bucket: int) -> torch.cuda.CUDAGraph:
+        # compile and warm up outside the graph (this also writes K/V rows, at the positions the inputs hold:
+        # those of the step about to run, which it then rewrites identically)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.kernel.step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.kernel.step(bucket)
+        except RuntimeError:
+            if not self.kernel.cfg.cooperative:
+                raise
+            # a driver that cannot capture a cooperative launch: one program per SM is resident anyway
+            self.kernel.cfg = dataclasses.replace(self.kernel.cfg, cooperative=False)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.kernel.step(bucket)
+        self._graphs[bucket] = graph
+        self.check_errors()
+        return graph
+
+    def check_errors(self) -> None:
+        if int(self.kernel.err.item()) != 0:
+            raise RuntimeError("megakernel: a dependency wait timed out (schedule or residency bug)")

@@ -1,0 +1,310 @@
+"""Engine: one scheduler thread that prefills new requests, runs one decode step for every running request, samples,
+streams text deltas and frees slots. Its interface (submit, cancel, sessions, drain) is all the API layer sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from service.backends.decoder import Decoder
+from service.engine.kv_slots import Session
+from service.engine.output import TextOutput
+from service.engine.request import Delta, Request, SamplingParams, State
+from service.engine.sampling import sample, sample_one
+from service.engine.scheduler import Scheduler
+from service.metrics import Metrics
+from service.model.tokenizer import Tokenizer
+
+log = logging.getLogger("parley.engine")
+
+
+class Rejected(Exception):
+    """Not admitted: answer at once, without spending a prefill."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float = 1.0, status: int = 429) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.retry_after_s, self.status = reason, message, retry_after_s, status
+
+
+class Admission:
+    """Admit everything, each with the SLA deadline (the admission controller refines this)."""
+
+    def __init__(self, sla_s: float) -> None:
+        self.sla_s = sla_s
+
+    def check(self, req: Request, engine: Engine) -> None:
+        req.deadline = req.arrival + self.sla_s
+
+    def observe_step(self, batch: int, seconds: float) -> None: ...
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    free_slots: int
+    total_slots: int
+
+
+class Engine:
+    def __init__(self, decoder: Decoder, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = (),
+                 metrics: Metrics | None = None, admission: Admission | None = None, sla_ms: float = 100.0,
+                 sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids)
+        self.metrics = metrics or Metrics(sla_tokens)
+        self.admission = admission or Admission(sla_ms / 1e3)
+        self.sla_s, self.sla_tokens = sla_ms / 1e3, sla_tokens
+        self.max_waiting = max_waiting
+        self.wedge_timeout_s = wedge_timeout_s
+        self.scheduler = Scheduler(decoder.max_slots)
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards the counts the API reads
+        self._stopping = False
+        self.accepting = True
+        self._thread: threading.Thread | None = None
+        self._busy_since: float | None = None
+        self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
+        self.metrics.kv_slots_total.set(decoder.max_slots)
+        self.metrics.sla_seconds.set(self.sla_s)
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="parley-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop admitting; wait until every admitted request has finished. True if it did in time."""
+        self.accepting = False
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            s = self.stats
+            if s.running == 0 and s.waiting == 0 and self._inbox.empty():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def healthy(self) -> bool:
+        """False once the engine thread died or a step has hung for longer than wedge_timeout_s."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        busy = self._busy_since
+        return busy is None or time.monotonic() - busy < self.wedge_timeout_s
+
+    # -- the API's side (any thread) ----------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Delta], None],
+               session: Session | None = None, arrival: float | None = None) -> Request:
+        """Validate, admit (or raise Rejected) and enqueue. ValueError for input the model cannot take."""
+        if not self.accepting:
+            raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
+        ctx = self.decoder.max_context
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > ctx:
+            raise ValueError(f"this model's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
+                             f"max_tokens asks for {params.max_tokens} more")
+        vocab = self.decoder.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"token ids must lie in [0, {vocab})")
+        req = Request(prompt_ids=list(prompt_ids), params=params, sink=sink, session=session,
+                      output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
+        if arrival is not None:
+            req.arrival = arrival
+        with self._lock:
+            if self.stats.waiting >= self.max_waiting:
+                self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
+            try:
+                self.admission.check(req, self)
+            except Rejected as r:
+                self._reject(req, r)
+            self.stats.waiting += 1
+            self.metrics.waiting.set(self.stats.waiting)
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self._inbox.put(req)
+        self._wake.set()
+        return req
+
+    def _reject(self, req: Request, r: Rejected) -> None:
+        self.metrics.requests.labels(outcome="rejected", reason=r.reason).inc()
+        raise r
+
+    def cancel(self, req: Request) -> None:
+        """Free the request's slot before the next step (barge-in, a dropped stream)."""
+        if req.state is not State.FINISHED:
+            req.cancelled = True
+            self._wake.set()
+
+    def new_session(self) -> Session:
+        return Session()
+
+    def close_session(self, session: Session) -> None:
+        self._inbox.put(session)  # type: ignore[arg-type]  # handled on the engine thread
+        self._wake.set()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Delta]:
+        """Blocking convenience for scripts and tests: the deltas of one request."""
+        q: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self.submit(prompt_ids, params, q.put)
+        while True:
+            d = q.get()
+            yield d
+            if d.finish_reason is not None:
+                return
+
+    # -- the engine thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._iteration()
+            except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
+                log.exception("engine iteration failed")
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(req, "error", error="internal engine error")
+                self.scheduler.waiting.clear()
+
+    def _iteration(self) -> None:
+        sched = self.scheduler
+        self._take_inbox()
+        for req in sched.take_cancelled():
+            self._finish(req, "cancelled")
+        while (req := sched.next_to_prefill()) is not None:
+            self._prefill(req)
+        self._update_gauges()
+        if sched.running:
+            self._decode_step()
+        else:
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Session):
+                self.scheduler.slots.close_session(item)
+            else:
+                self.scheduler.add(item)
+
+    def _prefill(self, req: Request) -> None:
+        req.prefill_start = time.perf_counter()
+        self.metrics.queue_time.observe(req.prefill_start - req.arrival)
+        start = req.cached_tokens
+        self._busy_since = time.monotonic()
+        try:
+            logits = self.decoder.prefill(req.slot, req.prompt_ids[start:], start)
+            token = sample_one(logits, req)
+        except Exception as e:  # a fault fails this request only; the engine goes on
+            log.exception("prefill failed for %s", req.id)
+            self._finish(req, "error", error=f"prefill failed: {e}")
+            return
+        finally:
+            self._busy_since = None
+        req.prefill_end = time.perf_counter()
+        n = len(req.prompt_ids) - start
+        self.metrics.prefill_time.observe(req.prefill_end - req.prefill_start)
+        self.metrics.prefilled_tokens.inc(n)
+        self.admission.observe_prefill(n, req.prefill_end - req.prefill_start)
+        req.kv_len = len(req.prompt_ids)
+        self.scheduler.start(req)
+        self._emit(req, token)
+
+    def _decode_step(self) -> None:
+        batch = list(self.scheduler.running)
+        t0 = time.perf_counter()
+        self._busy_since = time.monotonic()
+        try:
+            out = self.decoder.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch],
+                                      [r.kv_len for r in batch])
+            tokens = sample(out.logits, out.argmax, batch)
+        except Exception as e:  # fail the requests of this step, keep serving the rest
+            log.exception("decode step failed")
+            for req in batch:
+                self._finish(req, "error", error=f"decode step failed: {e}")
+            return
+        finally:
+            self._busy_since = None
+        dt = time.perf_counter() - t0
+        self.metrics.decode_step.labels(batch_size=str(len(batch))).observe(dt)
+        self.admission.observe_step(len(batch), dt)
+        for req, token in zip(batch, tokens):
+            req.kv_len += 1
+            self._emit(req, token)
+
+    def _emit(self, req: Request, token: int) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        req.output_ids.append(token)
+        n = len(req.output_ids)
+        m.generation_tokens.inc()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            m.time_to_first_token.observe(now - req.arrival)
+        else:
+            m.inter_token_latency.observe(now - req.last_token_at)
+        req.last_token_at = now
+        if n == req.sla_token_index:
+            req.nth_token_at = now
+            m.time_to_nth_token.observe(now - req.arrival)
+            self._check_sla(req, now)
+
+        reason = None
+        if token in self.eos and not req.params.ignore_eos:
+            text, reason = "", "stop"
+        else:
+            text = req.output.add(token)
+            if req.output.stopped:
+                reason = "stop"
+            elif n >= req.params.max_tokens or req.kv_len + 1 >= self.decoder.max_context:
+                reason = "length"
+        if reason is None:
+            req.sink(Delta(text, [token]))
+            return
+        if req.nth_token_at is None:  # ended before the SLA token: the SLA was about its last one
+            self._check_sla(req, now)
+        self._finish(req, reason, text=text, token=token)
+
+    def _check_sla(self, req: Request, now: float) -> None:
+        if req.deadline is not None:
+            self.metrics.sla_checked.inc()
+            if now > req.deadline:
+                self.metrics.sla_violations.inc()
+
+    def _finish(self, req: Request, reason: str, text: str = "", token: int | None = None,
+                error: str | None = None) -> None:
+        if req.state is not State.FINISHED:
+            self.scheduler.finish(req)
+        if reason in ("stop", "length"):
+            text += req.output.finish()
+        now = time.perf_counter()
+        outcome = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}.get(reason, "failed")
+        self.metrics.requests.labels(outcome=outcome, reason="" if outcome != "failed" else "engine_error").inc()
+        self.metrics.e2e_latency.observe(now - req.arrival)
+        req.sink(Delta(text, [] if token is None else [token], finish_reason=reason, error=error,
+                       usage=req.usage(), timings=req.timings(now)))
+
+    def _update_gauges(self) -> None:
+        sched, s = self.scheduler, self.stats
+        with self._lock:
+            s.running = len(sched.running)
+            s.waiting = len(sched.waiting) + self._inbox.qsize()
+            s.free_slots = sched.slots.num_free
+        self.metrics.running.set(s.running)
+        self.metrics.waiting.set(s.waiting)
+        self.metrics.kv_slots_free.set(s.free_slots)

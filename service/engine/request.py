@@ -1,0 +1,114 @@
+"""A request's life in the engine: its parameters, its state, and what it streams back (Delta)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from service.engine.output import TextOutput
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the session's cache (not prefilled)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Timings:
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    ttft_ms: float | None = None
+    ttfn_ms: float | None = None  # time to the SLA's token (the 64th by default)
+    e2e_ms: float | None = None
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request. The last one has `finish_reason` and `usage`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Delta], None]  # called on the engine thread; must not block
+    output: TextOutput
+    session: object | None = None  # a kv_slots.Session
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # when the SLA token must be out (set by admission)
+    sla_tokens: int = 64
+    state: State = State.WAITING
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    kv_len: int = 0  # positions of this request's slot holding valid K/V
+    cancelled: bool = False
+    generator: torch.Generator | None = None
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    first_token_at: float | None = None
+    nth_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def sla_token_index(self) -> int:
+        """The token the SLA speaks of: the Nth, or the last one for shorter requests."""
+        return min(self.sla_tokens, self.params.max_tokens)
+
+    def timings(self, now: float) -> Timings:
+        def ms(t: float | None, since: float | None = None) -> float | None:
+            return None if t is None else round((t - (self.arrival if since is None else since)) * 1e3, 3)
+
+        return Timings(
+            queue_ms=ms(self.prefill_start),
+            prefill_ms=ms(self.prefill_end, self.prefill_start) if self.prefill_start else None,
+            ttft_ms=ms(self.first_token_at),
+            ttfn_ms=ms(self.nth_token_at),
+            e2e_ms=ms(now),
+        )
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)

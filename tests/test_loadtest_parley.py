@@ -1,0 +1,96 @@
+"""parley-loadtest against the REAL Parley server on loopback (the embedded default model, on the CPU):
+every request completes with the right token count over completions, chat and realtime, and the report's
+figures agree with its records."""
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from loadtest_checks import check_consistent  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def parley(tmp_path_factory):
+    if importlib.util.find_spec("service.cli") is None:
+        pytest.skip("service.cli (the Parley server) is not there yet")
+    port = free_port()
+    log = tmp_path_factory.mktemp("parley") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--max-batch", "4"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"parley exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"parley not healthy within 120 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(tmp_path, url: str, *args: str) -> dict:
+    out = tmp_path / "parley.json"
+    assert main(["--url", url, "--quiet", "--warmup", "1", "--json", str(out), "--input-len", "16",
+                 "--output-len", "8", "--timeout", "60", *args]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "realtime"])
+def test_short_load(tmp_path, parley, endpoint):
+    doc = run(tmp_path, parley, "--endpoint", endpoint, "--num-requests", "6", "--concurrency", "2")
+    [r] = doc["runs"]
+    s, recs = r["summary"], r["requests"]
+    listed = httpx.get(f"{parley}/v1/models").json()["data"][0]["id"]
+    assert doc["config"]["model"] == listed
+    assert len(recs) == 6 and s["ok"] == 6 and s["rejected"] == s["errors"] == 0, [x["error"] for x in recs]
+    for x in recs:
+        assert x["outcome"] == "ok" and x["output_tokens"] == 8
+        assert 1 <= len(x["token_times_s"]) <= 8 and x["ttft_ms"] > 0 and x["ttfn_ms"] >= x["ttft_ms"]
+        if endpoint != "realtime":
+            assert x["prompt_tokens"] >= 16
+    assert s["output_tokens"] == 48 and s["mean_output_tokens"] == 8
+    check_consistent(doc)
+
+
+def test_realtime_session_and_barge_in(tmp_path, parley):
+    doc = run(tmp_path, parley, "--endpoint", "realtime", "--turns", "3", "--num-requests", "2", "--concurrency", "2")
+    recs = doc["runs"][0]["requests"]
+    assert [x["outcome"] for x in recs] == ["ok"] * 6 and all(x["output_tokens"] == 8 for x in recs)
+    doc = run(tmp_path, parley, "--endpoint", "realtime", "--num-requests", "2", "--output-len", "64",
+              "--cancel-after-tokens", "2")
+    for x in doc["runs"][0]["requests"]:
+        assert x["outcome"] == "cancelled" and 2 <= x["output_tokens"] < 64 and x["cancel_ms"] is not None
+    check_consistent(doc)
