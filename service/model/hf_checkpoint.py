@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json): Llama-3.x, SmolLM2, Qwen2.5."""
+"""Load a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json): Llama-3.x, SmolLM2, Qwen2."""
 
 from __future__ import annotations
 

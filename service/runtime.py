@@ -1,0 +1,57 @@
+"""build_engine: from a ServeConfig to a loaded, warm, calibrated engine. What `parley serve` runs at start-up."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from service.backends import make_decoder, resolve_backend
+from service.backends.faults import FaultInjectingDecoder
+from service.config import ServeConfig
+from service.engine.engine import Admission, Engine
+from service.engine.request import SamplingParams
+from service.metrics import Metrics
+from service.model.loader import Model, load_model
+
+log = logging.getLogger("parley")
+
+
+@dataclass
+class Runtime:
+    config: ServeConfig
+    model: Model
+    engine: Engine
+    backend: str
+    device: str
+    model_id: str
+
+
+def build_engine(cfg: ServeConfig) -> Runtime:
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = resolve_backend(cfg.backend)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    t0 = time.perf_counter()
+    model = load_model(cfg.model, device=device, dtype=dtype)
+    log.info("loaded %s (%s) in %.1f s", cfg.model, model.config.name, time.perf_counter() - t0)
+    max_context = min(cfg.max_context, model.config.max_position_embeddings)
+    decoder = make_decoder(backend, model.config, model.weights, cfg.max_batch, max_context, device)
+    if cfg.step_delay_ms or cfg.fail_step:
+        decoder = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step)
+    metrics = Metrics(cfg.sla_tokens)
+    metrics.info.labels(model=cfg.model, backend=backend, device=device).set(1)
+    metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
+    engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
+                    admission=Admission(cfg.sla_ms / 1e3), sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
+                    max_waiting=cfg.max_waiting)
+    engine.start()
+    warm_up(engine)
+    return Runtime(cfg, model, engine, backend, device, model_id=cfg.model)
+
+
+def warm_up(engine: Engine) -> None:
+    """One short request through the whole path, so the first user pays no compilation or allocation."""
+    for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
+        pass
