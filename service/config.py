@@ -23,7 +23,6 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     step_delay_ms: float = 0.0  # testing: slow every decode step down on purpose
     fail_step: int = 0  # testing: the decode step number (1-based) that raises, once; 0 = never
-    calibrate: bool = True  # measure the latency model at start-up
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServeConfig:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from service.admission import AdmissionController
 from service.backends import make_decoder, resolve_backend
 from service.backends.faults import FaultInjectingDecoder
 from service.config import ServeConfig
-from service.engine.engine import Admission, Engine
+from service.engine.engine import Engine
 from service.engine.request import SamplingParams
+from service.latency_model import LatencyModel, calibrate
 from service.metrics import Metrics
 from service.model.loader import Model, load_model
 
@@ -27,6 +29,8 @@ class Runtime:
     backend: str
     device: str
     model_id: str
+    latency: LatencyModel
+    admission: AdmissionController
 
 
 def build_engine(cfg: ServeConfig) -> Runtime:
@@ -40,15 +44,20 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     decoder = make_decoder(backend, model.config, model.weights, cfg.max_batch, max_context, device)
     if cfg.step_delay_ms or cfg.fail_step:
         decoder = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step)
+    t0 = time.perf_counter()
+    latency = calibrate(decoder)
+    log.info("latency model measured in %.1f s: %s", time.perf_counter() - t0, latency.snapshot())
+    admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, decoder.max_slots,
+                                    strict=cfg.strict_sla)
     metrics = Metrics(cfg.sla_tokens)
     metrics.info.labels(model=cfg.model, backend=backend, device=device).set(1)
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
-                    admission=Admission(cfg.sla_ms / 1e3), sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
+                    admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
                     max_waiting=cfg.max_waiting)
     engine.start()
     warm_up(engine)
-    return Runtime(cfg, model, engine, backend, device, model_id=cfg.model)
+    return Runtime(cfg, model, engine, backend, device, model_id=cfg.model, latency=latency, admission=admission)
 
 
 def warm_up(engine: Engine) -> None:

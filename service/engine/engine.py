@@ -40,6 +40,11 @@ class Admission:
     def check(self, req: Request, engine: Engine) -> None:
         req.deadline = req.arrival + self.sla_s
 
+    def release(self, req: Request) -> None: ...
+
+    def headroom(self, now: float) -> float:
+        return self.sla_s
+
     def observe_step(self, batch: int, seconds: float) -> None: ...
 
     def observe_prefill(self, tokens: int, seconds: float) -> None: ...
@@ -240,12 +245,13 @@ class Engine:
             return
         finally:
             self._busy_since = None
-        dt = time.perf_counter() - t0
-        self.metrics.decode_step.labels(batch_size=str(len(batch))).observe(dt)
-        self.admission.observe_step(len(batch), dt)
         for req, token in zip(batch, tokens):
             req.kv_len += 1
             self._emit(req, token)
+        # The whole step as a client sees it: kernel, sampling, detokenizing, streaming.
+        dt = time.perf_counter() - t0
+        self.metrics.decode_step.labels(batch_size=str(len(batch))).observe(dt)
+        self.admission.observe_step(len(batch), dt)
 
     def _emit(self, req: Request, token: int) -> None:
         now = time.perf_counter()
@@ -296,6 +302,8 @@ class Engine:
         outcome = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}.get(reason, "failed")
         self.metrics.requests.labels(outcome=outcome, reason="" if outcome != "failed" else "engine_error").inc()
         self.metrics.e2e_latency.observe(now - req.arrival)
+        self.admission.release(req)
+        self.metrics.sla_headroom.set(self.admission.headroom(now))
         req.sink(Delta(text, [] if token is None else [token], finish_reason=reason, error=error,
                        usage=req.usage(), timings=req.timings(now)))
 

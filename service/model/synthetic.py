@@ -28,6 +28,12 @@ SHAPES: dict[str, ModelConfig] = {
         num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,
         rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
     ),
+    # Not a real checkpoint: a few-MB model for tests of the serving path on a CPU.
+    "tiny": ModelConfig(
+        name="synthetic:tiny", architecture="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, tie_word_embeddings=True,
+    ),
 }
 
 

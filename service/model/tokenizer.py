@@ -6,9 +6,11 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
@@ -49,8 +51,12 @@ class Tokenizer:
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.token_bytes = self._token_bytes()
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The environment transformers renders chat templates in: {% break %}/{% continue %}, a `tojson` that
+        # neither escapes HTML nor sorts keys, and `strftime_now` (Llama-3.x templates print today's date).
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(self.chat_template)
 
     @classmethod
@@ -104,6 +110,15 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 class IncrementalDetokenizer:

@@ -1,0 +1,126 @@
+"""LatencyModel: how long a decode step takes at each batch size, and a prefill at each prompt length.
+
+Measured at start-up on the running backend (a calibration sweep), then corrected online from the steps the
+engine really takes (an exponentially weighted average per batch size and per prompt-length bucket), so that
+admission predicts with what the server does now, not what it did at boot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+from service.backends.decoder import Decoder
+
+EWMA = 0.1  # weight of one new observation
+
+
+class LatencyModel:
+    def __init__(self, step_s: dict[int, float], prefill_s: dict[int, float], max_batch: int) -> None:
+        self.max_batch = max_batch
+        self._step = dict(sorted(step_s.items()))  # batch → seconds per step (a whole engine iteration)
+        self._prefill = dict(sorted(prefill_s.items()))  # prompt tokens → seconds
+        self._lock = threading.Lock()
+        self.observed_steps = 0
+        self.observed_prefills = 0
+
+    # -- predictions ----------------------------------------------------------------------------------
+    def step(self, batch: int) -> float:
+        """Seconds per decode step with `batch` running requests."""
+        with self._lock:
+            return _interpolate(self._step, max(1, min(batch, self.max_batch)))
+
+    def prefill(self, tokens: int) -> float:
+        with self._lock:
+            return _interpolate(self._prefill, max(1, tokens))
+
+    # -- online correction --------------------------------------------------------------------------
+    def observe_step(self, batch: int, seconds: float) -> None:
+        with self._lock:
+            self.observed_steps += 1
+            prior = _interpolate(self._step, batch)
+            self._step[batch] = (1 - EWMA) * prior + EWMA * seconds
+            self._step = dict(sorted(self._step.items()))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Scale the nearest measured bucket by how far off this prefill was."""
+        with self._lock:
+            self.observed_prefills += 1
+            keys = list(self._prefill)
+            nearest = min(keys, key=lambda k: abs(k - tokens))
+            predicted = _interpolate(self._prefill, tokens)
+            if predicted > 0:
+                ratio = seconds / predicted
+                self._prefill[nearest] *= (1 - EWMA) + EWMA * ratio
+
+    def snapshot(self) -> dict[str, Any]:
+        """What operators read at GET /v1/latency_model."""
+        with self._lock:
+            return {
+                "decode_step_ms": {str(b): round(s * 1e3, 4) for b, s in self._step.items()},
+                "prefill_ms": {str(n): round(s * 1e3, 4) for n, s in self._prefill.items()},
+                "observed_steps": self.observed_steps,
+                "observed_prefills": self.observed_prefills,
+            }
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    """Piecewise-linear through the measured points; linear extrapolation past the last two."""
+    xs = list(table)
+    if x in table:
+        return table[x]
+    if len(xs) == 1:
+        return table[xs[0]] * (x / xs[0] if xs[0] else 1.0)
+    i = bisect.bisect_left(xs, x)
+    lo, hi = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1]) if i >= len(xs) else (xs[i - 1], xs[i])
+    y = table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    return max(y, 0.0)
+
+
+def calibrate(decoder: Decoder, reps: int = 2) -> LatencyModel:
+    """Time decode steps at batch sizes 1, 2, 4, … max_slots and prefills at a few lengths, on the real decoder.
+    Run before serving: it writes into KV slots that no request holds yet."""
+    rng = random.Random(0)
+    vocab = decoder.config.vocab_size
+    slots = decoder.max_slots
+    ctx = decoder.max_context
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    prefill_s: dict[int, float] = {}
+    decoder.prefill(0, tokens(16))  # warm-up: first calls allocate and compile
+    for n in sorted({16, 128, min(1024, ctx // 2)} & set(range(1, ctx // 2 + 1))):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            decoder.prefill(0, tokens(n))
+            _sync(decoder)
+            times.append(time.perf_counter() - t0)
+        prefill_s[n] = statistics.median(times)
+
+    batches = sorted({1, 2, 4, 8, 16, slots} & set(range(1, slots + 1)))
+    pos = min(64, ctx - reps - 2)
+    for s in range(slots):
+        decoder.prefill(s, tokens(pos))
+    step_s: dict[int, float] = {}
+    for b in batches:
+        times = []
+        for r in range(2 * reps + 1):
+            t0 = time.perf_counter()
+            out = decoder.decode(list(range(b)), tokens(b), [pos + r] * b)
+            out.argmax.tolist()  # the engine reads the tokens back every step, so must we
+            times.append(time.perf_counter() - t0)
+        step_s[b] = statistics.median(times[1:])
+    return LatencyModel(step_s, prefill_s, slots)
+
+
+def _sync(decoder: Decoder) -> None:
+    if decoder.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(decoder.device)
