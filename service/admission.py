@@ -12,6 +12,7 @@ by the slower steps of a bigger batch: t_i = now + prefills + k_i × step(b), wh
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -58,27 +59,34 @@ class AdmissionController:
         engine.metrics.sla_headroom.set(self.headroom(now))
 
     def _decide(self, req: Request, active: list[Request], now: float) -> None:
+        """Play the engine's next moves forward: slots free as running requests end, waiting ones (FIFO, the
+        newcomer last) take them and are prefilled one after another, every step serves the whole batch."""
         lat, stretch = self.latency, 1 + self.margin
-        waiting = [r for r in active if r.state is State.WAITING]
         running = [r for r in active if r.state is State.RUNNING]
-        batch = min(len(active) + 1, self.num_slots)
-        step = lat.step(batch)
-        prefills = sum(lat.prefill(_to_prefill(r)) for r in waiting) + lat.prefill(_to_prefill(req))
-        slot_wait = 0.0
-        if len(active) >= self.num_slots:  # it waits for the first running request to finish
-            slot_wait = min((_remaining(r) * lat.step(len(running)) for r in running), default=0.0)
-        own_tokens = min(self.sla_tokens, req.params.max_tokens)
-        t_own = now + (slot_wait + prefills + (own_tokens - 1) * step) * stretch
-        if t_own > req.deadline:
-            raise Rejected("sla_unmeetable" if not active else "overloaded",
-                           f"the server cannot deliver {own_tokens} tokens within {self.sla_s * 1e3:.0f} ms now "
-                           f"(predicted {(t_own - now) * 1e3:.0f} ms)", self.retry_after_s(active, now))
-        for r in active:
+        waiting = [r for r in active if r.state is State.WAITING] + [req]
+        step = lat.step(min(len(active) + 1, self.num_slots)) * stretch
+        free_at = [now + _remaining(r) * step for r in running] + [now] * (self.num_slots - len(running))
+        heapq.heapify(free_at)
+        prefill_done = now
+        prefills_now = 0.0  # prefills that run before the running requests' next steps
+        for r in waiting:
+            start = heapq.heappop(free_at)
+            prefill_done = max(prefill_done, start) + lat.prefill(_to_prefill(r)) * stretch
+            if start <= now:
+                prefills_now = prefill_done - now
+            t_nth = prefill_done + (_sla_index(r, self.sla_tokens) - 1) * step
+            if r.deadline is not None and t_nth > r.deadline:
+                own = r is req
+                raise Rejected(
+                    ("sla_unmeetable" if len(active) == 0 else "overloaded") if own else "overloaded",
+                    f"the server cannot deliver {_sla_index(req, self.sla_tokens)} tokens within "
+                    f"{self.sla_s * 1e3:.0f} ms now" + (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if own else
+                                                         ": admitting it would make a queued request late"),
+                    self.retry_after_s(active, now))
+            heapq.heappush(free_at, prefill_done + (r.params.max_tokens - 1) * step)
+        for r in running:
             left = _left_to_nth(r, self.sla_tokens)
-            if left == 0 or r.deadline is None:
-                continue
-            # A running request waits for every prefill ahead of its next step; a waiting one, at worst, too.
-            if now + (prefills + left * step) * stretch > r.deadline:
+            if left and r.deadline is not None and now + prefills_now + left * step > r.deadline:
                 raise Rejected("overloaded", "admitting this request would make a running one miss its SLA",
                                self.retry_after_s(active, now))
 
@@ -117,8 +125,12 @@ def _remaining(r: Request) -> int:
     return max(0, r.params.max_tokens - len(r.output_ids))
 
 
+def _sla_index(r: Request, sla_tokens: int) -> int:
+    return min(sla_tokens, r.params.max_tokens)
+
+
 def _left_to_nth(r: Request, sla_tokens: int) -> int:
-    return max(0, min(sla_tokens, r.params.max_tokens) - len(r.output_ids))
+    return max(0, _sla_index(r, sla_tokens) - len(r.output_ids))
 
 
 def retry_after_header(seconds: float) -> str:

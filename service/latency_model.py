@@ -30,9 +30,11 @@ class LatencyModel:
 
     # -- predictions ----------------------------------------------------------------------------------
     def step(self, batch: int) -> float:
-        """Seconds per decode step with `batch` running requests."""
+        """Seconds per decode step with `batch` running requests; a bigger batch is never predicted faster."""
+        b = max(1, min(batch, self.max_batch))
         with self._lock:
-            return _interpolate(self._step, max(1, min(batch, self.max_batch)))
+            floor = max((s for k, s in self._step.items() if k <= b), default=0.0)
+            return max(_interpolate(self._step, b), floor)
 
     def prefill(self, tokens: int) -> float:
         with self._lock:
@@ -104,7 +106,7 @@ def calibrate(decoder: Decoder, reps: int = 2) -> LatencyModel:
         prefill_s[n] = statistics.median(times)
 
     batches = sorted({1, 2, 4, 8, 16, slots} & set(range(1, slots + 1)))
-    pos = min(64, ctx - reps - 2)
+    pos = min(64, ctx - 2 * reps - 3)
     for s in range(slots):
         decoder.prefill(s, tokens(pos))
     step_s: dict[int, float] = {}

@@ -1,0 +1,137 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with a fitting HTTP status.
+
+Every error the HTTP API answers goes through here: our own (APIError), FastAPI's validation errors (400 with
+`param` = the field), Starlette's HTTP errors (unknown routes, wrong methods, oversize bodies) and the engine's
+refusals (Rejected: 429 with Retry-After and `x-should-retry: false`, or 503 while draining).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.engine.engine import Rejected
+
+log = logging.getLogger("parley.api")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "overloaded",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to answer with OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def retry_after_header(seconds: float) -> str:
+    """Retry-After in whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
+def from_rejected(r: Rejected) -> APIError:
+    """The engine's refusal: 429 `overloaded` (the OpenAI SDK must not retry it silently), or 503 while draining."""
+    headers = {"Retry-After": retry_after_header(r.retry_after_s)}
+    if r.status == 429:
+        headers["x-should-retry"] = "false"
+        return APIError(429, r.message, code=r.reason, type="overloaded", headers=headers)
+    return APIError(r.status, r.message, code=r.reason, headers=headers)
+
+
+def from_validation(exc: RequestValidationError) -> APIError:
+    """FastAPI's RequestValidationError → 400 invalid_request_error, `param` = the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                        code="invalid_json")
+    if not loc and kind in ("missing", "model_attributes_type", "dict_type"):
+        return APIError(400, "the body must be a JSON object", code="invalid_body")
+    # Union members show up in the location (e.g. prompt.str, prompt.list[int]); keep the field path only.
+    path = [p for p in loc if not _is_type_tag(p)]
+    param = ".".join(path) or None
+    msg = e.get("msg", "invalid value")
+    code = "missing_required_parameter" if kind == "missing" else "invalid_value"
+    message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1 and not all(_same_field(x, e) for x in errors[1:]):
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=param, code=code)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "function-after", "function-before", "function-wrap") or (
+        "[" in part and part.endswith("]")) or part.startswith("function-") or part.startswith("constrained-")
+
+
+def _same_field(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def field(e: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(str(p) for p in e.get("loc", ())[:2])
+
+    return field(a) == field(b)
+
+
+def install(app: FastAPI) -> None:
+    """Route every error the app can raise to OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Rejected)
+    async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
+        return from_rejected(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        if status == 404:
+            err = APIError(404, f"no route {request.method} {request.url.path}", code="not_found")
+        elif status == 405:
+            err = APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+                           code="method_not_allowed")
+        else:
+            err = APIError(status, str(exc.detail))
+        err.headers.update(exc.headers or {})
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error").response()

@@ -1,0 +1,66 @@
+"""From what a client sends (text, token ids, chat messages) to prompt token ids and sampling parameters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from service.api.errors import APIError
+from service.engine.request import SamplingParams
+from service.model.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 256  # chat: up to the context, at most this many
+_OFFLOAD_CHARS = 8192  # tokenize longer texts off the event loop
+
+
+async def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    if len(text) > _OFFLOAD_CHARS:
+        return await asyncio.to_thread(tokenizer.encode, text)
+    return tokenizer.encode(text)
+
+
+async def encode_messages(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], param: str = "messages"
+                          ) -> list[int]:
+    """The chat template over the conversation, ending with the assistant's generation prompt."""
+    msgs = list(messages)
+    try:
+        if sum(len(m.get("content") or "") for m in msgs) > _OFFLOAD_CHARS:
+            return await asyncio.to_thread(tokenizer.encode_chat, msgs)
+        return tokenizer.encode_chat(msgs)
+    except ValueError as e:  # the template refuses this conversation (e.g. roles out of order)
+        raise APIError(400, str(e), param=param, code="invalid_messages") from e
+    except Exception as e:  # jinja errors on odd input are the input's fault, not ours
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param=param,
+                       code="invalid_messages") from e
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_context: int, max_tokens: int, param: str) -> None:
+    """The engine checks these too; checking first gives the client a precise `param` and `code`."""
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of the vocabulary [0, {vocab_size})", param=param,
+                       code="invalid_token_id")
+    if len(prompt_ids) >= max_context:
+        raise APIError(400, f"this model's context is {max_context} tokens and the prompt has {len(prompt_ids)}",
+                       param=param, code="context_length_exceeded")
+    if len(prompt_ids) + max_tokens > max_context:
+        raise APIError(400, f"this model's context is {max_context} tokens; the prompt has {len(prompt_ids)} "
+                            f"and max_tokens asks for {max_tokens} more", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+def chat_max_tokens(requested: int | None, prompt_len: int, max_context: int) -> int:
+    """The client's max_tokens, or up to the context (at most DEFAULT_CHAT_MAX_TOKENS)."""
+    if requested is not None:
+        return requested
+    return max(1, min(DEFAULT_CHAT_MAX_TOKENS, max_context - prompt_len))
+
+
+def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, stop: tuple[str, ...],
+                    seed: int | None, ignore_eos: bool) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=max(0, top_k), seed=seed, stop=stop, ignore_eos=ignore_eos)

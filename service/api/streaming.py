@@ -1,0 +1,112 @@
+"""From the engine thread to asyncio, and from asyncio to Server-Sent Events.
+
+`EngineStream` submits one request and hands its deltas to the event loop (the engine calls the sink on its own
+thread; `call_soon_threadsafe` moves each delta into an asyncio queue). `SSEResponse` streams `data: ...` events
+and cancels the generation the moment the client goes away (a barge-in closes the stream): it listens for the
+disconnect itself, whatever ASGI version the server speaks, and cancels the request in a `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from service.engine.engine import Engine
+from service.engine.kv_slots import Session
+from service.engine.request import Delta, Request, SamplingParams
+
+
+class EngineStream:
+    """One submitted request, its deltas readable with `async for` (the last one carries finish_reason)."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                 session: Session | None = None, arrival: float | None = None) -> None:
+        self.engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.finished = False
+        # Raises Rejected (refused) or ValueError (bad input) before anything is queued.
+        self.request: Request = engine.submit(prompt_ids, params, self._sink, session=session,
+                                              arrival=arrival if arrival is not None else time.perf_counter())
+
+    def _sink(self, delta: Delta) -> None:
+        """Called on the engine thread; must never raise there (that would fail the whole batch)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while not self.finished:
+            delta = await self._queue.get()
+            if delta.finish_reason is not None:
+                self.finished = True
+            yield delta
+
+    def cancel(self) -> None:
+        """Free the slot before the next step (idempotent; a finished request is left alone)."""
+        if not self.finished:
+            self.engine.cancel(self.request)
+
+
+def sse_event(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse_event("[DONE]")
+
+
+class SSEResponse(Response):
+    """text/event-stream from an async iterator of bytes. The stream stops (and `on_close` runs) when the
+    iterator ends, when the client disconnects, or when the handler is cancelled."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        self.body_iterator = content
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await send({"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
+                        async for chunk in self.body_iterator:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:
+                        pass  # the client went away mid-write
+                    finally:
+                        tg.cancel_scope.cancel()
+
+                async def watch_disconnect() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(stream)
+                tg.start_soon(watch_disconnect)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+            if self.on_close is not None:
+                self.on_close()

@@ -1,0 +1,250 @@
+"""The engine on the CPU: continuous batching, sampling parameters, stop sequences, cancellation, sessions, faults."""
+
+import queue
+import threading
+import time
+
+import pytest
+
+from service.backends.faults import FaultInjectingDecoder
+from service.backends.reference import ReferenceDecoder
+from service.engine.engine import Engine
+from service.engine.output import TextOutput
+from service.engine.request import Delta, SamplingParams
+from service.model.loader import load_model
+from service.model.synthetic import byte_tokenizer
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("synthetic:tiny")
+
+
+def make_engine(model, slots=4, ctx=256, **fault):
+    dec = ReferenceDecoder(model.config, model.weights, max_slots=slots, max_context=ctx)
+    if fault:
+        dec = FaultInjectingDecoder(dec, **fault)
+    eng = Engine(dec, model.tokenizer, eos_token_ids=(), sla_tokens=8)
+    eng.start()
+    return eng
+
+
+def collect(q: "queue.SimpleQueue[Delta]", timeout=30.0) -> list[Delta]:
+    out = []
+    while True:
+        d = q.get(timeout=timeout)
+        out.append(d)
+        if d.finish_reason is not None:
+            return out
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_batched_requests_get_the_tokens_they_get_alone(tiny):
+    eng = make_engine(tiny)
+    try:
+        prompts = [[5, 6, 7], [100, 3], [42] * 9, [1, 2, 3, 4, 5, 6]]
+        alone = [[t for d in eng.generate(p, GREEDY) for t in d.token_ids] for p in prompts]
+        qs = []
+        for p in prompts:  # all at once: they join the batch as they come
+            q = queue.SimpleQueue()
+            eng.submit(p, GREEDY, q.put)
+            qs.append(q)
+        together = [[t for d in collect(q) for t in d.token_ids] for q in qs]
+        assert together == alone
+        assert all(len(t) == 12 for t in alone)
+        assert len({tuple(t) for t in alone}) > 1  # different prompts, different continuations
+    finally:
+        eng.stop()
+
+
+def test_more_requests_than_slots_all_complete(tiny):
+    eng = make_engine(tiny, slots=2)
+    try:
+        qs = []
+        for i in range(7):
+            q = queue.SimpleQueue()
+            eng.submit([i + 1, i + 2], GREEDY, q.put)
+            qs.append(q)
+        for q in qs:
+            deltas = collect(q)
+            assert deltas[-1].finish_reason == "length"
+            assert deltas[-1].usage.completion_tokens == 12
+        assert wait_until(lambda: eng.stats.free_slots == 2 and eng.stats.running == 0)
+    finally:
+        eng.stop()
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(tiny):
+    eng = make_engine(tiny)
+    try:
+        p = SamplingParams(max_tokens=16, temperature=1.5, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+        a = [t for d in eng.generate([9, 8, 7], p) for t in d.token_ids]
+        b = [t for d in eng.generate([9, 8, 7], p) for t in d.token_ids]
+        g = [t for d in eng.generate([9, 8, 7], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+             for t in d.token_ids]
+        assert a == b
+        assert a != g
+    finally:
+        eng.stop()
+
+
+def test_top_k_one_is_greedy(tiny):
+    eng = make_engine(tiny)
+    try:
+        k1 = SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True)
+        g = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        assert [d.token_ids for d in eng.generate([3, 4], k1)] == [d.token_ids for d in eng.generate([3, 4], g)]
+    finally:
+        eng.stop()
+
+
+def test_eos_stops_unless_ignored(tiny):
+    eng0 = make_engine(tiny)
+    try:
+        first = [t for d in eng0.generate([11, 12], GREEDY) for t in d.token_ids]
+    finally:
+        eng0.stop()
+    eos = first[3]
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(eos,))
+    eng.start()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0)
+        deltas = list(eng.generate([11, 12], params))
+        assert deltas[-1].finish_reason == "stop"
+        assert deltas[-1].usage.completion_tokens == first.index(eos) + 1
+        ignored = list(eng.generate([11, 12], GREEDY))
+        assert ignored[-1].finish_reason == "length" and ignored[-1].usage.completion_tokens == 12
+    finally:
+        eng.stop()
+
+
+def test_stop_sequence_is_never_shown():
+    tok = byte_tokenizer(300)
+    out = TextOutput(tok.detokenizer(), stop=("END",))
+    text = ""
+    for ch in "hello wEN world; and theEND more":
+        text += out.add(tok.encode(ch)[0])
+        if out.stopped:
+            break
+    assert text == "hello wEN world; and the"
+    assert out.stopped
+
+
+def test_cancel_frees_the_slot_within_a_step(tiny):
+    eng = make_engine(tiny, slots=2, step_delay_s=0.02)
+    try:
+        q = queue.SimpleQueue()
+        req = eng.submit([1, 2, 3], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), q.put)
+        q.get(timeout=30)  # the first token is out: it is running
+        assert eng.stats.free_slots == 1 or wait_until(lambda: eng.stats.free_slots == 1)
+        t0 = time.monotonic()
+        eng.cancel(req)
+        deltas = collect(q)
+        assert deltas[-1].finish_reason == "cancelled"
+        assert time.monotonic() - t0 < 0.5  # one 20 ms step, with slack for a busy machine
+        assert wait_until(lambda: eng.stats.free_slots == 2 and eng.stats.running == 0)
+        assert deltas[-1].usage.completion_tokens < 200
+    finally:
+        eng.stop()
+
+
+def test_session_reuses_its_cache_and_gives_the_same_tokens(tiny):
+    eng = make_engine(tiny)
+    try:
+        sess = eng.new_session()
+        turn1 = [7, 8, 9, 10]
+        q = queue.SimpleQueue()
+        eng.submit(turn1, GREEDY, q.put, session=sess)
+        d1 = collect(q)
+        reply = [t for d in d1 for t in d.token_ids]
+        turn2 = turn1 + reply + [20, 21, 22]
+        q = queue.SimpleQueue()
+        eng.submit(turn2, GREEDY, q.put, session=sess)
+        d2 = collect(q)
+        # Every token fed so far is cached: prompt + reply but its last token (never fed back).
+        assert d2[-1].usage.cached_tokens == len(turn1) + len(reply) - 1
+        fresh = [t for d in eng.generate(turn2, GREEDY) for t in d.token_ids]
+        assert [t for d in d2 for t in d.token_ids] == fresh
+        eng.close_session(sess)
+        assert wait_until(lambda: eng.stats.free_slots == 4)
+    finally:
+        eng.stop()
+
+
+def test_idle_session_slot_is_taken_back_when_needed(tiny):
+    eng = make_engine(tiny, slots=1)
+    try:
+        sess = eng.new_session()
+        q = queue.SimpleQueue()
+        eng.submit([1, 2, 3], GREEDY, q.put, session=sess)
+        collect(q)
+        # The only slot is held by the idle session; a stranger still gets served.
+        out = list(eng.generate([4, 5, 6], GREEDY))
+        assert out[-1].finish_reason == "length"
+        q = queue.SimpleQueue()
+        eng.submit([1, 2, 3, 9], GREEDY, q.put, session=sess)
+        assert collect(q)[-1].usage.cached_tokens == 0  # its cache was evicted
+    finally:
+        eng.stop()
+
+
+def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(tiny):
+    eng = make_engine(tiny, fail_step=3)
+    try:
+        q = queue.SimpleQueue()
+        eng.submit([1, 2], GREEDY, q.put)
+        deltas = collect(q)
+        assert deltas[-1].finish_reason == "error"
+        assert "injected fault" in deltas[-1].error
+        after = list(eng.generate([1, 2], GREEDY))
+        assert after[-1].finish_reason == "length"
+        assert eng.healthy()
+        assert wait_until(lambda: eng.stats.free_slots == 4)
+    finally:
+        eng.stop()
+
+
+def test_bad_input_is_refused_before_it_reaches_the_engine(tiny):
+    eng = make_engine(tiny, ctx=64)
+    try:
+        with pytest.raises(ValueError, match="empty"):
+            eng.submit([], GREEDY, lambda d: None)
+        with pytest.raises(ValueError, match="context is 64"):
+            eng.submit([1] * 60, GREEDY, lambda d: None)
+        with pytest.raises(ValueError, match="token ids"):
+            eng.submit([1, 512], GREEDY, lambda d: None)
+        assert eng.stats.waiting == 0
+    finally:
+        eng.stop()
+
+
+def test_drain_finishes_in_flight_work_and_refuses_new(tiny):
+    from service.engine.engine import Rejected
+
+    eng = make_engine(tiny, step_delay_s=0.005)
+    try:
+        q = queue.SimpleQueue()
+        eng.submit([1, 2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), q.put)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("ok", eng.drain(timeout_s=30)))
+        t.start()
+        assert wait_until(lambda: not eng.accepting)
+        with pytest.raises(Rejected) as e:
+            eng.submit([1, 2], GREEDY, lambda d: None)
+        assert e.value.status == 503
+        deltas = collect(q)
+        t.join(30)
+        assert result["ok"] and deltas[-1].usage.completion_tokens == 40
+    finally:
+        eng.stop()
