@@ -2,9 +2,11 @@
 kernels/instructions.py builds. The kernel only interprets task records; every decision of who does what is on
 the host, once per model and batch bucket.
 
-Numerics follow the PyTorch reference (service/backends/reference.py) step for step: activations are rounded to
-the weights' dtype where the reference rounds them (after each norm, linear, RoPE, SiLU and residual add), and
-every sum is accumulated in float32.
+Numerics follow the PyTorch reference (service/backends/reference.py): activations are rounded to the weights'
+dtype where the reference rounds them (after each linear, RoPE, SiLU and residual add), and every sum is
+accumulated in float32. One reordering: RMSNorm(x) @ W^T is computed as rstd * ((x * norm_weight) @ W^T). The
+tasks that write the residual stream also write x * norm_weight of the next norm (bf16) and add their rows' sum of
+squares to a per-norm accumulator, so a consumer's matvec streams a ready operand and scales by rstd at the end.
 
 Synchronisation: a task spins on a volatile load of its counter, then takes an acquire atomic; a finished task
 passes a CTA barrier and adds one to its counter with release semantics. Activations are read with `.cg` (L2,
@@ -100,65 +102,114 @@ def _wait(cnt_ptr, idx, target, err_ptr, MAX_SPIN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch(rec, NPF: tl.constexpr):
-    """Bulk-prefetch a task's two weight regions into L2, spread over NPF lanes."""
-    HALF: tl.constexpr = NPF // 2
-    i = tl.arange(0, NPF)
-    second = i >= HALF
-    j = tl.where(second, i - HALF, i).to(tl.int64)
-    a0 = tl.load(rec + I.F_PF0)
-    n0 = tl.load(rec + I.F_PF0_BYTES)
-    a1 = tl.load(rec + I.F_PF1)
-    n1 = tl.load(rec + I.F_PF1_BYTES)
-    addr = tl.where(second, a1, a0)
-    nbytes = tl.where(second, n1, n0)
-    chunk = ((nbytes // HALF + 15) // 16) * 16
-    off = j * chunk
-    size = tl.minimum(chunk, tl.maximum(nbytes - off, 0)).to(tl.int32)
+def _prefetch(rec):
+    """Bulk-prefetch a task's two weight regions into L2: one instruction each, from threads 0 and 1."""
+    lane = tl.arange(0, 2)
+    second = lane == 1
+    addr = tl.where(second, tl.load(rec + I.F_PF1), tl.load(rec + I.F_PF0))
+    size = tl.where(second, tl.load(rec + I.F_PF1_BYTES), tl.load(rec + I.F_PF0_BYTES)).to(tl.int32)
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+        "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, $3; setp.gt.s32 q, $2, 0; "
+        "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, size, lane], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _rstd(x_ptr, B, eps, H: tl.constexpr, BPAD: tl.constexpr, BK: tl.constexpr, CG: tl.constexpr):
+def _rstd(ssq_ptr, B, eps, H: tl.constexpr, BPAD: tl.constexpr, CG: tl.constexpr):
     rb = tl.arange(0, BPAD)
-    ss = tl.zeros([BPAD], tl.float32)
-    for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        m = (rb[:, None] < B) & (rk[None, :] < H)
-        x = _ld_act(x_ptr + rb[:, None] * H + rk[None, :], m, CG).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
+    ss = _ld_act(ssq_ptr + rb, rb < B, CG)
     return tl.rsqrt(ss / H + eps)
 
 
 @triton.jit
-def _matvec(w_ptr, N, a_ptr, B, rstd, nw_ptr, K: tl.constexpr, NORM: tl.constexpr, BPAD: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr, CG: tl.constexpr):
-    """acc[b, n] = sum_k a'[b, k] * w[n, k] for the N (≤ BN) rows at w_ptr; a' = RMSNorm(a) when NORM."""
-    rb = tl.arange(0, BPAD)
-    rn = tl.arange(0, BN)
-    acc = tl.zeros([BPAD, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        a = _ld_act(a_ptr + rb[:, None] * K + rk[None, :], (rb[:, None] < B) & (rk[None, :] < K), CG)
-        if NORM:
-            nw = tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            a = (nw[None, :] * (a.to(tl.float32) * rstd[:, None]).to(w.dtype).to(tl.float32)).to(w.dtype)
-        acc = tl.dot(a, tl.trans(w), acc)
-    return acc
+def _residual_out(ptrs, m, rb, rn, acc, B, xn_ptr, nwn_ptr, ssq_ptr, dt, N: tl.constexpr, CG: tl.constexpr):
+    """x += acc on rows/cols (rb, rn); also write x * (the next norm's weight) and add the sums of squares."""
+    x = _ld_act(ptrs, m, CG)
+    y = (x.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+    tl.store(ptrs, y, mask=m)
+    _norm_out(y, m, rb, rn, B, xn_ptr, nwn_ptr, ssq_ptr, dt, N)
 
 
 @triton.jit
-def _residual_store(x_ptr, acc, n0, B, H: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr):
+def _norm_out(y, m, rb, rn, B, xn_ptr, nwn_ptr, ssq_ptr, dt, N: tl.constexpr):
+    yf = y.to(tl.float32)
+    nw = tl.load(nwn_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(xn_ptr + rb[:, None] * N + rn[None, :], (yf * nw[None, :]).to(dt), mask=m)
+    ss = tl.sum(tl.where(m, yf * yf, 0.0), axis=1)
+    tl.atomic_add(ssq_ptr + rb, ss, mask=rb < B, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _mv_epilogue(OP: tl.constexpr, n0, acc, acc2, rstd, best_v, best_i, B, out_ptr, bias_ptr, xn_ptr, nwn_ptr,
+                 ssq_out_ptr, dt, N: tl.constexpr, HAS_BIAS: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
+                 CG: tl.constexpr):
     rb = tl.arange(0, BPAD)
     rn = n0 + tl.arange(0, BN)
-    m = (rb[:, None] < B) & (rn[None, :] < H)
-    ptrs = x_ptr + rb[:, None] * H + rn[None, :]
-    x = _ld_act(ptrs, m, CG)
-    y = x.to(tl.float32) + acc.to(x.dtype).to(tl.float32)
-    tl.store(ptrs, y.to(x.dtype), mask=m)
+    m = (rb[:, None] < B) & (rn[None, :] < N)
+    ptrs = out_ptr + rb[:, None] * N + rn[None, :]
+    if OP == I.QKV:
+        acc = acc * rstd[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(ptrs, acc.to(dt), mask=m)
+    elif OP == I.GATEUP:
+        gate = (acc * rstd[:, None]).to(dt).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+        tl.store(ptrs, (act * (acc2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt), mask=m)
+    elif OP == I.LMHEAD:
+        lg = (acc * rstd[:, None]).to(dt).to(tl.float32)  # the reference's logits are bf16 before .float()
+        tl.store(ptrs, lg, mask=m)
+        lg = tl.where(rn[None, :] < N, lg, float("-inf"))
+        mx = tl.max(lg, axis=1)
+        idx = tl.min(tl.where(lg == mx[:, None], rn[None, :], N), axis=1).to(tl.int32)  # first index of the max
+        take = mx > best_v  # tiles come in increasing order: ties keep the earlier index
+        best_v = tl.where(take, mx, best_v)
+        best_i = tl.where(take, idx, best_i)
+    else:  # OPROJ, DOWN: the residual stream x += acc, and the next norm's operand
+        _residual_out(ptrs, m, rb, rn, acc, B, xn_ptr, nwn_ptr, ssq_out_ptr, dt, N, CG)
+    return best_v, best_i
+
+
+@triton.jit
+def _mv_task(OP: tl.constexpr, r0, nsub, ordinal, B, w_ptr, w2_ptr, a_ptr, ssq_in_ptr, bias_ptr, out_ptr,
+             xn_ptr, nwn_ptr, ssq_out_ptr, lmax_ptr, lidx_ptr, eps, K: tl.constexpr, N: tl.constexpr,
+             NORM: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, CG: tl.constexpr):
+    """Rows [r0, r0 + nsub*BN) of out = a @ W^T (and a @ W2^T with DUAL), as one software-pipelined stream over
+    (row tile, k chunk): a task of many row tiles fills the pipeline once. NORM: a is x * norm_weight, and the
+    epilogue scales by rstd (from the sums of squares at ssq_in_ptr)."""
+    KB: tl.constexpr = (K + BK - 1) // BK
+    dt = w_ptr.dtype.element_ty
+    rb = tl.arange(0, BPAD)
+    rn = tl.arange(0, BN)
+    if NORM:
+        rstd = _rstd(ssq_in_ptr, B, eps, K, BPAD, CG)
+    else:
+        rstd = tl.full([BPAD], 1.0, tl.float32)
+    best_v = tl.full([BPAD], float("-inf"), tl.float32)
+    best_i = tl.full([BPAD], N, tl.int32)
+    acc = tl.zeros([BPAD, BN], tl.float32)
+    acc2 = tl.zeros([BPAD, BN], tl.float32)
+    for it in range(0, nsub * KB):
+        sub = it // KB
+        kb = it - sub * KB
+        n0 = r0 + sub * BN
+        rk = kb * BK + tl.arange(0, BK)
+        wm = ((n0 + rn)[:, None] < N) & (rk[None, :] < K)
+        w = tl.load(w_ptr + (n0 + rn)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+        a = _ld_act(a_ptr + rb[:, None] * K + rk[None, :], (rb[:, None] < B) & (rk[None, :] < K), CG)
+        acc = tl.dot(a, tl.trans(w), acc)
+        if DUAL:
+            w2 = tl.load(w2_ptr + (n0 + rn)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+            acc2 = tl.dot(a, tl.trans(w2), acc2)
+        if kb == KB - 1:
+            best_v, best_i = _mv_epilogue(OP, n0, acc, acc2, rstd, best_v, best_i, B, out_ptr, bias_ptr, xn_ptr,
+                                          nwn_ptr, ssq_out_ptr, dt, N, HAS_BIAS, BPAD, BN, CG)
+            acc = tl.zeros([BPAD, BN], tl.float32)
+            acc2 = tl.zeros([BPAD, BN], tl.float32)
+    if OP == I.LMHEAD:
+        tl.store(lmax_ptr + ordinal * BPAD + rb, best_v)
+        tl.store(lidx_ptr + ordinal * BPAD + rb, best_i)
 
 
 @triton.jit
@@ -180,21 +231,24 @@ def _rope(ptr, cos_ptr, sin_ptr, pos, rows, n_rows, dt, D: tl.constexpr, R: tl.c
 
 
 @triton.jit
-def _op_embed(tok_ptr, embed_ptr, x_ptr, B, H: tl.constexpr, BPAD: tl.constexpr, BK: tl.constexpr):
+def _op_embed(c0, nsub, tok_ptr, embed_ptr, x_ptr, xn_ptr, nw_ptr, ssq_ptr, B, H: tl.constexpr,
+              BPAD: tl.constexpr, BN: tl.constexpr):
+    """Columns [c0, c0 + nsub*BN) of x = embed[tokens], and of the first norm's operand."""
     rb = tl.arange(0, BPAD)
     tok = tl.load(tok_ptr + rb, mask=rb < B, other=0).to(tl.int64)
-    for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        m = (rb[:, None] < B) & (rk[None, :] < H)
-        e = tl.load(embed_ptr + tok[:, None] * H + rk[None, :], mask=m, other=0.0)
-        tl.store(x_ptr + rb[:, None] * H + rk[None, :], e, mask=m)
+    for i in range(0, nsub):
+        rn = c0 + i * BN + tl.arange(0, BN)
+        m = (rb[:, None] < B) & (rn[None, :] < H)
+        e = tl.load(embed_ptr + tok[:, None] * H + rn[None, :], mask=m, other=0.0)
+        tl.store(x_ptr + rb[:, None] * H + rn[None, :], e, mask=m)
+        _norm_out(e, m, rb, rn, B, xn_ptr, nw_ptr, ssq_ptr, embed_ptr.dtype.element_ty, H)
 
 
 @triton.jit
 def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_ptr, qkv_ptr, cos_ptr, sin_ptr,
              kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, attn_ptr, sm_scale,
              NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, CTX: tl.constexpr,
-             GPAD: tl.constexpr, CH: tl.constexpr, CG: tl.constexpr):
+             GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, CG: tl.constexpr):
     G: tl.constexpr = NH // KVH
     Q: tl.constexpr = NH * D
     KV: tl.constexpr = KVH * D
@@ -246,58 +300,48 @@ def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_
         acc = acc * alpha[:, None] + pn.to(dt).to(tl.float32)[:, None] * vn[None, :]
         m_i = m_new
     part = (b * KVH + g) * S + s
-    tl.store(pm_ptr + part * GPAD + rg, m_i)
-    tl.store(pl_ptr + part * GPAD + rg, l_i)
-    tl.store(pacc_ptr + (part * GPAD + rg[:, None]) * D + rd[None, :], acc)
+    tl.store(pm_ptr + part * GPAD + rg, m_i, mask=rg < G)
+    tl.store(pl_ptr + part * GPAD + rg, l_i, mask=rg < G)
+    tl.store(pacc_ptr + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + arrive0 + (layer * batch + b) * KVH + g, 1, sem="acq_rel", scope="gpu")
     last = arrived == S - 1
     if last:
-        # the last split in merges all S partials into attn[b, heads of g]
+        # the last split in merges all S partials into attn[b, heads of g], four splits a step
         p0 = (b * KVH + g) * S
-        m_all = tl.full([GPAD], float("-inf"), tl.float32)
-        for i in range(0, S):
-            m_all = tl.maximum(m_all, _ld_act(pm_ptr + (p0 + i) * GPAD + rg, rg < GPAD, CG))
+        ri = tl.arange(0, SMAX)
+        mg = rg[None, :] < G
+        m_all = tl.max(_ld_act(pm_ptr + (p0 + ri)[:, None] * GPAD + rg[None, :], (ri[:, None] < S) & mg, CG,
+                               float("-inf")), axis=0)
         l_all = tl.zeros([GPAD], tl.float32)
         o = tl.zeros([GPAD, D], tl.float32)
-        for i in range(0, S):
-            w = tl.exp2(_ld_act(pm_ptr + (p0 + i) * GPAD + rg, rg < GPAD, CG) - m_all)
-            l_all += w * _ld_act(pl_ptr + (p0 + i) * GPAD + rg, rg < GPAD, CG)
-            o += w[:, None] * _ld_act(pacc_ptr + ((p0 + i) * GPAD + rg[:, None]) * D + rd[None, :],
-                                      rg[:, None] < GPAD, CG)
-        o = o / l_all[:, None]
+        for i0 in range(0, S, 4):
+            r4 = i0 + tl.arange(0, 4)
+            m4 = (r4[:, None] < S) & mg
+            w = tl.exp2(_ld_act(pm_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
+                        - m_all[None, :])
+            w = tl.where(m4, w, 0.0)
+            l_all += tl.sum(w * _ld_act(pl_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
+            acc4 = _ld_act(pacc_ptr + (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :],
+                           m4[:, :, None], CG)
+            o += tl.sum(w[:, :, None] * acc4, axis=0)
+        o = o / tl.where(rg < G, l_all, 1.0)[:, None]
         tl.store(attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], o.to(dt), mask=rg[:, None] < G)
     return last.to(tl.int32)
 
 
 @triton.jit
-def _op_lmhead(n0, tile, B, x_ptr, fnorm_ptr, lm_ptr, logits_ptr, lmax_ptr, lidx_ptr, eps,
-               H: tl.constexpr, V: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               CG: tl.constexpr):
-    rstd = _rstd(x_ptr, B, eps, H, BPAD, BK, CG)
-    acc = _matvec(lm_ptr + n0 * H, V - n0, x_ptr, B, rstd, fnorm_ptr, H, True, BPAD, BN, BK, CG)
-    dt = lm_ptr.dtype.element_ty
-    lg = acc.to(dt).to(tl.float32)
-    rb = tl.arange(0, BPAD)
-    rn = n0 + tl.arange(0, BN)
-    tl.store(logits_ptr + rb[:, None] * V + rn[None, :], lg, mask=(rb[:, None] < B) & (rn[None, :] < V))
-    lg = tl.where(rn[None, :] < V, lg, float("-inf"))
-    mx = tl.max(lg, axis=1)
-    idx = tl.min(tl.where(lg == mx[:, None], rn[None, :], V), axis=1)  # the first index of the maximum
-    tl.store(lmax_ptr + tile * BPAD + rb, mx)
-    tl.store(lidx_ptr + tile * BPAD + rb, idx)
-
-
-@triton.jit
-def _op_argmax(B, n_tiles, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, V: tl.constexpr,
+def _op_argmax(B, n_parts, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, ssq_ptr, n_ssq, V: tl.constexpr,
                BPAD: tl.constexpr, CG: tl.constexpr):
-    TC: tl.constexpr = 64
+    """Reduce the LM-head tasks' (max, argmax) partials; then, every other task being done (they all lead
+    here), zero the counters and the sums of squares for the next replay."""
+    TC: tl.constexpr = 128
     rb = tl.arange(0, BPAD)
     best = tl.full([BPAD], float("-inf"), tl.float32)
     bidx = tl.full([BPAD], V, tl.int32)
-    for t0 in range(0, n_tiles, TC):
+    for t0 in range(0, n_parts, TC):
         rt = t0 + tl.arange(0, TC)
-        m = (rt[:, None] < n_tiles) & (rb[None, :] < BPAD)
+        m = (rt[:, None] < n_parts) & (rb[None, :] < B)
         vals = _ld_act(lmax_ptr + rt[:, None] * BPAD + rb[None, :], m, CG, float("-inf"))
         idxs = _ld_act(lidx_ptr + rt[:, None] * BPAD + rb[None, :], m, CG, V)
         cm = tl.max(vals, axis=0)
@@ -306,10 +350,12 @@ def _op_argmax(B, n_tiles, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, V: 
         best = tl.where(take, cm, best)
         bidx = tl.where(take, ci, bidx)
     tl.store(out_ptr + rb, bidx.to(tl.int64), mask=rb < B)
-    # every other task is done (they all lead here): reset the counters for the next replay
-    for c0 in range(0, n_counters, 256):
-        rc = c0 + tl.arange(0, 256)
-        tl.store(cnt_ptr + rc, tl.zeros([256], tl.int32), mask=rc < n_counters)
+    for c0 in range(0, n_counters, 1024):
+        rc = c0 + tl.arange(0, 1024)
+        tl.store(cnt_ptr + rc, tl.zeros([1024], tl.int32), mask=rc < n_counters)
+    for c0 in range(0, n_ssq, 1024):
+        rc = c0 + tl.arange(0, 1024)
+        tl.store(ssq_ptr + rc, tl.zeros([1024], tl.float32), mask=rc < n_ssq)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -322,13 +368,15 @@ def megakernel(
     tok_ptr, slot_ptr, pos_ptr, batch, attn_splits, n_counters, n_lm_tiles,
     embed_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, norm1_ptr, norm2_ptr, fnorm_ptr, lm_ptr,
     cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-    x_ptr, qkv_ptr, attn_ptr, ffn_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr, lmax_ptr, lidx_ptr, out_ptr,
-    eps, sm_scale,
+    x_ptr, xn_ptr, ssq_ptr, qkv_ptr, attn_ptr, ffn_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr, lmax_ptr, lidx_ptr,
+    out_ptr, eps, sm_scale, prof_ptr,
     H: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr, V: tl.constexpr,
     NLAYERS: tl.constexpr, SLOTS: tl.constexpr, CTX: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_LM: tl.constexpr,
-    BPAD: tl.constexpr, BK: tl.constexpr, GPAD: tl.constexpr, CH: tl.constexpr,
-    NPF: tl.constexpr, PF_AHEAD: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr,
+    BN_MV: tl.constexpr, BN_LM: tl.constexpr, BN_E: tl.constexpr,
+    BK_MV: tl.constexpr, BK_GU: tl.constexpr, BK_LM: tl.constexpr,
+    BPAD: tl.constexpr, GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, PF_AHEAD: tl.constexpr,
+    CG: tl.constexpr,
+    MAX_SPIN: tl.constexpr, PROFILE: tl.constexpr,
 ):
     NF: tl.constexpr = I.NUM_FIELDS
     Q: tl.constexpr = NH * D
@@ -340,64 +388,66 @@ def megakernel(
     if PF_AHEAD > 0:
         for i in tl.static_range(PF_AHEAD):
             if t_begin + i < t_end:
-                _prefetch(tasks_ptr + (t_begin + i) * NF, NPF)
+                _prefetch(tasks_ptr + (t_begin + i) * NF)
     for t in range(t_begin, t_end):
         rec = tasks_ptr + t * NF
         if PF_AHEAD > 0:
             if t + PF_AHEAD < t_end:
-                _prefetch(tasks_ptr + (t + PF_AHEAD) * NF, NPF)
+                _prefetch(tasks_ptr + (t + PF_AHEAD) * NF)
+        if PROFILE:
+            tl.store(prof_ptr + t * 4, tl.extra.cuda.globaltimer())
         op = tl.load(rec + I.F_OP)
         layer = tl.load(rec + I.F_LAYER)
         a0 = tl.load(rec + I.F_A0)
+        a1 = tl.load(rec + I.F_A1)
         _wait(cnt_ptr, tl.load(rec + I.F_WAIT), tl.load(rec + I.F_TARGET), err_ptr, MAX_SPIN)
+        if PROFILE:
+            tl.store(prof_ptr + t * 4 + 1, tl.extra.cuda.globaltimer())
         inc = tl.full([], 1, tl.int32)
+        # sums of squares: slot 2*layer for the attention norm, 2*layer+1 for the MLP norm, 2*L for the final
+        ssq_attn = ssq_ptr + (2 * layer) * BPAD
+        ssq_mlp = ssq_ptr + (2 * layer + 1) * BPAD
         if op == I.QKV:
-            rstd = _rstd(x_ptr, batch, eps, H, BPAD, BK, CG)
-            acc = _matvec(wqkv_ptr + (layer * QKVR + a0) * H, QKVR - a0, x_ptr, batch, rstd, norm1_ptr + layer * H,
-                          H, True, BPAD, BN_QKV, BK, CG)
-            rn = a0 + tl.arange(0, BN_QKV)
-            if HAS_BIAS:
-                acc += tl.load(bqkv_ptr + layer * QKVR + rn, mask=rn < QKVR, other=0.0).to(tl.float32)[None, :]
-            rb = tl.arange(0, BPAD)
-            tl.store(qkv_ptr + rb[:, None] * QKVR + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
-                     mask=(rb[:, None] < batch) & (rn[None, :] < QKVR))
+            _mv_task(I.QKV, a0, a1, 0, batch, wqkv_ptr + layer * QKVR * H, wqkv_ptr, xn_ptr, ssq_attn,
+                     bqkv_ptr + layer * QKVR, qkv_ptr, xn_ptr, norm1_ptr, ssq_ptr, lmax_ptr, lidx_ptr, eps,
+                     H, QKVR, True, False, HAS_BIAS, BPAD, BN_MV, BK_MV, CG)
         elif op == I.ATTN:
-            inc = _op_attn(layer, a0, tl.load(rec + I.F_A1), tl.load(rec + I.F_A2), attn_splits, batch, cnt_ptr,
+            inc = _op_attn(layer, a0, a1, tl.load(rec + I.F_A2), attn_splits, batch, cnt_ptr,
                            arrive0, tok_ptr, slot_ptr, pos_ptr, qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                           pm_ptr, pl_ptr, pacc_ptr, attn_ptr, sm_scale, NH, KVH, D, SLOTS, CTX, GPAD, CH, CG)
+                           pm_ptr, pl_ptr, pacc_ptr, attn_ptr, sm_scale, NH, KVH, D, SLOTS, CTX, GPAD, CH, SMAX, CG)
         elif op == I.OPROJ:
-            acc = _matvec(wo_ptr + (layer * H + a0) * Q, H - a0, attn_ptr, batch, eps, norm1_ptr, Q, False,
-                          BPAD, BN_O, BK, CG)
-            _residual_store(x_ptr, acc, a0, batch, H, BPAD, BN_O, CG)
+            # x += attn @ Wo^T, and the MLP norm's operand
+            _mv_task(I.OPROJ, a0, a1, 0, batch, wo_ptr + layer * H * Q, wo_ptr, attn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
+                     xn_ptr, norm2_ptr + layer * H, ssq_mlp, lmax_ptr, lidx_ptr, eps,
+                     Q, H, False, False, False, BPAD, BN_MV, BK_MV, CG)
         elif op == I.GATEUP:
-            rstd = _rstd(x_ptr, batch, eps, H, BPAD, BK, CG)
-            gate = _matvec(wg_ptr + (layer * F + a0) * H, F - a0, x_ptr, batch, rstd, norm2_ptr + layer * H,
-                           H, True, BPAD, BN_GU, BK, CG)
-            up = _matvec(wu_ptr + (layer * F + a0) * H, F - a0, x_ptr, batch, rstd, norm2_ptr + layer * H,
-                         H, True, BPAD, BN_GU, BK, CG)
-            dt = ffn_ptr.dtype.element_ty
-            gate = gate.to(dt).to(tl.float32)
-            act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
-            y = (act * up.to(dt).to(tl.float32)).to(dt)
-            rb = tl.arange(0, BPAD)
-            rn = a0 + tl.arange(0, BN_GU)
-            tl.store(ffn_ptr + rb[:, None] * F + rn[None, :], y, mask=(rb[:, None] < batch) & (rn[None, :] < F))
+            _mv_task(I.GATEUP, a0, a1, 0, batch, wg_ptr + layer * F * H, wu_ptr + layer * F * H, xn_ptr, ssq_mlp,
+                     bqkv_ptr, ffn_ptr, xn_ptr, norm2_ptr, ssq_ptr, lmax_ptr, lidx_ptr, eps,
+                     H, F, True, True, False, BPAD, BN_MV, BK_GU, CG)
         elif op == I.DOWN:
-            acc = _matvec(wd_ptr + (layer * H + a0) * F, H - a0, ffn_ptr, batch, eps, norm1_ptr, F, False,
-                          BPAD, BN_DOWN, BK, CG)
-            _residual_store(x_ptr, acc, a0, batch, H, BPAD, BN_DOWN, CG)
+            # x += ffn @ Wdown^T, and the next layer's attention norm operand (the final norm's after the last)
+            last_layer = layer == NLAYERS - 1
+            nwn = tl.where(last_layer, fnorm_ptr, norm1_ptr + (layer + 1) * H)
+            _mv_task(I.DOWN, a0, a1, 0, batch, wd_ptr + layer * H * F, wd_ptr, ffn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
+                     xn_ptr, nwn, ssq_ptr + (2 * layer + 2) * BPAD, lmax_ptr, lidx_ptr, eps,
+                     F, H, False, False, False, BPAD, BN_MV, BK_MV, CG)
         elif op == I.LMHEAD:
-            _op_lmhead(a0, tl.load(rec + I.F_A1), batch, x_ptr, fnorm_ptr, lm_ptr, logits_ptr, lmax_ptr, lidx_ptr,
-                       eps, H, V, BPAD, BN_LM, BK, CG)
+            _mv_task(I.LMHEAD, a0, a1, tl.load(rec + I.F_A2), batch, lm_ptr, lm_ptr, xn_ptr,
+                     ssq_ptr + 2 * NLAYERS * BPAD, bqkv_ptr, logits_ptr, xn_ptr, fnorm_ptr, ssq_ptr, lmax_ptr,
+                     lidx_ptr, eps, H, V, True, False, False, BPAD, BN_LM, BK_LM, CG)
         elif op == I.EMBED:
-            _op_embed(tok_ptr, embed_ptr, x_ptr, batch, H, BPAD, BK)
+            _op_embed(a0, a1, tok_ptr, embed_ptr, x_ptr, xn_ptr, norm1_ptr, ssq_ptr, batch, H, BPAD, BN_E)
         elif op == I.ARGMAX:
-            _op_argmax(batch, n_lm_tiles, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, V, BPAD, CG)
+            _op_argmax(batch, n_lm_tiles, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, ssq_ptr,
+                       (2 * NLAYERS + 1) * BPAD, V, BPAD, CG)
             inc = tl.full([], 0, tl.int32)
         tl.debug_barrier()
         done = tl.load(rec + I.F_DONE)
         if (done >= 0) & (inc > 0):
             tl.atomic_add(cnt_ptr + done, 1, sem="release", scope="gpu")
+        if PROFILE:
+            tl.store(prof_ptr + t * 4 + 2, tl.extra.cuda.globaltimer())
+            tl.store(prof_ptr + t * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -410,13 +460,18 @@ def _pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    num_warps: int = 8
-    num_stages: int = 3
-    bk: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 1
+    bk_mv: int = 256  # k chunk of the 16-row matvec tiles (QKV, O, down)
+    bk_gu: int = 256  # k chunk of gate/up (two weight tiles per step)
+    bk_lm: int = 128  # k chunk of the LM head's wider tiles
     chunk: int = 64  # attention positions per inner step
-    prefetch_ahead: int = 1  # tasks ahead whose weights are prefetched into L2 (0: none)
+    prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)
+    prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
     cooperative: bool = True
     max_spin: int = 1 << 22
+    profile: bool = False  # record (start, ready, end, SM) per task in Megakernel.prof
 
 
 class Megakernel:
@@ -439,7 +494,7 @@ class Megakernel:
         self.device = dev
         if num_programs is None:
             num_programs = 1 if INTERPRET or dev.type != "cuda" else \
-                torch.cuda.get_device_properties(dev).multi_processor_count
+                torch.cuda.get_device_properties(dev).multi_processor_count * self.cfg.programs_per_sm
         self.num_programs = num_programs
         self.max_batch = max_batch
         self.bpad = max(16, _pow2(max_batch))
@@ -456,7 +511,8 @@ class Megakernel:
         self.tokens = z(bp, dtype=torch.int32)
         self.slots = z(bp, dtype=torch.int32)
         self.positions = z(bp, dtype=torch.int32)
-        self.x, self.qkv = z(bp, d.hidden), z(bp, d.qkv_rows)
+        self.x, self.xn, self.qkv = z(bp, d.hidden), z(bp, d.hidden), z(bp, d.qkv_rows)
+        self.ssq = z(2 * d.num_layers + 1, bp, dtype=torch.float32)
         self.attn, self.ffn = z(bp, d.q_size), z(bp, d.ffn)
         self.logits = z(bp, d.vocab, dtype=torch.float32)
         self.argmax = z(bp, dtype=torch.int64)
@@ -472,8 +528,9 @@ class Megakernel:
         if batch not in self.schedules:
             til = self.tilings.get(batch) or I.default_tiling(self.dims, batch, self.num_programs, self.max_splits)
             regions = self.w.regions() if self.cfg.prefetch_ahead > 0 else None
-            s = I.build_schedule(self.dims, batch, self.num_programs, regions, self.w.embed.element_size(), til)
-            n_lm = s.num_lm_tiles
+            s = I.build_schedule(self.dims, batch, self.num_programs, regions, self.w.embed.element_size(), til,
+                                 self.cfg.prefetch_bytes)
+            n_lm = s.num_lm_parts
             self.schedules[batch] = s
             self.sched_dev[batch] = (
                 s.tasks.to(self.device), s.starts.to(self.device),
@@ -482,6 +539,14 @@ class Megakernel:
                 torch.zeros(n_lm, self.bpad, device=self.device, dtype=torch.int32),
             )
         return self.schedules[batch]
+
+    def prof_buffer(self, s: I.Schedule) -> torch.Tensor:
+        n = len(s.tasks)
+        if not self.cfg.profile:
+            return self.err
+        if getattr(self, "prof", None) is None or self.prof.shape[0] < n:
+            self.prof = torch.zeros(n, 4, device=self.device, dtype=torch.int64)
+        return self.prof
 
     def step(self, batch: int) -> None:
         """One decode step for rows [0, batch) of tokens/slots/positions (batch must be a bucket size)."""
@@ -494,16 +559,18 @@ class Megakernel:
             extra["launch_cooperative_grid"] = True
         megakernel[(self.num_programs,)](
             tasks, starts, counters, self.err,
-            self.tokens, self.slots, self.positions, batch, t.attn_splits, s.num_counters, s.num_lm_tiles,
+            self.tokens, self.slots, self.positions, batch, t.attn_splits, s.num_counters, s.num_lm_parts,
             w.embed, w.wqkv, w.bqkv if w.bqkv is not None else w.wqkv, w.wo, w.w_gate, w.w_up, w.w_down,
             w.attn_norm, w.mlp_norm, w.final_norm, w.lm_head,
             self.cos, self.sin, self.k_cache, self.v_cache,
-            self.x, self.qkv, self.attn, self.ffn, self.logits, self.pm, self.pl, self.pacc, lmax, lidx,
-            self.argmax, d.rms_eps, d.head_dim ** -0.5,
+            self.x, self.xn, self.ssq, self.qkv, self.attn, self.ffn, self.logits, self.pm, self.pl, self.pacc,
+            lmax, lidx,
+            self.argmax, d.rms_eps, d.head_dim ** -0.5, self.prof_buffer(s),
             H=d.hidden, NH=d.num_heads, KVH=d.num_kv_heads, D=d.head_dim, F=d.ffn, V=d.vocab,
             NLAYERS=d.num_layers, SLOTS=self.slots_total, CTX=self.max_context, HAS_BIAS=w.bqkv is not None,
-            BN_QKV=t.bn_qkv, BN_O=t.bn_o, BN_GU=t.bn_gu, BN_DOWN=t.bn_down, BN_LM=t.bn_lm,
-            BPAD=self.bpad, BK=c.bk, GPAD=self.gpad, CH=c.chunk,
-            NPF=32 * c.num_warps, PF_AHEAD=0 if INTERPRET else c.prefetch_ahead, CG=not INTERPRET,
-            MAX_SPIN=c.max_spin, num_warps=c.num_warps, num_stages=c.num_stages, **extra,
+            BN_MV=t.bn_mv, BN_LM=t.bn_lm, BN_E=I.EMBED_COLS, BK_MV=c.bk_mv, BK_GU=c.bk_gu, BK_LM=c.bk_lm,
+            BPAD=self.bpad, GPAD=self.gpad, CH=c.chunk, SMAX=_pow2(self.max_splits),
+            PF_AHEAD=0 if INTERPRET else c.prefetch_ahead,
+            CG=not INTERPRET, MAX_SPIN=c.max_spin, PROFILE=c.profile and not INTERPRET,
+            num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )

@@ -10,17 +10,19 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from loadtest.clients import Target, first_model, http_client
+from loadtest.clients import ClientPool, Target, first_model
 from loadtest.record import RequestRecord
 from loadtest.report import plot, print_run, sweep_table, write_json
 from loadtest.runner import Load, run_load
 from loadtest.stats import summarize
 from loadtest.sweep import find_max_rate
+from loadtest.workers import run_workers
 from loadtest.workload import Session, dataset_sessions, load_dataset, synthetic_sessions
 
 # An assumption, not a quote: on-demand H100 80GB prices at GPU clouds ranged about $2-4 per GPU-hour in 2025-26
@@ -46,11 +48,14 @@ def parser() -> argparse.ArgumentParser:
                                               "concurrency cap makes it a closed loop)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more regular")
-    g.add_argument("--concurrency", type=int, help="sessions in flight at most (default 1 when no --rate)")
+    g.add_argument("--concurrency", type=int,
+                   help="sessions in flight at most (default: one per worker when no --rate)")
     g.add_argument("--num-requests", type=int, help="measured sessions (default 100 unless --duration)")
     g.add_argument("--duration", type=float, help="seconds during which sessions arrive")
     g.add_argument("--warmup", type=int, default=2, help="sessions sent first and left out of every figure")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--workers", type=int, default=1,
+                   help="client processes sharing the load (one handles ~10-20k tokens/s before its own lag shows)")
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", action="store_true",
                    help="find the highest rate at which >= --sla-target of ALL requests meet the SLA")
@@ -90,15 +95,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def sessions_from(args: argparse.Namespace) -> Iterator[Session]:
+def sessions_from(args: argparse.Namespace) -> tuple[Iterator[Session], int]:
+    """The sessions, and the most turns one has (for the progress bar)."""
     if args.dataset:
-        return dataset_sessions(load_dataset(args.dataset, args.output_len), args.shuffle, args.seed)
-    return synthetic_sessions(args.input_len, args.output_len, args.len_spread, args.turns, args.seed)
+        rows = load_dataset(args.dataset, args.output_len)
+        return dataset_sessions(rows, args.shuffle, args.seed), max(len(r) for r in rows)
+    return synthetic_sessions(args.input_len, args.output_len, args.len_spread, args.turns, args.seed), args.turns
 
 
 def load_from(args: argparse.Namespace) -> Load:
     num = args.num_requests if args.num_requests is not None else (None if args.duration else 100)
-    conc = args.concurrency if args.concurrency or args.rate or args.sweep else 1
+    conc = args.concurrency if args.concurrency or args.rate or args.sweep else args.workers
     return Load(rate=args.rate, burstiness=args.burstiness, concurrency=conc, num_sessions=num,
                 duration_s=args.duration, cancel_after=args.cancel_after_tokens, cancel_share=args.cancel_share,
                 sla_tokens=args.sla_tokens, sla_ms=args.sla_ms, seed=args.seed)
@@ -107,18 +114,20 @@ def load_from(args: argparse.Namespace) -> Load:
 async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     target = Target(url=args.url.rstrip("/"), endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                     timeout_s=args.timeout, extra_body=args.extra_body, ignore_eos=args.ignore_eos)
-    load, sessions = load_from(args), sessions_from(args)
+    load, (sessions, turns) = load_from(args), sessions_from(args)
     runs: list[dict[str, Any]] = []
-    turns = 1 if args.dataset else args.turns
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    async with http_client(target) as client:
+    async with ClientPool(target) as pool:
         if target.model is None:
+            client = pool.take()
             try:
                 target.model = await first_model(client)
             except Exception as e:
                 if target.endpoint != "realtime":
                     raise SystemExit(f"no --model given and GET {args.url}/v1/models failed: {e}") from e
+            finally:
+                pool.give(client)
         with Progress(*columns, console=console, disable=args.quiet, transient=True) as progress:
             async def measure(rate: float | None) -> dict[str, Any]:
                 total = load.num_sessions * turns if load.num_sessions is not None else None
@@ -132,8 +141,14 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                                     f"cancel {counts['cancelled']}")
 
                 lag: list[float] = []
-                recs = await run_load(client, target, sessions, replace(load, rate=rate),
-                                      warmup=args.warmup if not runs else 0, on_record=on_record, loop_lag_ms=lag)
+                warmup = args.warmup if not runs else 0
+                if args.workers > 1:  # fresh prompts for each sweep point: another seed
+                    make = partial(sessions_from, argparse.Namespace(**vars(args) | {"seed": args.seed + len(runs)}))
+                    recs, lag = await run_workers(args.workers, target, make, replace(load, rate=rate), warmup,
+                                                  lambda outcome: on_record(RequestRecord(0, 0, outcome=outcome)))
+                else:
+                    recs = await run_load(pool, target, sessions, replace(load, rate=rate), warmup=warmup,
+                                          on_record=on_record, loop_lag_ms=lag)
                 progress.update(task, completed=progress.tasks[task].total or len(recs), visible=False)
                 summary = summarize(recs, args.gpu_hourly_usd, args.gpus, lag)
                 runs.append({"rate": rate, "concurrency": load.concurrency, "model": target.model,
@@ -167,9 +182,16 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.sweep and args.duration is None and args.num_requests is None:
-        args.num_requests = 100
+    p = parser()
+    args = p.parse_args(argv)
+    for name in ("rate", "burstiness", "concurrency", "num_requests", "duration", "timeout", "turns", "gpus", "workers",
+                 "cancel_after_tokens", "sla_tokens", "sla_ms", "input_len", "output_len"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if not (0 <= args.cancel_share <= 1 and 0 <= args.len_spread < 1 and 0 < args.sla_target <= 1):
+        p.error("--cancel-share and --sla-target are in [0, 1], --len-spread in [0, 1)")
+    if args.concurrency and args.workers > args.concurrency:
+        p.error("--workers must not exceed --concurrency")
     console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=140)  # logs: wide
     asyncio.run(amain(args, console))
     return 0

@@ -22,6 +22,7 @@ class RequestRecord:
     output_tokens: int = 0  # usage.completion_tokens where sent, else the count of token-carrying chunks
     token_times_s: list[float] = field(default_factory=list)  # arrival of each token chunk, since sent
     cancel_ms: float | None = None  # realtime: response.cancel sent → response.done received
+    server_timings: dict[str, Any] | None = None  # realtime: the server's own `timings` in response.done
     text: str = ""
     # Derived by finish():
     ttft_ms: float | None = None

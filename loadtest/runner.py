@@ -9,9 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-import httpx
-
-from loadtest.clients import RealtimeSession, Target, http_turn
+from loadtest.clients import ClientPool, RealtimeSession, Target, http_turn
 from loadtest.record import RequestRecord, finish
 from loadtest.workload import Message, Session, arrival_gaps, should_cancel
 
@@ -28,17 +26,19 @@ class Load:
     sla_tokens: int = 64
     sla_ms: float = 100.0
     seed: int = 0
+    stream: int = 0  # which arrival stream (a worker process's index): each has its own gaps
 
 
 OnRecord = Callable[[RequestRecord], None]
 
 
-async def run_session(client: httpx.AsyncClient, target: Target, session: Session, load: Load, t0: float,
+async def run_session(pool: ClientPool, target: Target, session: Session, load: Load, t0: float,
                       on_record: OnRecord) -> list[RequestRecord]:
     """All turns of one session; it stops at its first rejected or failed turn (as a caller would hang up)."""
     records: list[RequestRecord] = []
     conversation: list[Message] = []
     rt = RealtimeSession(target) if target.endpoint == "realtime" else None
+    client = pool.take() if rt is None else None
     try:
         for k, turn in enumerate(session.turns):
             rec = RequestRecord(session=session.index, turn=k, start_s=time.perf_counter() - t0)
@@ -48,7 +48,7 @@ async def run_session(client: httpx.AsyncClient, target: Target, session: Sessio
             conversation += turn.messages
             try:
                 async with asyncio.timeout(target.timeout_s):
-                    if rt is None:
+                    if client is not None:
                         await http_turn(client, target, conversation, turn.max_tokens, rec, cancel_after)
                     elif k > 0 or await rt.open(rec):
                         rec.start_s = time.perf_counter() - t0  # TTFT counts from response.create, not connect
@@ -62,23 +62,26 @@ async def run_session(client: httpx.AsyncClient, target: Target, session: Sessio
                 break
             conversation.append({"role": "assistant", "content": rec.text})
     finally:
+        if client is not None:
+            pool.give(client)
         if rt is not None:
             await rt.close()
     return records
 
 
-async def run_phase(client: httpx.AsyncClient, target: Target, sessions: Iterable[Session], load: Load,
-                    on_record: OnRecord = lambda r: None) -> list[RequestRecord]:
-    """Launch sessions as they arrive; wait for all; return every turn's record (start_s/end_s since t0)."""
-    t0 = time.perf_counter()
-    gaps = arrival_gaps(load.rate, load.burstiness, load.seed)
+async def run_phase(pool: ClientPool, target: Target, sessions: Iterable[Session], load: Load,
+                    on_record: OnRecord = lambda r: None, t0: float | None = None) -> list[RequestRecord]:
+    """Launch sessions as they arrive; wait for all; return every turn's record (start_s/end_s since t0, a
+    perf_counter() time: now, or the common start of several worker processes)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    gaps = arrival_gaps(load.rate, load.burstiness, load.seed + 7919 * load.stream)
     sem = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     tasks: list[asyncio.Task[list[RequestRecord]]] = []
     due = 0.0
 
     async def one(session: Session) -> list[RequestRecord]:
         try:
-            return await run_session(client, target, session, load, t0, on_record)
+            return await run_session(pool, target, session, load, t0, on_record)
         finally:
             if sem is not None:
                 sem.release()
@@ -112,15 +115,15 @@ async def watch_loop_lag(samples: list[float], period_s: float = 0.01) -> None:
         samples.append(max(0.0, (time.perf_counter() - t - period_s) * 1000.0))
 
 
-async def run_load(client: httpx.AsyncClient, target: Target, sessions: Iterator[Session], load: Load,
+async def run_load(pool: ClientPool, target: Target, sessions: Iterator[Session], load: Load,
                    warmup: int = 0, on_record: OnRecord = lambda r: None,
                    loop_lag_ms: list[float] | None = None) -> list[RequestRecord]:
     """Warm-up sessions first (same load, not measured, waited for), then the measured phase, during which
     the client's own event-loop lag is sampled into `loop_lag_ms`."""
     if warmup:
-        await run_phase(client, target, itertools.islice(sessions, warmup), load)
+        await run_phase(pool, target, itertools.islice(sessions, warmup), load)
     watcher = asyncio.create_task(watch_loop_lag(loop_lag_ms if loop_lag_ms is not None else []))
     try:
-        return await run_phase(client, target, take(sessions, load.num_sessions), load, on_record)
+        return await run_phase(pool, target, take(sessions, load.num_sessions), load, on_record)
     finally:
         watcher.cancel()

@@ -12,7 +12,7 @@ from service.admission import AdmissionController
 from service.backends import make_decoder, resolve_backend
 from service.backends.faults import FaultInjectingDecoder
 from service.config import ServeConfig
-from service.engine.engine import Engine
+from service.engine.engine import Admission, Engine
 from service.engine.request import SamplingParams
 from service.latency_model import LatencyModel, calibrate
 from service.metrics import Metrics
@@ -61,6 +61,11 @@ def build_engine(cfg: ServeConfig) -> Runtime:
 
 
 def warm_up(engine: Engine) -> None:
-    """One short request through the whole path, so the first user pays no compilation or allocation."""
-    for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
-        pass
+    """One short request through the whole path, so the first user pays no compilation or allocation. It bypasses
+    admission: a strict SLA that no request can meet (a CPU) must refuse users, not stop the server starting."""
+    admission, engine.admission = engine.admission, Admission(engine.sla_s)
+    try:
+        for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
+            pass
+    finally:
+        engine.admission = admission

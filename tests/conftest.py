@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -18,9 +16,7 @@ def gguf_path():
 @pytest.fixture(scope="session")
 def model():
     """Our load of the default model (SmolLM2-135M-Instruct Q4_1), dequantized to float32 on the CPU."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # numpy's read-only memmap → torch.from_numpy
-        return load_model()
+    return load_model()
 
 
 @pytest.fixture(scope="session")

@@ -149,6 +149,10 @@ async def realtime(ws: WebSocket) -> None:
                 task = running.get(event["response_id"])
                 if task is not None:
                     task.cancel()
+                else:  # as Parley answers a cancel that came after its response ended
+                    await ws.send_json({"type": "error", "error": {
+                        "type": "invalid_request_error", "code": "response_cancel_not_active",
+                        "message": "no response in progress", "event_type": "response.cancel"}})
     except WebSocketDisconnect:
         for task in running.values():
             task.cancel()

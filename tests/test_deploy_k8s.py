@@ -94,11 +94,12 @@ def test_deployment_gpu_probes_and_drain():
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300
     pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep" and int(pre_stop[1]) >= 5
-    # the preStop sleep and the server's own drain fit in the grace period
-    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + 30
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    # the preStop sleep and the server's own drain fit in the grace period, with margin
+    drain = float(env["PARLEY_DRAIN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain + 10
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     assert pod["securityContext"]["runAsNonRoot"] is True
-    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PARLEY_PORT"] == "8000" and "PARLEY_GPU_HOURLY_USD" in env
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts["/models"]["readOnly"] is True

@@ -62,7 +62,7 @@ def parley(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARLEY_")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
     cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-batch", "2", "--sla-tokens", str(SLA_TOKENS), "--gpu-hourly-usd", "2.5"]
+           "--device", "cpu", "--max-batch", "2", "--sla-tokens", str(SLA_TOKENS), "--gpu-hourly-usd", "2.5"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

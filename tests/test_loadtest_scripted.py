@@ -140,6 +140,16 @@ def test_barge_in(tmp_path, url, endpoint):
         assert stats(url)["disconnects"] == 4
 
 
+def test_realtime_cancel_race(tmp_path, url):
+    # The cancel (after 7 of 8 tokens sent at once) reaches the server after the response ended: the server's
+    # error about it must not fail the next turn of the session.
+    doc = run_cli(tmp_path, url, "--endpoint", "realtime", "--dataset", dataset(tmp_path, [{"turns": [
+        "ttft=1 itl=0"] * 3, "max_tokens": 8}]), "--num-requests", "2", "--cancel-after-tokens", "7")
+    recs = doc["runs"][0]["requests"]
+    assert len(recs) == 6 and all(r["outcome"] in ("ok", "cancelled") for r in recs), [r["error"] for r in recs]
+    assert stats(url)["ws_cancels"] == 6
+
+
 def test_cancel_share(tmp_path, url):
     doc = run_cli(tmp_path, url, "--input-len", "4", "--output-len", "16", "--num-requests", "40",
                   "--concurrency", "4", "--cancel-after-tokens", "2", "--cancel-share", "0.25", "--seed", "3")
@@ -201,6 +211,17 @@ def test_warmup_is_excluded(tmp_path, url):
     main(["--url", url, "--quiet", "--warmup", "3", "--num-requests", "5", "--concurrency", "2", "--input-len", "4",
           "--output-len", "4", "--json", str(out)])
     assert len(json.loads(out.read_text())["runs"][0]["requests"]) == 5 and stats(url)["requests"] == 8
+
+
+def test_workers_share_the_load(tmp_path, url):
+    doc = run_cli(tmp_path, url, "--workers", "2", "--warmup", "3", "--num-requests", "9", "--concurrency", "4",
+                  "--dataset", dataset(tmp_path, [{"prompt": FAST}, {"prompt": "status=429"}]), "--output-len", "16")
+    recs = doc["runs"][0]["requests"]
+    assert sorted(r["session"] for r in recs) == list(range(3, 12))  # the sessions one process would have sent
+    assert sum(r["outcome"] == "rejected" for r in recs) == sum(s % 2 == 1 for s in range(3, 12))
+    assert stats(url)["requests"] == 12 and doc["runs"][0]["summary"]["client_loop_lag_ms"]["n"] > 0
+    assert max(r["start_s"] for r in recs) < 1.0 and min(r["start_s"] for r in recs) >= 0  # one clock
+    check_consistent(doc)
 
 
 def test_sweep_json_plot_and_tables(tmp_path, url, capsys):

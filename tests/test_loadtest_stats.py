@@ -193,3 +193,15 @@ def test_chunk_parsing():
     assert is_rate_limit({"message": "x", "retry_after_ms": 10}) and not is_rate_limit({"code": "invalid_request"})
     assert ws_url("http://127.0.0.1:8000/") == "ws://127.0.0.1:8000/v1/realtime"
     assert ws_url("https://h") == "wss://h/v1/realtime"
+
+
+def test_worker_split():
+    from loadtest.runner import Load
+    from loadtest.workers import share, split
+
+    assert [share(10, 3, w) for w in range(3)] == [4, 3, 3] and sum(share(7, 7, w) for w in range(7)) == 7
+    parts = [split(Load(rate=9.0, concurrency=4, num_sessions=10), 3, w) for w in range(3)]
+    assert [p.rate for p in parts] == [3.0] * 3  # three Poisson streams of 3/s make one of 9/s
+    assert [p.stream for p in parts] == [0, 1, 2]  # ... if each has its own gaps
+    assert [p.concurrency for p in parts] == [2, 1, 1] and [p.num_sessions for p in parts] == [4, 3, 3]
+    assert split(Load(rate=None, concurrency=None, num_sessions=None), 2, 1).rate is None

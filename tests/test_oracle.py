@@ -204,3 +204,104 @@ def test_prefill_rejects_overflow(model):
         dec.prefill(0, list(range(10)), start_pos=8)
     with pytest.raises(ValueError, match="does not fit"):
         dec.prefill(0, [])
+    with pytest.raises(ValueError, match="does not fit"):
+        dec.decode([0], [5], [16])
+    with pytest.raises(ValueError, match="decode of"):
+        dec.decode([0], [5, 6], [3])
+
+
+# -- the `kernels` name clash ---------------------------------------------------------------------------------
+# Parley's top-level package `kernels` shares its import name with Hugging Face's `kernels` (hub kernels), which
+# transformers probes with is_kernels_available() and, when it says yes, imports from (`from kernels import
+# get_kernel, ...`). The probe finds our package by find_spec, then asks the installed metadata for its version:
+# `kernels` maps to the distribution `parley` (0.1.0), below transformers' window (>= 0.18.2, < 0.19), so it is
+# not viable and transformers never imports it. Without metadata (a source tree on PYTHONPATH) it imports our
+# package to read `__version__`; ours has none, so again not viable, as long as `import kernels` stays harmless.
+
+_PROBE = """
+import importlib.util, json, sys
+from pathlib import Path
+spec = importlib.util.find_spec("kernels")
+from transformers.utils.import_utils import is_kernels_available
+ok = is_kernels_available()
+imported = "kernels" in sys.modules
+loaded = None
+if sys.argv[1] == "load":
+    import torch
+    from transformers import AutoModelForCausalLM
+    from service.model.loader import default_model_path
+    p = default_model_path()
+    m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+    with torch.inference_mode():
+        loaded = int(m(torch.tensor([[504, 3575, 282, 4649, 314]])).logits[0, -1].argmax())
+print(json.dumps({"origin": spec and spec.origin, "available": ok, "imported": imported,
+                  "imported_after": "kernels" in sys.modules, "loaded": loaded}))
+"""
+
+_NO_METADATA = """
+import importlib.metadata, json, sys
+real_version = importlib.metadata.version
+def version(name):  # as if Parley were a source tree on PYTHONPATH, not an installed distribution
+    if name.lower() in ("parley", "kernels"):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return real_version(name)
+importlib.metadata.version = version
+from transformers.utils import import_utils
+import_utils._package_distribution_mapping = lambda: {}
+print(json.dumps({"available": import_utils.is_kernels_available(), "imported": "kernels" in sys.modules,
+                  "origin": getattr(sys.modules.get("kernels"), "__file__", None)}))
+"""
+
+
+def _run_probe(code, cwd, *args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if cwd == _REPO:
+        env["PYTHONPATH"] = str(_REPO)  # the source tree first, as `python -c` from the repo root has it
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def test_kernels_name_clash_outside_repo(tmp_path):
+    r = _run_probe(_PROBE, tmp_path, "probe")
+    assert r["origin"] == str(_REPO / "kernels" / "__init__.py")  # the clash is real: `kernels` is ours
+    assert r["available"] is False and r["imported"] is False
+
+
+def test_kernels_name_clash_from_repo_root_oracle_loads(hf_model, prompts):
+    """From the repo root (cwd first on sys.path), transformers still leaves our `kernels` alone and loads
+    the GGUF oracle; its greedy token for the plain prompt is the one the in-process oracle gives."""
+    assert prompts["plain"] == [504, 3575, 282, 4649, 314]
+    with torch.inference_mode():
+        expected = int(hf_model(torch.tensor([prompts["plain"]])).logits[0, -1].argmax())
+    r = _run_probe(_PROBE, _REPO, "load")
+    assert r["origin"] == str(_REPO / "kernels" / "__init__.py")
+    assert r["available"] is False and r["imported"] is False and r["imported_after"] is False
+    assert r["loaded"] == expected
+
+
+def test_kernels_name_clash_without_metadata(tmp_path):
+    """No distribution metadata: transformers imports our `kernels` to read a version; it must import cleanly
+    and read as no version."""
+    r = _run_probe(_NO_METADATA, _REPO)
+    assert r["available"] is False
+    assert r["imported"] is True and r["origin"] == str(_REPO / "kernels" / "__init__.py")
+
+
+def test_kernels_not_available_in_process(hf_model):
+    import sys
+
+    from transformers.utils.import_utils import is_kernels_available
+
+    assert is_kernels_available() is False
+    mod = sys.modules.get("kernels")
+    assert mod is None or not hasattr(mod, "get_kernel")

@@ -78,29 +78,33 @@ def from_validation(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
                         code="invalid_json")
-    if not loc and kind in ("missing", "model_attributes_type", "dict_type"):
-        return APIError(400, "the body must be a JSON object", code="invalid_body")
+    if not loc and kind in ("missing", "model_attributes_type", "model_type", "dict_type"):
+        return APIError(400, "the body must be a JSON object (send Content-Type: application/json)",
+                        code="invalid_body")
     # Union members show up in the location (e.g. prompt.str, prompt.list[int]); keep the field path only.
-    path = [p for p in loc if not _is_type_tag(p)]
-    param = ".".join(path) or None
-    msg = e.get("msg", "invalid value")
+    param = ".".join(_field_path(e)) or None
+    same = [x for x in errors if _field_path(x) == _field_path(e)]
+    msgs = list(dict.fromkeys(_clean(x.get("msg", "invalid value")) for x in same))
+    msg = " or ".join(msgs)
     code = "missing_required_parameter" if kind == "missing" else "invalid_value"
     message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1 and not all(_same_field(x, e) for x in errors[1:]):
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    others = len(errors) - len(same)
+    if others:
+        message += f" (and {others} more error{'s' if others > 1 else ''})"
     return APIError(400, message, param=param, code=code)
 
 
+def _field_path(e: Any) -> list[str]:
+    return [str(p) for p in e.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
+
+
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "function-after", "function-before", "function-wrap") or (
-        "[" in part and part.endswith("]")) or part.startswith("function-") or part.startswith("constrained-")
+    return part in ("str", "int", "float", "bool") or ("[" in part and part.endswith("]")) or part.startswith(
+        ("function-", "constrained-"))
 
 
-def _same_field(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    def field(e: dict[str, Any]) -> tuple[str, ...]:
-        return tuple(str(p) for p in e.get("loc", ())[:2])
-
-    return field(a) == field(b)
+def _clean(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
 
 
 def install(app: FastAPI) -> None:
@@ -126,6 +130,8 @@ def install(app: FastAPI) -> None:
         elif status == 405:
             err = APIError(405, f"method {request.method} is not allowed on {request.url.path}",
                            code="method_not_allowed")
+        elif status == 413:
+            err = APIError(413, str(exc.detail), code="request_too_large")
         else:
             err = APIError(status, str(exc.detail))
         err.headers.update(exc.headers or {})

@@ -161,6 +161,15 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+            raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts "
+                             "(only text is supported)")
+        return v
+
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":

@@ -100,7 +100,11 @@ class ReferenceDecoder:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+        if not slots or not len(slots) == len(token_ids) == len(positions):
+            raise ValueError(f"decode of {len(slots)} slots, {len(token_ids)} tokens, {len(positions)} positions")
         kv_len = max(positions) + 1
+        if kv_len > self.max_context or min(positions) < 0:
+            raise ValueError(f"decode at positions {positions} does not fit a context of {self.max_context}")
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         pos_t = torch.tensor(positions, device=dev)

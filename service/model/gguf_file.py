@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from service.model.config import ModelConfig, ModelError
+from service.model.config import ModelConfig, ModelError, RopeScaling
 from service.model.tokenizer import Tokenizer
 from service.model.weights import LayerWeights, ModelWeights
 
@@ -79,6 +80,19 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _llama3_scaling(config: ModelConfig, factors: torch.Tensor, original: int, path: Path) -> RopeScaling:
+    """llama.cpp stores Llama-3.x's `llama3` RoPE scaling as a tensor of per-frequency divisors (rope_freqs),
+    not as metadata: recover the parameters (Llama-3's low 1, high 4) and insist that they reproduce it."""
+    factors = factors.float().flatten()
+    scaling = RopeScaling(float(factors.max()), 1.0, 4.0, original)
+    if factors.numel() != config.head_dim // 2 or not torch.allclose(
+        config.rope_inv_freq() / factors, replace(config, rope_scaling=scaling).rope_inv_freq(), rtol=1e-5, atol=0
+    ):
+        raise ModelError(f"{path}: rope_freqs.weight is not `llama3` RoPE scaling (factor {scaling.factor}, "
+                         f"low 1, high 4, original {original}); it is not supported")
+    return scaling
+
+
 def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     path = Path(path)
     if not path.is_file():
@@ -95,7 +109,10 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     for t in reader.tensors:
         data = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+        arr = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+        if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memory-mapped file
+            arr = arr.copy()
+        tensors[t.name] = torch.from_numpy(arr)
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -128,6 +145,9 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     )
     if meta("rope.scaling.type") not in (None, "none"):
         raise ModelError(f"{path}: GGUF RoPE scaling {meta('rope.scaling.type')!r} is not supported")
+    if "rope_freqs.weight" in tensors:  # Llama-3.x: without it every position past a few hundred is wrong
+        original = int(meta("rope.scaling.original_context_length", 8192))
+        config = replace(config, rope_scaling=_llama3_scaling(config, tensors["rope_freqs.weight"], original, path))
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:

@@ -22,6 +22,11 @@ def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
     if arch is None:
         raise ModelError(f"{name}: architecture {archs or cfg.get('model_type')} is not supported "
                          f"(supported: {sorted(ARCHITECTURES)})")
+    # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on the MLP: weights Parley has no place for.
+    if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ModelError(f"{name}: Llama with attention_bias/mlp_bias is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ModelError(f"{name}: sliding-window attention is not supported")
     scaling = None
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if rs and rs.get("rope_type", rs.get("type")) == "llama3":
@@ -51,7 +56,7 @@ def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qkv_bias=arch == "qwen2",
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -1,0 +1,129 @@
+"""create_app: the FastAPI application — OpenAI-compatible HTTP (completions, chat, models), the realtime WebSocket,
+/health and /metrics. Give it a Runtime (tests) or a factory that builds one (`parley serve`): the factory runs in
+the lifespan, before the server answers anything, so /health is 200 only once the model is loaded and warm."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api import completions, errors, realtime
+from service.api.errors import APIError
+from service.api.protocol import ModelCard, ModelList
+from service.api.state import ServerState
+from service.metrics import CONTENT_TYPE
+from service.runtime import Runtime
+
+log = logging.getLogger("parley.api")
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB
+
+
+def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    state = ServerState()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        built = False
+        if isinstance(runtime, Runtime):
+            state.runtime = runtime
+        else:
+            try:
+                state.runtime = await asyncio.to_thread(runtime)
+                built = True
+            except Exception as e:
+                state.failed = f"the model could not be loaded: {e}"
+                log.exception("start-up failed")
+                raise
+        try:
+            yield
+        finally:
+            if built and state.runtime is not None:
+                await asyncio.to_thread(state.runtime.engine.stop)
+
+    app = FastAPI(title="Parley", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.parley = state
+    errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.include_router(completions.router)
+    app.include_router(realtime.router)
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        ok, why = state.health()
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": why}, status_code=503, headers={"Retry-After": "5"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.runtime is None:
+            raise APIError(503, "the model is still loading", code="not_ready")
+        return Response(state.runtime.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=None)
+    async def models() -> JSONResponse:
+        rt = state.ready() if state.runtime is None else state.runtime
+        card = ModelCard(id=rt.model_id, created=state.created, max_model_len=state.max_context)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(model_id: str) -> JSONResponse:
+        rt = state.ready() if state.runtime is None else state.runtime
+        if model_id != rt.model_id:
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse(ModelCard(id=rt.model_id, created=state.created,
+                                      max_model_len=state.max_context).model_dump())
+
+    return app
+
+
+def server_state(app: FastAPI) -> ServerState:
+    return app.state.parley
+
+
+class BodyLimit:
+    """413 for request bodies over the limit: at once from Content-Length, or while a chunked body streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._reject(scope, receive, send)
+                    return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, self._message())  # FastAPI lets an HTTPException through
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than {self.max_bytes} bytes"
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = APIError(413, self._message(), code="request_too_large").response()
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)

@@ -1,0 +1,216 @@
+"""/v1/realtime against a real `parley serve`: the event protocol, barge-in (response.cancel), multi-turn KV reuse
+in one engine session, sentence chunking, a dropped socket, and errors that keep the socket open."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+
+from tests.server_fixture import Server, metrics, parley, requests_total, wait_idle  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 120.0
+
+
+async def recv(ws: ClientConnection) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
+
+
+async def send(ws: ClientConnection, event: dict[str, Any]) -> None:
+    await ws.send(json.dumps(event))
+
+
+async def until_done(ws: ClientConnection) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Events up to response.done: (the events before it, response.done's `response`)."""
+    events = []
+    while True:
+        e = await recv(ws)
+        if e["type"] == "response.done":
+            return events, e["response"]
+        assert e["type"] != "error", e
+        events.append(e)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_session_and_one_turn(parley: Server) -> None:  # noqa: F811
+    async def go() -> None:
+        async with connect(parley.ws) as ws:
+            created = await recv(ws)
+            assert created["type"] == "session.created"
+            assert created["session"]["id"] and created["session"]["model"] == "smollm2-135m-instruct"
+            await send(ws, {"type": "session.update", "session": {"instructions": "Answer briefly.",
+                                                                  "temperature": 0, "max_tokens": 12}})
+            updated = await recv(ws)
+            assert updated["type"] == "session.updated"
+            assert updated["session"]["instructions"] == "Answer briefly." and updated["session"]["max_tokens"] == 12
+            await send(ws, {"type": "response.create", "response": {
+                "id": "r1", "input": [{"role": "user", "content": "What is two plus two?"}]}})
+            events, done = await until_done(ws)
+            assert events[0] == {"type": "response.created", "response": {"id": "r1", "status": "in_progress"}}
+            deltas = [e for e in events[1:]]
+            assert deltas and all(e["type"] == "response.output_text.delta" and e["response_id"] == "r1"
+                                  for e in deltas)
+            assert done["id"] == "r1" and done["status"] == "completed"
+            assert "".join(e["delta"] for e in deltas) == done["output_text"]
+            u = done["usage"]
+            assert 0 < u["completion_tokens"] <= 12 and u["prompt_tokens"] > 0 and u["cached_tokens"] == 0
+            t = done["timings"]
+            assert set(t) >= {"ttft_ms", "ttf64_ms", "e2e_ms"} and 0 < t["ttft_ms"] <= t["e2e_ms"]
+
+            # a raw text prompt (no chat template)
+            await send(ws, {"type": "response.create", "response": {"input": "Once upon a time", "max_tokens": 3,
+                                                                    "ignore_eos": True}})
+            _, done = await until_done(ws)
+            assert done["status"] == "completed" and done["usage"]["completion_tokens"] == 3
+
+    run(go())
+
+
+def test_cancel_is_quick_and_frees_the_slot(parley: Server) -> None:  # noqa: F811
+    async def go() -> tuple[float, dict[str, Any]]:
+        async with connect(parley.ws) as ws:
+            await recv(ws)
+            await send(ws, {"type": "response.create", "response": {
+                "id": "long", "input": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 600,
+                "ignore_eos": True}})
+            assert (await recv(ws))["type"] == "response.created"
+            while (await recv(ws))["type"] != "response.output_text.delta":
+                pass
+            t0 = time.monotonic()
+            await send(ws, {"type": "response.cancel", "response_id": "long"})
+            _, done = await until_done(ws)
+            return time.monotonic() - t0, done
+
+    wait_idle(parley.base)
+    before = requests_total(metrics(parley.base), "cancelled")
+    elapsed, done = run(go())
+    assert done["status"] == "cancelled" and done["id"] == "long"
+    assert done["usage"]["completion_tokens"] < 600
+    assert elapsed < 5.0  # one decode step on a busy CPU, with plenty of slack
+    after = wait_idle(parley.base, timeout_s=15)
+    assert requests_total(after, "cancelled") == before + 1
+
+
+def test_multi_turn_reuses_the_kv_cache(parley: Server) -> None:  # noqa: F811
+    async def go() -> list[dict[str, Any]]:
+        async with connect(parley.ws) as ws:
+            await recv(ws)
+            await send(ws, {"type": "session.update", "session": {
+                "instructions": "You are a helpful voice assistant. Keep answers short.", "temperature": 0}})
+            await recv(ws)
+            done = []
+            for text in ("Hi! My name is Ada. What is the capital of France?", "And what is the capital of Italy?"):
+                await send(ws, {"type": "response.create", "response": {
+                    "input": [{"role": "user", "content": text}], "max_tokens": 16}})
+                _, d = await until_done(ws)
+                assert d["status"] == "completed"
+                done.append(d)
+            return done
+
+    first, second = run(go())
+    u1, u2 = first["usage"], second["usage"]
+    assert u1["cached_tokens"] == 0
+    # the second prompt is the first + its reply + the new message: all but the new part comes from the cache
+    assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"] - 2
+    assert u2["cached_tokens"] >= u1["prompt_tokens"]
+    assert u2["prompt_tokens"] - u2["cached_tokens"] < 40
+
+
+def test_sentence_chunking(parley: Server) -> None:  # noqa: F811
+    async def go() -> tuple[list[str], dict[str, Any]]:
+        async with connect(parley.ws) as ws:
+            await recv(ws)
+            await send(ws, {"type": "session.update", "session": {"chunking": "sentence", "temperature": 0}})
+            await recv(ws)
+            await send(ws, {"type": "response.create", "response": {
+                "input": [{"role": "user", "content": "Describe a sunny day in three sentences."}],
+                "max_tokens": 60}})
+            events, done = await until_done(ws)
+            return [e["delta"] for e in events if e["type"] == "response.output_text.delta"], done
+
+    deltas, done = run(go())
+    assert "".join(deltas) == done["output_text"] and deltas
+    for d in deltas[:-1]:
+        assert d[-1] in ".!?;:,\n", f"a chunk that ends mid-clause: {d!r}"
+
+
+def test_dropped_socket_cancels_and_frees_the_slot(parley: Server) -> None:  # noqa: F811
+    async def go() -> None:
+        async with connect(parley.ws) as ws:
+            await recv(ws)
+            await send(ws, {"type": "response.create", "response": {"input": "Count to a thousand:",
+                                                                    "max_tokens": 800, "ignore_eos": True}})
+            while (await recv(ws))["type"] != "response.output_text.delta":
+                pass
+        # leaving the block closes the socket mid-response
+
+    wait_idle(parley.base)
+    before = requests_total(metrics(parley.base), "cancelled")
+    run(go())
+    after = wait_idle(parley.base, timeout_s=15)
+    assert requests_total(after, "cancelled") == before + 1
+
+
+def test_errors_keep_the_socket_open(parley: Server) -> None:  # noqa: F811
+    async def go() -> None:
+        async with connect(parley.ws) as ws:
+            await recv(ws)
+
+            async def expect_error(raw: str | bytes, code: str, param: str | None = None) -> dict[str, Any]:
+                await ws.send(raw)
+                e = await recv(ws)
+                assert e["type"] == "error", e
+                assert e["error"]["code"] == code, e
+                assert e["error"]["type"] == "invalid_request_error" and e["error"]["message"]
+                if param is not None:
+                    assert e["error"]["param"] == param, e
+                return e
+
+            await expect_error("{not json", "invalid_json")
+            await expect_error(b"\x00\x01", "binary_not_supported")
+            await expect_error(json.dumps({"no": "type"}), "invalid_event", "type")
+            await expect_error(json.dumps({"type": "conversation.item.create"}), "unknown_event_type")
+            await expect_error(json.dumps({"type": "response.create"}), "missing_required_parameter", "response")
+            await expect_error(json.dumps({"type": "response.create", "response": {}}),
+                               "missing_required_parameter", "response.input")
+            await expect_error(json.dumps({"type": "response.create", "response": {"input": 42}}),
+                               "invalid_value", "response.input")
+            await expect_error(json.dumps({"type": "response.create", "response": {
+                "input": "x", "temperature": 9}}), "invalid_value", "response.temperature")
+            await expect_error(json.dumps({"type": "response.create", "response": {"input": ""}}), "empty_prompt")
+            await expect_error(json.dumps({"type": "session.update", "session": {"chunking": "words"}}),
+                               "invalid_value", "session.chunking")
+            await expect_error(json.dumps({"type": "response.cancel", "response_id": "nope"}),
+                               "response_cancel_not_active")
+
+            # one response at a time
+            await send(ws, {"type": "response.create", "response": {"id": "a", "input": "Once upon a time",
+                                                                    "max_tokens": 200, "ignore_eos": True}})
+            assert (await recv(ws))["type"] == "response.created"
+            await ws.send(json.dumps({"type": "response.create", "response": {"input": "again"}}))
+            while True:
+                e = await recv(ws)
+                if e["type"] == "error":
+                    assert e["error"]["code"] == "conversation_already_has_active_response"
+                    break
+                assert e["type"] == "response.output_text.delta"
+            await send(ws, {"type": "response.cancel"})  # no id: the active one
+            _, done = await until_done(ws)
+            assert done["id"] == "a" and done["status"] == "cancelled"
+
+            # the socket still works
+            await send(ws, {"type": "response.create", "response": {"input": "Hello", "max_tokens": 2,
+                                                                    "ignore_eos": True}})
+            _, done = await until_done(ws)
+            assert done["status"] == "completed" and done["usage"]["completion_tokens"] == 2
+
+    run(go())
