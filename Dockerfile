@@ -6,9 +6,11 @@
 # or `docker compose up` for Parley + Prometheus + Grafana (deploy/README.md).
 
 # Build arguments (override with --build-arg NAME=VALUE):
-# BASE_IMAGE: the CUDA-enabled PyTorch runtime image. Parley needs torch >= 2.11 and Triton >= 3.6 (Triton ships
-#   inside the torch wheel's dependencies). The default is the official PyTorch image: torch 2.11.0, CUDA 12.8,
-#   cuDNN 9, Ubuntu, Python at /opt/conda. CUDA 12.8 runs on drivers >= 570 and supports Hopper and Blackwell.
+# BASE_IMAGE: the CUDA-enabled PyTorch runtime image. Parley needs torch >= 2.11 and Triton >= 3.6 (torch brings its
+#   own Triton). The default is the official PyTorch image with torch 2.11.0, CUDA 12.8 and cuDNN 9; the host needs
+#   an NVIDIA driver recent enough for CUDA 12.8 (R570 or later) and the NVIDIA Container Toolkit. Another tag of
+#   the same family (e.g. a cuda13.0 one) works as long as its torch is >= 2.11; an older torch would be replaced by
+#   pip with a PyPI wheel.
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 
 FROM ${BASE_IMAGE}

@@ -121,7 +121,7 @@ def test_multi_turn_reuses_the_kv_cache(parley: Server) -> None:  # noqa: F811
     assert u1["cached_tokens"] == 0
     # the second prompt is the first + its reply + the new message: all but the new part comes from the cache
     assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"] - 2
-    assert u2["cached_tokens"] >= u1["prompt_tokens"]
+    assert u2["cached_tokens"] >= u1["prompt_tokens"] - 2
     assert u2["prompt_tokens"] - u2["cached_tokens"] < 40
 
 

@@ -61,8 +61,10 @@ def parley(tmp_path_factory):
     log = tmp / "parley.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARLEY_")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
+    # A short context keeps the start-up calibration sweep short (no 1,024-token prefill on the CPU).
     cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--max-batch", "2", "--sla-tokens", str(SLA_TOKENS), "--gpu-hourly-usd", "2.5"]
+           "--device", "cpu", "--max-batch", "2", "--max-context", "256", "--sla-tokens", str(SLA_TOKENS),
+           "--gpu-hourly-usd", "2.5"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

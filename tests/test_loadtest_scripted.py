@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from loadtest_checks import check_consistent  # noqa: E402
 
 SERVER = Path(__file__).with_name("loadtest_scripted_server.py")
-FAST = "ttft=5 itl=0.5"  # token 64 at 36.5 ms
+FAST = "ttft=4 itl=0.4"  # token 64 at 29.2 ms
 SLOW = "ttft=5 itl=4"  # token 64 at 257 ms
-SLACK_MS = 40.0  # client + server overhead allowed on a busy 2-core CI machine
+SLACK_MS = 40.0  # client + server overhead allowed (on the median) on a busy 2-core CI machine
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,10 @@ def test_known_timings(tmp_path, url, endpoint):
     assert s["client_loop_lag_ms"]["n"] > 0  # the client watched its own event loop
     for r in recs:
         assert r["outcome"] == "ok" and r["output_tokens"] == 64 and len(r["token_times_s"]) == 64
-        assert 5.0 <= r["ttft_ms"] <= 5.0 + SLACK_MS
-        assert 36.5 <= r["ttfn_ms"] <= 36.5 + SLACK_MS
-        assert r["tpot_ms"] == pytest.approx(0.5, abs=0.3)
+        assert r["ttft_ms"] >= 4.0 and r["ttfn_ms"] >= 29.2  # never before the server sent them
         assert r["prompt_tokens"] == 2
+    assert s["ttft_ms"]["p50"] <= 4.0 + SLACK_MS and s["ttfn_ms"]["p50"] <= 29.2 + SLACK_MS
+    assert s["tpot_ms"]["p50"] == pytest.approx(0.4, abs=0.3)
     check_consistent(doc)
 
 
@@ -94,7 +94,7 @@ def test_outcomes_sla_and_cost(tmp_path, url):
     slow = [r for r in recs if r["outcome"] == "ok" and not r["sla_met"]]
     assert len(slow) == 2
     for r in slow:
-        assert 257.0 <= r["ttfn_ms"] <= 257.0 + 2 * SLACK_MS and r["tpot_ms"] == pytest.approx(4.0, abs=0.5)
+        assert 257.0 <= r["ttfn_ms"] <= 257.0 + 2 * SLACK_MS and r["tpot_ms"] == pytest.approx(4.0, abs=1.0)
     for r in recs:
         if r["outcome"] == "rejected":
             assert r["status"] == 429 and r["retry_after_s"] == 0.5 and r["output_tokens"] == 0
