@@ -87,10 +87,11 @@ class Tiling:
     attn_splits: int = 1  # splits of the cached positions per (row, kv head)
 
 
-def default_tiling(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16) -> Tiling:
-    """Enough attention splits to give every program one."""
+def default_tiling(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16, bn_mv: int = 16,
+                   bn_lm: int = 64) -> Tiling:
+    """Enough attention splits to give every program one (at long contexts; short ones use fewer)."""
     splits = max(1, min(max_splits, round(num_programs / (batch * dims.num_kv_heads))))
-    return Tiling(attn_splits=splits)
+    return Tiling(bn_mv=bn_mv, bn_lm=bn_lm, attn_splits=splits)
 
 
 @dataclass

@@ -263,70 +263,74 @@ def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_
     row = qkv_ptr + b * QKVR
     q = _rope(row + g * G * D, cos_ptr, sin_ptr, pos, rg, G, dt, D, GPAD, CG)  # [GPAD, D]
     base = ((layer * SLOTS + slot) * KVH + g) * CTX * D
-    # the cached positions [0, pos), split S ways in whole chunks
-    span = tl.cdiv(tl.cdiv(pos, S), CH) * CH
-    start = s * span
-    end = tl.minimum(start + span, pos)
-    m_i = tl.full([GPAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GPAD], tl.float32)
-    acc = tl.zeros([GPAD, D], tl.float32)
-    for c0 in range(start, end, CH):
-        rc = c0 + tl.arange(0, CH)
-        mc = rc < end
-        k = tl.load(kc_ptr + base + rc[:, None] * D + rd[None, :], mask=mc[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(k)) * qk_scale
-        sc = tl.where(mc[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + base + rc[:, None] * D + rd[None, :], mask=mc[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-        m_i = m_new
-    if s == 0:
-        # the new token: RoPE'd k and v go to the cache, and into this split's softmax
-        first = rg[:, None] < 1
-        kn = _rope(row + Q + g * D, cos_ptr, sin_ptr, pos, rg, 1, dt, D, GPAD, CG)  # row 0 of [GPAD, D]
-        vn = _ld_act(row + Q + KV + g * D + rg[:, None] * D + rd[None, :], first & (rd[None, :] < D), CG)
-        tl.store(kc_ptr + base + pos * D + rg[:, None] * D + rd[None, :], kn, mask=first & (rd[None, :] < D))
-        tl.store(vc_ptr + base + pos * D + rg[:, None] * D + rd[None, :], vn, mask=first & (rd[None, :] < D))
-        kn = tl.sum(kn.to(tl.float32), axis=0)  # [D] (rows other than 0 are zero)
-        vn = tl.sum(vn.to(tl.float32), axis=0)
-        sn = tl.sum(q.to(tl.float32) * kn[None, :], axis=1) * qk_scale  # [GPAD]
-        m_new = tl.maximum(m_i, sn)
-        alpha = tl.exp2(m_i - m_new)
-        pn = tl.exp2(sn - m_new)
-        l_i = l_i * alpha + pn
-        acc = acc * alpha[:, None] + pn.to(dt).to(tl.float32)[:, None] * vn[None, :]
-        m_i = m_new
-    part = (b * KVH + g) * S + s
-    tl.store(pm_ptr + part * GPAD + rg, m_i, mask=rg < G)
-    tl.store(pl_ptr + part * GPAD + rg, l_i, mask=rg < G)
-    tl.store(pacc_ptr + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + arrive0 + (layer * batch + b) * KVH + g, 1, sem="acq_rel", scope="gpu")
-    last = arrived == S - 1
-    if last:
-        # the last split in merges all S partials into attn[b, heads of g], four splits a step
-        p0 = (b * KVH + g) * S
-        ri = tl.arange(0, SMAX)
-        mg = rg[None, :] < G
-        m_all = tl.max(_ld_act(pm_ptr + (p0 + ri)[:, None] * GPAD + rg[None, :], (ri[:, None] < S) & mg, CG,
-                               float("-inf")), axis=0)
-        l_all = tl.zeros([GPAD], tl.float32)
-        o = tl.zeros([GPAD, D], tl.float32)
-        for i0 in range(0, S, 4):
-            r4 = i0 + tl.arange(0, 4)
-            m4 = (r4[:, None] < S) & mg
-            w = tl.exp2(_ld_act(pm_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
-                        - m_all[None, :])
-            w = tl.where(m4, w, 0.0)
-            l_all += tl.sum(w * _ld_act(pl_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
-            acc4 = _ld_act(pacc_ptr + (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :],
-                           m4[:, :, None], CG)
-            o += tl.sum(w[:, :, None] * acc4, axis=0)
-        o = o / tl.where(rg < G, l_all, 1.0)[:, None]
-        tl.store(attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], o.to(dt), mask=rg[:, None] < G)
+    # splits with no cached chunk to read stay out (short contexts merge few partials)
+    n_split = tl.maximum(1, tl.minimum(S, tl.cdiv(pos, CH)))
+    last = pos < 0
+    if s < n_split:
+        # the cached positions [0, pos), split n_split ways in whole chunks
+        span = tl.cdiv(tl.cdiv(pos, n_split), CH) * CH
+        start = s * span
+        end = tl.minimum(start + span, pos)
+        m_i = tl.full([GPAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GPAD], tl.float32)
+        acc = tl.zeros([GPAD, D], tl.float32)
+        for c0 in range(start, end, CH):
+            rc = c0 + tl.arange(0, CH)
+            mc = rc < end
+            k = tl.load(kc_ptr + base + rc[:, None] * D + rd[None, :], mask=mc[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * qk_scale
+            sc = tl.where(mc[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + base + rc[:, None] * D + rd[None, :], mask=mc[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+            m_i = m_new
+        if s == 0:
+            # the new token: RoPE'd k and v go to the cache, and into this split's softmax
+            first = rg[:, None] < 1
+            kn = _rope(row + Q + g * D, cos_ptr, sin_ptr, pos, rg, 1, dt, D, GPAD, CG)  # row 0 of [GPAD, D]
+            vn = _ld_act(row + Q + KV + g * D + rg[:, None] * D + rd[None, :], first & (rd[None, :] < D), CG)
+            tl.store(kc_ptr + base + pos * D + rg[:, None] * D + rd[None, :], kn, mask=first & (rd[None, :] < D))
+            tl.store(vc_ptr + base + pos * D + rg[:, None] * D + rd[None, :], vn, mask=first & (rd[None, :] < D))
+            kn = tl.sum(kn.to(tl.float32), axis=0)  # [D] (rows other than 0 are zero)
+            vn = tl.sum(vn.to(tl.float32), axis=0)
+            sn = tl.sum(q.to(tl.float32) * kn[None, :], axis=1) * qk_scale  # [GPAD]
+            m_new = tl.maximum(m_i, sn)
+            alpha = tl.exp2(m_i - m_new)
+            pn = tl.exp2(sn - m_new)
+            l_i = l_i * alpha + pn
+            acc = acc * alpha[:, None] + pn.to(dt).to(tl.float32)[:, None] * vn[None, :]
+            m_i = m_new
+        part = (b * KVH + g) * S + s
+        tl.store(pm_ptr + part * GPAD + rg, m_i, mask=rg < G)
+        tl.store(pl_ptr + part * GPAD + rg, l_i, mask=rg < G)
+        tl.store(pacc_ptr + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + arrive0 + (layer * batch + b) * KVH + g, 1, sem="acq_rel", scope="gpu")
+        last = arrived == n_split - 1
+        if last:
+            # the last split in merges the partials into attn[b, heads of g], four splits a step
+            p0 = (b * KVH + g) * S
+            ri = tl.arange(0, SMAX)
+            mg = rg[None, :] < G
+            m_all = tl.max(_ld_act(pm_ptr + (p0 + ri)[:, None] * GPAD + rg[None, :], (ri[:, None] < n_split) & mg,
+                                   CG, float("-inf")), axis=0)
+            l_all = tl.zeros([GPAD], tl.float32)
+            o = tl.zeros([GPAD, D], tl.float32)
+            for i0 in range(0, n_split, 4):
+                r4 = i0 + tl.arange(0, 4)
+                m4 = (r4[:, None] < n_split) & mg
+                w = tl.exp2(_ld_act(pm_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
+                            - m_all[None, :])
+                w = tl.where(m4, w, 0.0)
+                l_all += tl.sum(w * _ld_act(pl_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
+                offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
+                acc4 = _ld_act(pacc_ptr + offs, m4[:, :, None], CG)
+                o += tl.sum(w[:, :, None] * acc4, axis=0)
+            o = o / tl.where(rg < G, l_all, 1.0)[:, None]
+            tl.store(attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], o.to(dt), mask=rg[:, None] < G)
     return last.to(tl.int32)
 
 
@@ -467,6 +471,9 @@ class KernelConfig:
     bk_gu: int = 256  # k chunk of gate/up (two weight tiles per step)
     bk_lm: int = 128  # k chunk of the LM head's wider tiles
     chunk: int = 64  # attention positions per inner step
+    bn_mv: int = 16  # rows per matvec tile (QKV, O, gate/up, down)
+    bn_lm: int = 64  # rows per LM-head tile
+    max_splits: int = 16  # attention splits per (row, kv head) at most
     prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)
     prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
     cooperative: bool = True
@@ -497,12 +504,12 @@ class Megakernel:
                 torch.cuda.get_device_properties(dev).multi_processor_count * self.cfg.programs_per_sm
         self.num_programs = num_programs
         self.max_batch = max_batch
-        self.bpad = max(16, _pow2(max_batch))
+        self.bpad = _pow2(max_batch)  # buffer rows; a launch pads its rows to its bucket only
         self.tilings = tilings or {}
         d, dt = dims, weights.embed.dtype
         self.slots_total, self.max_context = k_cache.shape[1], k_cache.shape[3]
-        self.gpad = max(16, _pow2(d.group))
-        max_splits = 16
+        self.gpad = _pow2(d.group)
+        max_splits = self.cfg.max_splits
         bp = self.bpad
 
         def z(*shape: int, dtype: torch.dtype = dt) -> torch.Tensor:
@@ -526,7 +533,8 @@ class Megakernel:
 
     def schedule(self, batch: int) -> I.Schedule:
         if batch not in self.schedules:
-            til = self.tilings.get(batch) or I.default_tiling(self.dims, batch, self.num_programs, self.max_splits)
+            til = self.tilings.get(batch) or I.default_tiling(self.dims, batch, self.num_programs, self.max_splits,
+                                                              self.cfg.bn_mv, self.cfg.bn_lm)
             regions = self.w.regions() if self.cfg.prefetch_ahead > 0 else None
             s = I.build_schedule(self.dims, batch, self.num_programs, regions, self.w.embed.element_size(), til,
                                  self.cfg.prefetch_bytes)
@@ -535,8 +543,8 @@ class Megakernel:
             self.sched_dev[batch] = (
                 s.tasks.to(self.device), s.starts.to(self.device),
                 torch.zeros(s.num_counters, device=self.device, dtype=torch.int32),
-                torch.zeros(n_lm, self.bpad, device=self.device, dtype=torch.float32),
-                torch.zeros(n_lm, self.bpad, device=self.device, dtype=torch.int32),
+                torch.zeros(n_lm, batch, device=self.device, dtype=torch.float32),
+                torch.zeros(n_lm, batch, device=self.device, dtype=torch.int32),
             )
         return self.schedules[batch]
 
@@ -569,7 +577,7 @@ class Megakernel:
             H=d.hidden, NH=d.num_heads, KVH=d.num_kv_heads, D=d.head_dim, F=d.ffn, V=d.vocab,
             NLAYERS=d.num_layers, SLOTS=self.slots_total, CTX=self.max_context, HAS_BIAS=w.bqkv is not None,
             BN_MV=t.bn_mv, BN_LM=t.bn_lm, BN_E=I.EMBED_COLS, BK_MV=c.bk_mv, BK_GU=c.bk_gu, BK_LM=c.bk_lm,
-            BPAD=self.bpad, GPAD=self.gpad, CH=c.chunk, SMAX=_pow2(self.max_splits),
+            BPAD=batch, GPAD=self.gpad, CH=c.chunk, SMAX=_pow2(self.max_splits),
             PF_AHEAD=0 if INTERPRET else c.prefetch_ahead,
             CG=not INTERPRET, MAX_SPIN=c.max_spin, PROFILE=c.profile and not INTERPRET,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,

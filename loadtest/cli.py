@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-requests", type=int, help="measured sessions (default 100 unless --duration)")
     g.add_argument("--duration", type=float, help="seconds during which sessions arrive")
     g.add_argument("--warmup", type=int, default=2, help="sessions sent first and left out of every figure")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeds prompts, arrivals and barge-ins")
     g.add_argument("--workers", type=int, default=1,
                    help="client processes sharing the load (one handles ~10-20k tokens/s before its own lag shows)")
     g = p.add_argument_group("sweep")
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated rates to measure instead of searching (e.g. 1,2,4,8)")
     g.add_argument("--sweep-start", type=float, default=1.0, help="first rate of the search (doubled until "
                                                                   "the SLA breaks, then bisected)")
-    g.add_argument("--sweep-max-rate", type=float, default=1024.0)
+    g.add_argument("--sweep-max-rate", type=float, default=1024.0, help="stop doubling here")
     g.add_argument("--sweep-bisect", type=int, default=3, help="bisection steps after the doubling")
     g.add_argument("--sla-target", type=float, default=0.99, help="share of requests that must meet the SLA")
     g = p.add_argument_group("work")
@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--cancel-share", type=float, default=1.0, help="share of turns barged in on")
     g = p.add_argument_group("SLA and cost")
     g.add_argument("--sla-tokens", type=int, default=64, help="N: the SLA is on the time to the Nth token")
-    g.add_argument("--sla-ms", type=float, default=100.0)
+    g.add_argument("--sla-ms", type=float, default=100.0, help="deadline for the Nth token, ms")
     g.add_argument("--gpu-hourly-usd", type=float, default=DEFAULT_GPU_HOURLY_USD,
                    help="USD per GPU-hour. The default is an ASSUMPTION (a typical on-demand H100 hour at GPU "
                         "clouds, 2025-26: about $2-4), not a quote: pass your own")

@@ -13,6 +13,7 @@ from service.model.tokenizer import Tokenizer
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat: up to the context, at most this many
 _OFFLOAD_CHARS = 8192  # tokenize longer texts off the event loop
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy (dividing logits by it would overflow: inf, NaN)
 
 
 async def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -62,5 +63,7 @@ def chat_max_tokens(requested: int | None, prompt_len: int, max_context: int) ->
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, stop: tuple[str, ...],
                     seed: int | None, ignore_eos: bool) -> SamplingParams:
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=max(0, top_k), seed=seed, stop=stop, ignore_eos=ignore_eos)
