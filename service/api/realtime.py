@@ -123,6 +123,9 @@ class RealtimeConnection:
                 await self.handle(message["text"], received)
         except WebSocketDisconnect:
             pass
+        except Exception:  # a send to a socket that just went away, or a bug: either way this socket is done
+            if self.ws.application_state is WebSocketState.CONNECTED:
+                log.exception("realtime session %s failed", self.session.id)
         finally:
             await self._abort_active()
             self.engine.close_session(self.session)
