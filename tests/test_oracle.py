@@ -90,7 +90,7 @@ def ref_batched(model, prompts):
     """Every prompt in its own slot of one decoder (slots in a scrambled order, one left unused), then one
     decode call per step for all of them at once, each at its own position."""
     names = list(prompts)
-    slots = [1 + (2 * i) % len(names) for i in range(len(names))]  # a permutation of 1..n: slot 0 unused
+    slots = list(range(len(names), 0, -1))  # n..1: the k-th sequence not in slot k, slot 0 unused
     assert sorted(slots) == list(range(1, len(names) + 1))
     dec = ReferenceDecoder(model.config, model.weights, max_slots=len(names) + 1, max_context=MAX_CONTEXT,
                            device="cpu", dtype=torch.float32)
