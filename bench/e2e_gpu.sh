@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# End to end on one GPU: `parley serve` on a synthetic Llama-3.2-1B, measured from the client by parley-loadtest;
+# first with the megakernel, then with the reference decoder as the in-run peer.
+#   bench/e2e_gpu.sh [RAW_DIR]      → RAW_DIR/*.json (one loadtest file per run, server logs), then
+#                                     bench/results/e2e-<device>.{json,md,png} via bench/e2e_report.py
+# Env: PARLEY_E2E_MODEL (synthetic:llama-3.2-1b), PARLEY_E2E_BACKENDS ("megakernel reference"),
+#      PARLEY_E2E_SWEEP_S (seconds per sweep rate, 6), PARLEY_E2E_PY (python3).
+set -euo pipefail
+RAW=${1:-bench/results/e2e-raw}
+MODEL=${PARLEY_E2E_MODEL:-synthetic:llama-3.2-1b}
+BACKENDS=${PARLEY_E2E_BACKENDS:-megakernel reference}
+SWEEP_S=${PARLEY_E2E_SWEEP_S:-6}
+PY=${PARLEY_E2E_PY:-python3}
+PORT=8011
+URL=http://127.0.0.1:$PORT
+mkdir -p "$RAW"
+
+wait_ready() {
+  for _ in $(seq 600); do
+    if $PY -c "import httpx,sys; sys.exit(httpx.get('$URL/health', timeout=1).status_code != 200)" 2>/dev/null; then
+      return 0
+    fi
+    kill -0 "$1" 2>/dev/null || { echo "server died"; return 1; }
+    sleep 0.5
+  done
+  return 1
+}
+
+loadtest() {  # NAME ARGS...
+  local name=$1; shift
+  $PY -m loadtest.cli --url "$URL" --quiet --sla-tokens 64 --sla-ms 100 --json "$RAW/$name.json" "$@" \
+    | tee "$RAW/$name.txt" | tail -n 25
+}
+
+for backend in $BACKENDS; do
+  echo "== $backend =="
+  $PY -m service.cli serve --model "$MODEL" --backend "$backend" --max-batch 8 --max-context 2048 \
+      --port $PORT --gpu-hourly-usd 2.5 >"$RAW/server-$backend.log" 2>&1 &
+  pid=$!
+  wait_ready $pid || { tail -n 50 "$RAW/server-$backend.log"; exit 1; }
+  $PY -c "import httpx; open('$RAW/$backend-latency-model.json','w').write(httpx.get('$URL/v1/latency_model').text)" || true
+  # One stream at a time: the product promise, as a single voice session meets it.
+  loadtest "$backend-single-32" --concurrency 1 --num-requests 40 --warmup 5 --input-len 32 --output-len 64
+  loadtest "$backend-single-1000" --concurrency 1 --num-requests 20 --warmup 3 --input-len 1000 --output-len 64
+  # Open-loop Poisson arrivals, doubling the rate until fewer than 99% meet the SLA, then bisecting.
+  loadtest "$backend-sweep-32" --sweep --duration "$SWEEP_S" --warmup 5 --input-len 32 --output-len 64 \
+    --sweep-start 4 --sweep-bisect 2 --plot "$RAW/$backend-sweep-32.png"
+  $PY -c "import httpx; open('$RAW/$backend-metrics.txt','w').write(httpx.get('$URL/metrics').text)" || true
+  kill -TERM $pid; wait $pid || true
+done
+$PY bench/e2e_report.py "$RAW"
