@@ -45,6 +45,8 @@ VARIANTS: dict[str, KernelConfig] = {
     "w8": KernelConfig(num_warps=8),
     "w4p2": KernelConfig(programs_per_sm=2),
     "noncoop": KernelConfig(cooperative=False),
+    "bp1": KernelConfig(min_rows=1),
+    "bp1st6": KernelConfig(min_rows=1, num_stages=6),
 }
 
 
