@@ -64,8 +64,9 @@ def warm_up(engine: Engine) -> None:
     """One short request through the whole path, so the first user pays no compilation or allocation. It bypasses
     admission: a strict SLA that no request can meet (a CPU) must refuse users, not stop the server starting."""
     admission, engine.admission = engine.admission, Admission(engine.sla_s)
+    metrics, engine.metrics = engine.metrics, Metrics(engine.sla_tokens)  # users' metrics start at zero
     try:
         for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
             pass
     finally:
-        engine.admission = admission
+        engine.admission, engine.metrics = admission, metrics

@@ -81,6 +81,8 @@ class Engine:
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
         self.metrics.sla_seconds.set(self.sla_s)
+        self.metrics.sla_headroom.set(self.sla_s)
+        self.metrics.kv_slots_free.set(decoder.max_slots)
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
