@@ -174,7 +174,7 @@ def _mv_epilogue(OP: tl.constexpr, n0, acc, acc2, rstd, best_v, best_i, B, out_p
 def _mv_task(OP: tl.constexpr, r0, nsub, ordinal, B, w_ptr, w2_ptr, a_ptr, ssq_in_ptr, bias_ptr, out_ptr,
              xn_ptr, nwn_ptr, ssq_out_ptr, lmax_ptr, lidx_ptr, eps, K: tl.constexpr, N: tl.constexpr,
              NORM: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, CG: tl.constexpr):
+             BK: tl.constexpr, KS: tl.constexpr, CG: tl.constexpr):
     """Rows [r0, r0 + nsub*BN) of out = a @ W^T (and a @ W2^T with DUAL), as one software-pipelined stream over
     (row tile, k chunk): a task of many row tiles fills the pipeline once. NORM: a is x * norm_weight, and the
     epilogue scales by rstd (from the sums of squares at ssq_in_ptr)."""
@@ -189,33 +189,39 @@ def _mv_task(OP: tl.constexpr, r0, nsub, ordinal, B, w_ptr, w2_ptr, a_ptr, ssq_i
         rstd = tl.full([BPAD], 1.0, tl.float32)
     best_v = tl.full([BPAD], float("-inf"), tl.float32)
     best_i = tl.full([BPAD], N, tl.int32)
-    acc = tl.zeros([BPAD, BN], tl.float32)
-    acc2 = tl.zeros([BPAD, BN], tl.float32)
+    # KS independent accumulators (a batched dot over KS slices of each k chunk): no serial chain of
+    # tensor-core ops through one accumulator, and every warp has its own slice
+    BKS: tl.constexpr = BK // KS
+    koff = tl.arange(0, KS)[:, None] * BKS + tl.arange(0, BKS)[None, :]  # [KS, BKS]
+    acc = tl.zeros([KS, BPAD, BN], tl.float32)
+    acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
     for it in range(0, nsub * KB):
         sub = it // KB
         kb = it - sub * KB
         n0 = r0 + sub * BN
-        rk = kb * BK + tl.arange(0, BK)
-        w_off = (n0 + rn)[:, None] * K + rk[None, :]
+        rk = kb * BK + koff  # [KS, BKS]
+        w_off = (n0 + rn)[None, :, None] * K + rk[:, None, :]  # [KS, BN, BKS]
+        a_ptrs = a_ptr + rb[None, :, None] * K + rk[:, None, :]  # [KS, BPAD, BKS]
         if EVEN:  # no masks in the hot loop: fewer instructions per byte streamed
             w = tl.load(w_ptr + w_off)
-            a = _ld_act(a_ptr + rb[:, None] * K + rk[None, :], rb[:, None] < B, CG)
+            a = _ld_act(a_ptrs, rb[None, :, None] < B, CG)
         else:
-            wm = ((n0 + rn)[:, None] < N) & (rk[None, :] < K)
+            wm = ((n0 + rn)[None, :, None] < N) & (rk[:, None, :] < K)
             w = tl.load(w_ptr + w_off, mask=wm, other=0.0)
-            a = _ld_act(a_ptr + rb[:, None] * K + rk[None, :], (rb[:, None] < B) & (rk[None, :] < K), CG)
-        acc = tl.dot(a, tl.trans(w), acc)
+            a = _ld_act(a_ptrs, (rb[None, :, None] < B) & (rk[:, None, :] < K), CG)
+        acc = tl.dot(a, tl.permute(w, (0, 2, 1)), acc)
         if DUAL:
             if EVEN:
                 w2 = tl.load(w2_ptr + w_off)
             else:
                 w2 = tl.load(w2_ptr + w_off, mask=wm, other=0.0)
-            acc2 = tl.dot(a, tl.trans(w2), acc2)
+            acc2 = tl.dot(a, tl.permute(w2, (0, 2, 1)), acc2)
         if kb == KB - 1:
-            best_v, best_i = _mv_epilogue(OP, n0, acc, acc2, rstd, best_v, best_i, B, out_ptr, bias_ptr, xn_ptr,
-                                          nwn_ptr, ssq_out_ptr, dt, N, HAS_BIAS, BPAD, BN, CG)
-            acc = tl.zeros([BPAD, BN], tl.float32)
-            acc2 = tl.zeros([BPAD, BN], tl.float32)
+            best_v, best_i = _mv_epilogue(OP, n0, tl.sum(acc, axis=0), tl.sum(acc2, axis=0), rstd, best_v, best_i,
+                                          B, out_ptr, bias_ptr, xn_ptr, nwn_ptr, ssq_out_ptr, dt, N, HAS_BIAS, BPAD,
+                                          BN, CG)
+            acc = tl.zeros([KS, BPAD, BN], tl.float32)
+            acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
     if OP == I.LMHEAD:
         tl.store(lmax_ptr + ordinal * BPAD + rb, best_v)
         tl.store(lidx_ptr + ordinal * BPAD + rb, best_i)
@@ -386,7 +392,7 @@ def megakernel(
     H: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr, V: tl.constexpr,
     NLAYERS: tl.constexpr, SLOTS: tl.constexpr, CTX: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN_MV: tl.constexpr, BN_LM: tl.constexpr, BN_E: tl.constexpr,
-    BK_MV: tl.constexpr, BK_GU: tl.constexpr, BK_LM: tl.constexpr,
+    BK_MV: tl.constexpr, BK_GU: tl.constexpr, BK_LM: tl.constexpr, KS: tl.constexpr, KS_LM: tl.constexpr,
     BPAD: tl.constexpr, GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, PF_AHEAD: tl.constexpr,
     CG: tl.constexpr,
     MAX_SPIN: tl.constexpr, PROFILE: tl.constexpr,
@@ -423,7 +429,7 @@ def megakernel(
         if op == I.QKV:
             _mv_task(I.QKV, a0, a1, 0, batch, wqkv_ptr + layer * QKVR * H, wqkv_ptr, xn_ptr, ssq_attn,
                      bqkv_ptr + layer * QKVR, qkv_ptr, xn_ptr, norm1_ptr, ssq_ptr, lmax_ptr, lidx_ptr, eps,
-                     H, QKVR, True, False, HAS_BIAS, BPAD, BN_MV, BK_MV, CG)
+                     H, QKVR, True, False, HAS_BIAS, BPAD, BN_MV, BK_MV, KS, CG)
         elif op == I.ATTN:
             inc = _op_attn(layer, a0, a1, tl.load(rec + I.F_A2), attn_splits, batch, cnt_ptr,
                            arrive0, tok_ptr, slot_ptr, pos_ptr, qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
@@ -432,22 +438,22 @@ def megakernel(
             # x += attn @ Wo^T, and the MLP norm's operand
             _mv_task(I.OPROJ, a0, a1, 0, batch, wo_ptr + layer * H * Q, wo_ptr, attn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
                      xn_ptr, norm2_ptr + layer * H, ssq_mlp, lmax_ptr, lidx_ptr, eps,
-                     Q, H, False, False, False, BPAD, BN_MV, BK_MV, CG)
+                     Q, H, False, False, False, BPAD, BN_MV, BK_MV, KS, CG)
         elif op == I.GATEUP:
             _mv_task(I.GATEUP, a0, a1, 0, batch, wg_ptr + layer * F * H, wu_ptr + layer * F * H, xn_ptr, ssq_mlp,
                      bqkv_ptr, ffn_ptr, xn_ptr, norm2_ptr, ssq_ptr, lmax_ptr, lidx_ptr, eps,
-                     H, F, True, True, False, BPAD, BN_MV, BK_GU, CG)
+                     H, F, True, True, False, BPAD, BN_MV, BK_GU, KS, CG)
         elif op == I.DOWN:
             # x += ffn @ Wdown^T, and the next layer's attention norm operand (the final norm's after the last)
             last_layer = layer == NLAYERS - 1
             nwn = tl.where(last_layer, fnorm_ptr, norm1_ptr + (layer + 1) * H)
             _mv_task(I.DOWN, a0, a1, 0, batch, wd_ptr + layer * H * F, wd_ptr, ffn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
                      xn_ptr, nwn, ssq_ptr + (2 * layer + 2) * BPAD, lmax_ptr, lidx_ptr, eps,
-                     F, H, False, False, False, BPAD, BN_MV, BK_MV, CG)
+                     F, H, False, False, False, BPAD, BN_MV, BK_MV, KS, CG)
         elif op == I.LMHEAD:
             _mv_task(I.LMHEAD, a0, a1, tl.load(rec + I.F_A2), batch, lm_ptr, lm_ptr, xn_ptr,
                      ssq_ptr + 2 * NLAYERS * BPAD, bqkv_ptr, logits_ptr, xn_ptr, fnorm_ptr, ssq_ptr, lmax_ptr,
-                     lidx_ptr, eps, H, V, True, False, False, BPAD, BN_LM, BK_LM, CG)
+                     lidx_ptr, eps, H, V, True, False, False, BPAD, BN_LM, BK_LM, KS_LM, CG)
         elif op == I.EMBED:
             _op_embed(a0, a1, tok_ptr, embed_ptr, x_ptr, xn_ptr, norm1_ptr, ssq_ptr, batch, H, BPAD, BN_E)
         elif op == I.ARGMAX:
@@ -483,6 +489,8 @@ class KernelConfig:
     bn_mv: int = 16  # rows per matvec tile (QKV, O, gate/up, down)
     bn_lm: int = 64  # rows per LM-head tile
     max_splits: int = 16  # attention splits per (row, kv head) at most
+    k_split: int = 4  # independent accumulators per matvec tile (a batched dot over k slices)
+    k_split_lm: int = 2
     min_rows: int = 16  # a launch pads its batch rows to max(bucket, min_rows) (16: one tensor-core tile)
     prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)
     prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
@@ -587,6 +595,7 @@ class Megakernel:
             H=d.hidden, NH=d.num_heads, KVH=d.num_kv_heads, D=d.head_dim, F=d.ffn, V=d.vocab,
             NLAYERS=d.num_layers, SLOTS=self.slots_total, CTX=self.max_context, HAS_BIAS=w.bqkv is not None,
             BN_MV=t.bn_mv, BN_LM=t.bn_lm, BN_E=I.EMBED_COLS, BK_MV=c.bk_mv, BK_GU=c.bk_gu, BK_LM=c.bk_lm,
+            KS=c.k_split, KS_LM=c.k_split_lm,
             BPAD=max(batch, c.min_rows), GPAD=self.gpad, CH=c.chunk, SMAX=_pow2(self.max_splits),
             PF_AHEAD=0 if INTERPRET else c.prefetch_ahead,
             CG=not INTERPRET, MAX_SPIN=c.max_spin, PROFILE=c.profile and not INTERPRET,

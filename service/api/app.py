@@ -67,6 +67,17 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
             raise APIError(503, "the model is still loading", code="not_ready")
         return Response(state.runtime.engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/v1/latency_model", response_model=None)
+    async def latency_model() -> JSONResponse:
+        """What admission predicts with: decode-step time per batch size and prefill time per prompt length,
+        measured at start-up and corrected from every step since; and the SLA it enforces."""
+        rt = state.ready() if state.runtime is None else state.runtime
+        adm = rt.admission
+        return JSONResponse({**rt.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
+                             "best_effort": adm.best_effort, "strict": adm.strict,
+                             "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
+                             "backend": rt.backend, "device": rt.device})
+
     @app.get("/v1/models", response_model=None)
     async def models() -> JSONResponse:
         rt = state.ready() if state.runtime is None else state.runtime
