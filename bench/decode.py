@@ -46,6 +46,10 @@ VARIANTS: dict[str, KernelConfig] = {
     "w4p2": KernelConfig(programs_per_sm=2),
     "noncoop": KernelConfig(cooperative=False),
     "bp1": KernelConfig(min_rows=1),
+    "ks1": KernelConfig(k_split=1, k_split_lm=1),
+    "ks2": KernelConfig(k_split=2),
+    "lm4": KernelConfig(k_split_lm=4),
+    "w8ks8": KernelConfig(num_warps=8, k_split=8, k_split_lm=4),
     "bp1st6": KernelConfig(min_rows=1, num_stages=6),
 }
 

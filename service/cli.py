@@ -44,10 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "[PARLEY_GPU_HOURLY_USD]")
     s.add_argument("--drain-timeout-s", type=float, help=f"on SIGTERM, how long in-flight requests may take "
                                                          f"(default {d.drain_timeout_s:g}) [PARLEY_DRAIN_TIMEOUT_S]")
+    s.add_argument("--wedge-timeout-s", type=float, help=f"a step hung this long turns /health 503 so that an "
+                                                         f"orchestrator restarts the server (default "
+                                                         f"{d.wedge_timeout_s:g}) [PARLEY_WEDGE_TIMEOUT_S]")
     s.add_argument("--step-delay-ms", type=float, help="testing: slow every decode step down by this much "
                                                        "[PARLEY_STEP_DELAY_MS]")
     s.add_argument("--fail-step", type=int, help="testing: the decode step (1-based) that raises, once "
                                                  "[PARLEY_FAIL_STEP]")
+    s.add_argument("--hang-step", type=int, help="testing: the decode step (1-based) that hangs (wedges the engine) "
+                                                 "[PARLEY_HANG_STEP]")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return parser
@@ -55,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     names = ("model", "host", "port", "backend", "device", "max_batch", "max_context", "sla_ms", "sla_tokens",
-             "strict_sla", "max_waiting", "gpu_hourly_usd", "drain_timeout_s", "step_delay_ms", "fail_step")
+             "strict_sla", "max_waiting", "gpu_hourly_usd", "drain_timeout_s", "wedge_timeout_s", "step_delay_ms",
+             "fail_step", "hang_step")
     return ServeConfig.from_env(**{n: getattr(args, n) for n in names})
 
 

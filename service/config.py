@@ -21,8 +21,10 @@ class ServeConfig:
     max_waiting: int = 64
     gpu_hourly_usd: float = 0.0  # exported as parley_gpu_hourly_usd for the cost panels
     drain_timeout_s: float = 30.0
+    wedge_timeout_s: float = 30.0  # a decode step or prefill hung this long turns /health 503 (restart me)
     step_delay_ms: float = 0.0  # testing: slow every decode step down on purpose
     fail_step: int = 0  # testing: the decode step number (1-based) that raises, once; 0 = never
+    hang_step: int = 0  # testing: the decode step number (1-based) that hangs (for an hour); 0 = never
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServeConfig:

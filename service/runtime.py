@@ -42,8 +42,12 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     log.info("loaded %s (%s) in %.1f s", cfg.model, model.config.name, time.perf_counter() - t0)
     max_context = min(cfg.max_context, model.config.max_position_embeddings)
     decoder = make_decoder(backend, model.config, model.weights, cfg.max_batch, max_context, device)
-    if cfg.step_delay_ms or cfg.fail_step:
-        decoder = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step)
+    faults = None
+    if cfg.step_delay_ms or cfg.fail_step or cfg.hang_step:
+        # The delay applies from the start (calibration must see it); --fail-step/--hang-step count the steps of
+        # users' requests only, from when the server is warm.
+        decoder = faults = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step, cfg.hang_step)
+        faults.armed = False
     t0 = time.perf_counter()
     latency = calibrate(decoder)
     log.info("latency model measured in %.1f s: %s", time.perf_counter() - t0, latency.snapshot())
@@ -54,9 +58,11 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
                     admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
-                    max_waiting=cfg.max_waiting)
+                    max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s)
     engine.start()
     warm_up(engine)
+    if faults is not None:
+        faults.steps, faults.armed = 0, True
     return Runtime(cfg, model, engine, backend, device, model_id=cfg.model, latency=latency, admission=admission)
 
 

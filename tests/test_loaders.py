@@ -351,7 +351,7 @@ def test_llama_3_2_rope_scaling():
     assert SHAPES["llama-3.2-1b"].num_params() * 2 / 1e9 == pytest.approx(2.47, abs=0.01)  # bf16 GB
 
 
-def test_synthetic_smollm2_model():
+def test_synthetic_smollm2_model(tokenizer):
     m = load_model("synthetic:smollm2-135m")
     c, w = m.config, m.weights
     assert m.spec == "synthetic:smollm2-135m" and c is SHAPES["smollm2-135m"]
@@ -363,8 +363,12 @@ def test_synthetic_smollm2_model():
     n = w.embed.numel() + w.final_norm.numel() + sum(t.numel() for x in w.layers for t in vars(x).values()
                                                      if t is not None)
     assert n == c.num_params() == 134_515_008
-    ids = m.tokenizer.encode("hello")
-    assert ids == list(b"hello") and m.tokenizer.decode([299, 300]) == "et"  # ids past the bytes read as letters
+    # SmolLM2's own tokenizer (shipped): synthetic prompts tokenize like the real model's
+    text = "Hello, world! 2024 東京 🎉"
+    assert m.tokenizer.encode(text) == tokenizer.encode(text)
+    assert m.tokenizer.encode_chat([{"role": "user", "content": "hi"}]) == tokenizer.encode_chat(
+        [{"role": "user", "content": "hi"}])
+    assert m.tokenizer.decode(m.tokenizer.encode(text)) == text
 
 
 def test_synthetic_is_deterministic():
@@ -376,6 +380,12 @@ def test_synthetic_is_deterministic():
     assert not torch.equal(a.layers[0].wq, c.layers[0].wq)
     bf = load_synthetic("smollm2-135m", num_layers=2, dtype=torch.bfloat16)[1]
     assert bf.embed.dtype == torch.bfloat16 and torch.equal(bf.embed, a.embed.to(torch.bfloat16))
+
+
+def test_synthetic_byte_tokenizer():
+    tok = byte_tokenizer(300)
+    assert tok.encode("hello") == list(b"hello")
+    assert tok.decode([299, 104]) == "eh"  # ids past the bytes read as letters
 
 
 def test_synthetic_decodes():

@@ -3,8 +3,11 @@ detokenizer over multi-byte text."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+import service.model.synthetic
 from service.model.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, _byte_level_alphabet
 
 TEXTS = [
@@ -77,6 +80,30 @@ def test_digits_split_individually(text, tokenizer, hf_tokenizer):
         if any(c.isdigit() for c in w):
             assert len(w) == 1, (text, words)
     assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    """SmolLM2's real tokenizer.json and tokenizer_config.json (the copy Parley ships for synthetic models)."""
+    from pathlib import Path
+
+    data = Path(service.model.synthetic.__file__).parent / "data"
+    if not (data / "smollm2-tokenizer.json").exists():
+        pytest.skip("no shipped SmolLM2 tokenizer.json")
+    cfg = json.loads((data / "smollm2-tokenizer_config.json").read_text())
+    return Tokenizer.from_file(data / "smollm2-tokenizer.json", chat_template=cfg["chat_template"],
+                               bos_token=cfg["bos_token"], eos_token=cfg["eos_token"])
+
+
+@pytest.mark.parametrize("text", TEXTS + DIGIT_TEXTS)
+def test_encode_matches_real_smollm2_tokenizer(text, tokenizer, real_tokenizer):
+    """The GGUF-built tokenizer (llama.cpp's `smollm` pre-tokenizer) is SmolLM2's real one, digits included."""
+    assert tokenizer.encode(text) == real_tokenizer.encode(text)
+
+
+def test_chat_template_matches_real_smollm2(tokenizer, real_tokenizer):
+    for messages in MESSAGES:
+        assert tokenizer.apply_chat_template(messages) == real_tokenizer.apply_chat_template(messages)
 
 
 def test_digit_tokens_are_single_digits(tokenizer):

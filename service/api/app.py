@@ -8,8 +8,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, HTTPException
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -92,7 +94,22 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
         return JSONResponse(ModelCard(id=rt.model_id, created=state.created,
                                       max_model_len=state.max_context).model_dump())
 
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema (the request bodies are the pydantic models), less the 422 it documents for every body:
+    Parley answers a bad body with 400 in OpenAI's shape (documented per route)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def server_state(app: FastAPI) -> ServerState:

@@ -22,6 +22,7 @@ from service.api.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     Sampling,
     usage_info,
 )
@@ -33,11 +34,27 @@ log = logging.getLogger("parley.api")
 router = APIRouter()
 
 
+def documented(response: type) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI description of an endpoint's answers: JSON or, with `"stream": true`, SSE; and its errors."""
+    err = {"model": ErrorResponse}
+    return {
+        200: {"model": response, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+              "description": "the completion (JSON), or with `stream: true` Server-Sent Events ending in "
+                             "`data: [DONE]`"},
+        400: {**err, "description": "a bad field (`param` names it)"},
+        404: {**err, "description": "an unknown model"},
+        413: {**err, "description": "a body over 1 MiB"},
+        429: {**err, "description": "refused by admission control (Retry-After, x-should-retry: false)"},
+        500: {**err, "description": "the engine failed the generation"},
+        503: {**err, "description": "loading, draining, or the engine is not responding"},
+    }
+
+
 def state_of(request: Request) -> ServerState:
     return request.app.state.parley
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=documented(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     arrival = time.perf_counter()
     st = state_of(request)
@@ -69,7 +86,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ).model_dump())
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=documented(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.perf_counter()
     st = state_of(request)

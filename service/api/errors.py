@@ -94,6 +94,17 @@ def from_validation(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def from_unparsable_body(cause: BaseException) -> APIError:
+    """A body FastAPI's JSON parsing raised on (other than a JSONDecodeError): bytes that are not UTF-8, or JSON
+    nested deeper than the parser goes."""
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, f"the body is not valid UTF-8 (byte {cause.start}: {cause.reason})",
+                        code="invalid_encoding")
+    if isinstance(cause, RecursionError):
+        return APIError(400, "the body is not valid JSON: it is nested too deeply", code="invalid_json")
+    return APIError(400, f"the body is not valid JSON: {type(cause).__name__}", code="invalid_json")
+
+
 def _field_path(e: Any) -> list[str]:
     return [str(p) for p in e.get("loc", ()) if p != "body" and not _is_type_tag(str(p))]
 
@@ -132,6 +143,8 @@ def install(app: FastAPI) -> None:
                            code="method_not_allowed")
         elif status == 413:
             err = APIError(413, str(exc.detail), code="request_too_large")
+        elif status == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body at all
+            err = from_unparsable_body(exc.__cause__)
         else:
             err = APIError(status, str(exc.detail))
         err.headers.update(exc.headers or {})

@@ -16,7 +16,17 @@ _OFFLOAD_CHARS = 8192  # tokenize longer texts off the event loop
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (dividing logits by it would overflow: inf, NaN)
 
 
-async def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
+def check_unicode(text: str, param: str) -> None:
+    """JSON can carry lone surrogates (\\ud800) that are no text at all; the tokenizer would raise on them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}", param=param,
+                       code="invalid_encoding") from e
+
+
+async def encode_text(tokenizer: Tokenizer, text: str, param: str = "prompt") -> list[int]:
+    check_unicode(text, param)
     if len(text) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(tokenizer.encode, text)
     return tokenizer.encode(text)
@@ -26,6 +36,8 @@ async def encode_messages(tokenizer: Tokenizer, messages: Sequence[dict[str, Any
                           ) -> list[int]:
     """The chat template over the conversation, ending with the assistant's generation prompt."""
     msgs = list(messages)
+    for i, m in enumerate(msgs):
+        check_unicode(m.get("content") or "", f"{param}.{i}.content" if param == "messages" else param)
     try:
         if sum(len(m.get("content") or "") for m in msgs) > _OFFLOAD_CHARS:
             return await asyncio.to_thread(tokenizer.encode_chat, msgs)

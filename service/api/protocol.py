@@ -291,11 +291,25 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
 # -- the realtime WebSocket ------------------------------------------------------------------------------------
 class RealtimeSessionConfig(BaseModel):
     """session.update's `session`: the defaults of every later response.create."""
 
     model_config = ConfigDict(extra="ignore")
+    model: str | None = None  # if given, the served model's id
     instructions: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -38,6 +38,7 @@ from service.engine.request import Delta
 log = logging.getLogger("parley.realtime")
 router = APIRouter()
 
+MAX_EVENT_CHARS = 1 << 20  # as the HTTP body limit; larger frames (up to the server's ws_max_size) get an error
 STATUS = {"stop": "completed", "length": "completed", "cancelled": "cancelled", "error": "failed"}
 
 
@@ -58,7 +59,7 @@ class Defaults:
     def merged(self, cfg: RealtimeSessionConfig) -> Defaults:
         out = Defaults(**self.__dict__)
         for k, v in cfg.model_dump(exclude_unset=True).items():
-            if k in ("id", "input"):
+            if k in ("id", "input", "model"):
                 continue
             if k == "stop":
                 v = [v] if isinstance(v, str) else list(v or [])
@@ -82,6 +83,13 @@ class ActiveResponse:
         if self._counted:
             self._counted = False
             self.st.stream_ended()
+
+
+@router.get("/v1/realtime", include_in_schema=False)
+async def realtime_over_http() -> None:
+    """A plain HTTP GET (no WebSocket upgrade): say what this endpoint speaks rather than 404."""
+    raise APIError(426, "/v1/realtime speaks WebSocket: connect with an Upgrade: websocket request",
+                   code="websocket_required", headers={"Upgrade": "websocket"})
 
 
 @router.websocket("/v1/realtime")
@@ -111,6 +119,11 @@ class RealtimeConnection:
     async def run(self) -> None:
         try:
             await self.send({"type": "session.created", "session": self.session_info()})
+            model = self.ws.query_params.get("model")
+            if model and model != self.st.model_id:  # OpenAI's clients name the model in the URL
+                await self.error("invalid_request_error", "model_not_found",
+                                 f"the model {model!r} does not exist; this session serves {self.st.model_id!r}",
+                                 param="model")
             while True:
                 message = await self.ws.receive()
                 if message["type"] == "websocket.disconnect":
@@ -119,6 +132,10 @@ class RealtimeConnection:
                 if message.get("text") is None:
                     await self.error("invalid_request_error", "binary_not_supported",
                                      "binary frames are not supported: send JSON text events")
+                    continue
+                if len(message["text"]) > MAX_EVENT_CHARS:
+                    await self.error("invalid_request_error", "request_too_large",
+                                     f"an event may be at most {MAX_EVENT_CHARS} characters")
                     continue
                 await self.handle(message["text"], received)
         except WebSocketDisconnect:
@@ -157,6 +174,13 @@ class RealtimeConnection:
             return
         kind = event["type"]
         try:
+            json.dumps(event, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # a \\ud800 escape: not text; the tokenizer (and our replies) would choke on it
+            await self.error("invalid_request_error", "invalid_encoding",
+                             "the event holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode",
+                             event_type=kind[:64].encode("utf-8", "replace").decode())
+            return
+        try:
             if kind == "session.update":
                 await self.session_update(event)
             elif kind == "response.create":
@@ -174,9 +198,17 @@ class RealtimeConnection:
             param = f"{where}.{err.param}" if err.param else where
             message = err.message.replace(f"{err.param}:", f"{param}:", 1) if err.param else err.message
             await self.error(err.type, err.code, message, param=param, event_type=kind)
+        except WebSocketDisconnect:
+            raise
+        except Exception as e:  # a bug must not take the socket down: answer, log, and keep serving
+            if self.ws.application_state is not WebSocketState.CONNECTED:
+                raise
+            log.exception("realtime event %s failed", kind)
+            await self.error("server_error", "internal", f"internal error: {type(e).__name__}", event_type=kind)
 
     async def session_update(self, event: dict[str, Any]) -> None:
         cfg = RealtimeSessionConfig.model_validate(_object(event, "session"))
+        self.check_model(cfg.model, "session.model")
         self.defaults = self.defaults.merged(cfg)
         await self.send({"type": "session.updated", "session": self.session_info()})
 
@@ -185,12 +217,13 @@ class RealtimeConnection:
             raise APIError(400, f"response {self.active.id} is still in progress: cancel it or wait for its "
                                 "response.done", code="conversation_already_has_active_response")
         cfg = RealtimeResponseConfig.model_validate(_object(event, "response"))
+        self.check_model(cfg.model, "response.model")
         turn = self.defaults.merged(cfg)
         self.st.ready()  # 503-shaped error while draining
         tok = self.st.tokenizer
         new_messages: list[dict[str, str]] | None = None
         if isinstance(cfg.input, str):
-            ids = await prompts.encode_text(tok, cfg.input)
+            ids = await prompts.encode_text(tok, cfg.input, param="response.input")
             param = "response.input"
         else:
             new_messages = [m.for_template() for m in cfg.input]
@@ -222,6 +255,11 @@ class RealtimeConnection:
             self.active = None
             raise
         active.task = asyncio.create_task(self._respond(active, chunking=turn.chunking == "sentence"))
+
+    def check_model(self, model: str | None, param: str) -> None:
+        if model and model != self.st.model_id:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.st.model_id!r}",
+                           param=param, code="model_not_found")
 
     async def response_cancel(self, event: dict[str, Any]) -> None:
         rid = event.get("response_id")

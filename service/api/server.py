@@ -23,6 +23,9 @@ from service.runtime import build_engine
 
 log = logging.getLogger("parley")
 
+# Realtime frames up to this size reach the app, which answers one over 1 MiB with an `error` event (the socket stays
+# open); only a larger one is refused by the WebSocket layer itself (close 1009, message too big).
+WS_MAX_BYTES = 4 * MAX_BODY_BYTES
 STREAMS_GRACE_S = 10.0  # after the engine drained: time for the last bytes of each stream to go out
 
 
@@ -79,7 +82,7 @@ def serve(cfg: ServeConfig, log_level: str = "info", access_log: bool = False) -
     app = create_app(lambda: build_engine(cfg))
     state = server_state(app)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
-                            log_level=log_level, access_log=access_log, ws_max_size=MAX_BODY_BYTES,
+                            log_level=log_level, access_log=access_log, ws_max_size=WS_MAX_BYTES,
                             timeout_graceful_shutdown=None)
     server = ParleyServer(config, state, cfg.drain_timeout_s)
     server.run()

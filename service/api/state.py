@@ -32,6 +32,9 @@ class ServerState:
                            headers={"Retry-After": "5"})
         if self.draining or not rt.engine.accepting:
             raise APIError(503, "the server is shutting down", code="draining", headers={"Retry-After": "5"})
+        if not rt.engine.healthy():  # wedged or dead: an answer now beats a request that would wait forever
+            raise APIError(503, "the engine is not responding; this server should be restarted",
+                           code="engine_unhealthy", headers={"Retry-After": "5"})
         return rt
 
     def health(self) -> tuple[bool, str]:

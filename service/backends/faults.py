@@ -1,5 +1,5 @@
-"""FaultInjectingDecoder: wraps a decoder to slow every step down or make one step raise, for tests of admission
-and of fault handling against a real server (`--step-delay-ms`, `--fail-step`)."""
+"""FaultInjectingDecoder: wraps a decoder to slow every step down, make one step raise, or make one step hang, for
+tests of admission and of fault handling against a real server (`--step-delay-ms`, `--fail-step`, `--hang-step`)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,17 @@ class InjectedFault(RuntimeError):
     pass
 
 
+HANG_S = 3600.0  # a hung step sleeps this long: far past any wedge timeout (the process is killed first)
+
+
 class FaultInjectingDecoder:
-    def __init__(self, inner: Decoder, step_delay_s: float = 0.0, fail_step: int = 0) -> None:
+    def __init__(self, inner: Decoder, step_delay_s: float = 0.0, fail_step: int = 0, hang_step: int = 0,
+                 hang_s: float = HANG_S) -> None:
         self.inner = inner
         self.step_delay_s = step_delay_s
         self.fail_step = fail_step
+        self.hang_step, self.hang_s = hang_step, hang_s
+        self.armed = True  # faults count steps only while armed (a server arms them once it is warm)
         self.steps = 0
         self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
         self.device, self.name = inner.device, inner.name
@@ -27,9 +33,12 @@ class FaultInjectingDecoder:
         return self.inner.prefill(slot, token_ids, start_pos)
 
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
-        self.steps += 1
-        if self.steps == self.fail_step:
+        if self.armed:
+            self.steps += 1
+        if self.armed and self.steps == self.fail_step:
             raise InjectedFault(f"injected fault in decode step {self.steps}")
+        if self.armed and self.steps == self.hang_step:  # a wedged device: the engine thread never comes back
+            time.sleep(self.hang_s)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return self.inner.decode(slots, token_ids, positions)

@@ -230,7 +230,7 @@ class Engine:
         self.admission.observe_prefill(n, req.prefill_end - req.prefill_start)
         req.kv_len = len(req.prompt_ids)
         self.scheduler.start(req)
-        self._emit(req, token)
+        self._emit_or_fail(req, token)
 
     def _decode_step(self) -> None:
         batch = list(self.scheduler.running)
@@ -248,12 +248,25 @@ class Engine:
         finally:
             self._busy_since = None
         for req, token in zip(batch, tokens):
+            if isinstance(token, Exception):  # this request's sampling failed: fail it alone
+                log.error("sampling failed for %s: %s", req.id, token)
+                self._finish(req, "error", error=f"sampling failed: {token}")
+                continue
             req.kv_len += 1
-            self._emit(req, token)
+            self._emit_or_fail(req, token)
         # The whole step as a client sees it: kernel, sampling, detokenizing, streaming.
         dt = time.perf_counter() - t0
         self.metrics.decode_step.labels(batch_size=str(len(batch))).observe(dt)
         self.admission.observe_step(len(batch), dt)
+
+    def _emit_or_fail(self, req: Request, token: int) -> None:
+        """_emit, and if detokenizing or streaming this one request raises, fail it alone."""
+        try:
+            self._emit(req, token)
+        except Exception as e:
+            log.exception("emitting a token failed for %s", req.id)
+            if req.state is not State.FINISHED:
+                self._finish(req, "error", error=f"output failed: {e}")
 
     def _emit(self, req: Request, token: int) -> None:
         now = time.perf_counter()

@@ -7,12 +7,17 @@ import torch
 from service.engine.request import Request
 
 
-def sample(logits: torch.Tensor, argmax: torch.Tensor, requests: list[Request]) -> list[int]:
-    """The next token of each request; logits [batch, vocab] float32 and argmax [batch] from the decoder."""
-    tokens = argmax.tolist()  # the one host sync of a step
+def sample(logits: torch.Tensor, argmax: torch.Tensor, requests: list[Request]) -> list[int | Exception]:
+    """The next token of each request; logits [batch, vocab] float32 and argmax [batch] from the decoder.
+    Sampling is per request, and so are its failures: a request whose sampling raises gets the exception in its
+    place (the engine fails that request only), the others get their tokens."""
+    tokens: list[int | Exception] = argmax.tolist()  # the one host sync of a step
     for i, req in enumerate(requests):
         if not req.params.greedy:
-            tokens[i] = sample_one(logits[i], req)
+            try:
+                tokens[i] = sample_one(logits[i], req)
+            except Exception as e:
+                tokens[i] = e
     return tokens
 
 
@@ -29,6 +34,7 @@ def sample_one(logits: torch.Tensor, req: Request) -> int:
         probs = sorted_scores.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[0] = False  # even where top_p rounds to 0 in float32 (a top_p of 1e-300 would drop every token)
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     if req.generator is None:
