@@ -72,7 +72,11 @@ def from_validation(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request")
-    e = errors[0]
+    # Of the errors in the first offending field, the deepest: where a union's alternatives all failed (content
+    # as a string or as a list of messages), it is the one inside the alternative the input actually took.
+    top = _field_path(errors[0])[:1]
+    in_field = [x for x in errors if _field_path(x)[:1] == top]
+    e = max(in_field, key=lambda x: len(_field_path(x)))
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     kind = e.get("type", "")
     if kind == "json_invalid":
@@ -88,7 +92,7 @@ def from_validation(exc: RequestValidationError) -> APIError:
     msg = " or ".join(msgs)
     code = "missing_required_parameter" if kind == "missing" else "invalid_value"
     message = f"{param}: {msg}" if param else msg
-    others = len(errors) - len(same)
+    others = len(errors) - len(in_field)
     if others:
         message += f" (and {others} more error{'s' if others > 1 else ''})"
     return APIError(400, message, param=param, code=code)
