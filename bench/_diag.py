@@ -1,5 +1,8 @@
-"""Temporary diagnostics (not part of the deliverable): accuracy against a float32 oracle, and a per-phase
-profile of the megakernel from globaltimer stamps."""
+"""Megakernel diagnostics on a GPU (bench/NOTES.md quotes them):
+
+    python bench/_diag.py acc    # per-step logits error of the megakernel and of the bf16 reference vs float32
+    python bench/_diag.py prof   # per-phase timeline from globaltimer stamps (KernelConfig(profile=True))
+"""
 
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ def profile(shape: str, batch: int, ctx: int, cfg: KernelConfig) -> None:
     prof = k.prof[: len(s.tasks)].cpu().double()
     tasks = s.tasks
     t0 = prof[:, 0].min()
-    start, ready, end = prof[:, 0] - t0, prof[:, 1] - t0, prof[:, 2] - t0
+    ready, end = prof[:, 1] - t0, prof[:, 2] - t0
     total = end.max().item() / 1e3
     keys = [(int(r[I.F_LAYER]), int(r[I.F_OP])) for r in tasks]
     order = [(0, I.EMBED)] + [(layer, op) for layer in range(config.num_layers)

@@ -10,7 +10,12 @@ squares to a per-norm accumulator, so a consumer's matvec streams a ready operan
 
 Synchronisation: a task spins on a volatile load of its counter, then takes an acquire atomic; a finished task
 passes a CTA barrier and adds one to its counter with release semantics. Activations are read with `.cg` (L2,
-never a stale L1 line). The last task (ARGMAX) zeroes every counter, so a CUDA graph can replay the launch.
+never a stale L1 line). The last task (ARGMAX) zeroes the counters and the sums of squares, so a CUDA graph can
+replay the launch. A wait that spins too long sets an error flag (Megakernel.err) and the step finishes instead of
+hanging; the host checks the flag.
+
+Matvecs use tensor cores (`tl.dot`) with the batch rows as M, padded only to the bucket; each 16-row weight tile is
+accumulated as KS independent k-slices (a batched dot, one slice per warp) and summed in the epilogue.
 """
 
 from __future__ import annotations
@@ -263,7 +268,7 @@ def _op_embed(c0, nsub, tok_ptr, embed_ptr, x_ptr, xn_ptr, nw_ptr, ssq_ptr, B, H
 def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_ptr, qkv_ptr, cos_ptr, sin_ptr,
              kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, attn_ptr, sm_scale,
              NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, CTX: tl.constexpr,
-             GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, CG: tl.constexpr):
+             GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, SPLIT_MIN: tl.constexpr, CG: tl.constexpr):
     G: tl.constexpr = NH // KVH
     Q: tl.constexpr = NH * D
     KV: tl.constexpr = KVH * D
@@ -279,7 +284,7 @@ def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_
     q = _rope(row + g * G * D, cos_ptr, sin_ptr, pos, rg, G, dt, D, GPAD, CG)  # [GPAD, D]
     base = ((layer * SLOTS + slot) * KVH + g) * CTX * D
     # splits with no cached chunk to read stay out (short contexts merge few partials)
-    n_split = tl.maximum(1, tl.minimum(S, tl.cdiv(pos, CH)))
+    n_split = tl.maximum(1, tl.minimum(S, tl.cdiv(pos, CH * SPLIT_MIN)))
     last = pos < 0
     if s < n_split:
         # the cached positions [0, pos), split n_split ways in whole chunks
@@ -318,34 +323,40 @@ def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_
             l_i = l_i * alpha + pn
             acc = acc * alpha[:, None] + pn.to(dt).to(tl.float32)[:, None] * vn[None, :]
             m_i = m_new
-        part = (b * KVH + g) * S + s
-        tl.store(pm_ptr + part * GPAD + rg, m_i, mask=rg < G)
-        tl.store(pl_ptr + part * GPAD + rg, l_i, mask=rg < G)
-        tl.store(pacc_ptr + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + arrive0 + (layer * batch + b) * KVH + g, 1, sem="acq_rel", scope="gpu")
-        last = arrived == n_split - 1
-        if last:
-            # the last split in merges the partials into attn[b, heads of g], four splits a step
-            p0 = (b * KVH + g) * S
-            ri = tl.arange(0, SMAX)
-            mg = rg[None, :] < G
-            m_all = tl.max(_ld_act(pm_ptr + (p0 + ri)[:, None] * GPAD + rg[None, :], (ri[:, None] < n_split) & mg,
-                                   CG, float("-inf")), axis=0)
-            l_all = tl.zeros([GPAD], tl.float32)
-            o = tl.zeros([GPAD, D], tl.float32)
-            for i0 in range(0, n_split, 4):
-                r4 = i0 + tl.arange(0, 4)
-                m4 = (r4[:, None] < n_split) & mg
-                w = tl.exp2(_ld_act(pm_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
-                            - m_all[None, :])
-                w = tl.where(m4, w, 0.0)
-                l_all += tl.sum(w * _ld_act(pl_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
-                offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
-                acc4 = _ld_act(pacc_ptr + offs, m4[:, :, None], CG)
-                o += tl.sum(w[:, :, None] * acc4, axis=0)
-            o = o / tl.where(rg < G, l_all, 1.0)[:, None]
+        if n_split == 1:
+            # one split: the output directly, no partials to merge
+            o = acc / tl.where(rg < G, l_i, 1.0)[:, None]
             tl.store(attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], o.to(dt), mask=rg[:, None] < G)
+            last = pos >= 0
+        else:
+            part = (b * KVH + g) * S + s
+            tl.store(pm_ptr + part * GPAD + rg, m_i, mask=rg < G)
+            tl.store(pl_ptr + part * GPAD + rg, l_i, mask=rg < G)
+            tl.store(pacc_ptr + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + arrive0 + (layer * batch + b) * KVH + g, 1, sem="acq_rel", scope="gpu")
+            last = arrived == n_split - 1
+            if last:
+                # the last split in merges the partials into attn[b, heads of g], four splits a step
+                p0 = (b * KVH + g) * S
+                ri = tl.arange(0, SMAX)
+                mg = rg[None, :] < G
+                m_all = tl.max(_ld_act(pm_ptr + (p0 + ri)[:, None] * GPAD + rg[None, :], (ri[:, None] < n_split) & mg,
+                                       CG, float("-inf")), axis=0)
+                l_all = tl.zeros([GPAD], tl.float32)
+                o = tl.zeros([GPAD, D], tl.float32)
+                for i0 in range(0, n_split, 4):
+                    r4 = i0 + tl.arange(0, 4)
+                    m4 = (r4[:, None] < n_split) & mg
+                    w = tl.exp2(_ld_act(pm_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
+                                - m_all[None, :])
+                    w = tl.where(m4, w, 0.0)
+                    l_all += tl.sum(w * _ld_act(pl_ptr + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
+                    offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
+                    acc4 = _ld_act(pacc_ptr + offs, m4[:, :, None], CG)
+                    o += tl.sum(w[:, :, None] * acc4, axis=0)
+                o = o / tl.where(rg < G, l_all, 1.0)[:, None]
+                tl.store(attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], o.to(dt), mask=rg[:, None] < G)
     return last.to(tl.int32)
 
 
@@ -393,7 +404,8 @@ def megakernel(
     NLAYERS: tl.constexpr, SLOTS: tl.constexpr, CTX: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN_MV: tl.constexpr, BN_LM: tl.constexpr, BN_E: tl.constexpr,
     BK_MV: tl.constexpr, BK_GU: tl.constexpr, BK_LM: tl.constexpr, KS: tl.constexpr, KS_LM: tl.constexpr,
-    BPAD: tl.constexpr, GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, PF_AHEAD: tl.constexpr,
+    BPAD: tl.constexpr, GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    PF_AHEAD: tl.constexpr,
     CG: tl.constexpr,
     MAX_SPIN: tl.constexpr, PROFILE: tl.constexpr,
 ):
@@ -433,7 +445,8 @@ def megakernel(
         elif op == I.ATTN:
             inc = _op_attn(layer, a0, a1, tl.load(rec + I.F_A2), attn_splits, batch, cnt_ptr,
                            arrive0, tok_ptr, slot_ptr, pos_ptr, qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                           pm_ptr, pl_ptr, pacc_ptr, attn_ptr, sm_scale, NH, KVH, D, SLOTS, CTX, GPAD, CH, SMAX, CG)
+                           pm_ptr, pl_ptr, pacc_ptr, attn_ptr, sm_scale, NH, KVH, D, SLOTS, CTX, GPAD, CH, SMAX,
+                           SPLIT_MIN, CG)
         elif op == I.OPROJ:
             # x += attn @ Wo^T, and the MLP norm's operand
             _mv_task(I.OPROJ, a0, a1, 0, batch, wo_ptr + layer * H * Q, wo_ptr, attn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
@@ -489,9 +502,10 @@ class KernelConfig:
     bn_mv: int = 16  # rows per matvec tile (QKV, O, gate/up, down)
     bn_lm: int = 64  # rows per LM-head tile
     max_splits: int = 16  # attention splits per (row, kv head) at most
+    split_min_chunks: int = 4  # a split reads at least this many chunks (shorter contexts use fewer splits)
     k_split: int = 4  # independent accumulators per matvec tile (a batched dot over k slices)
-    k_split_lm: int = 2
-    min_rows: int = 16  # a launch pads its batch rows to max(bucket, min_rows) (16: one tensor-core tile)
+    k_split_lm: int = 4
+    min_rows: int = 1  # a launch pads its batch rows to max(bucket, min_rows) (16: one tensor-core tile)
     prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)
     prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
     cooperative: bool = True
@@ -597,6 +611,7 @@ class Megakernel:
             BN_MV=t.bn_mv, BN_LM=t.bn_lm, BN_E=I.EMBED_COLS, BK_MV=c.bk_mv, BK_GU=c.bk_gu, BK_LM=c.bk_lm,
             KS=c.k_split, KS_LM=c.k_split_lm,
             BPAD=max(batch, c.min_rows), GPAD=self.gpad, CH=c.chunk, SMAX=_pow2(self.max_splits),
+            SPLIT_MIN=c.split_min_chunks,
             PF_AHEAD=0 if INTERPRET else c.prefetch_ahead,
             CG=not INTERPRET, MAX_SPIN=c.max_spin, PROFILE=c.profile and not INTERPRET,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,

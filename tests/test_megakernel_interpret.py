@@ -18,9 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {
-    # name: (qkv_bias, llama3 rope scaling, vocab, attention splits, lm tile)
-    "llama": (False, True, 256, 3, 64),
-    "qwen": (True, False, 200, 2, 32),
+    # name: (qkv_bias, llama3 rope scaling, vocab, attention splits, lm tile, positions per split at least)
+    "llama": (False, True, 256, 3, 64, 1),  # the split-and-merge attention path
+    "qwen": (True, False, 200, 2, 32, 4),  # the single-split path (contexts < 4 chunks)
 }
 
 
@@ -49,12 +49,13 @@ def test_megakernel_matches_reference_in_interpreter(case: str) -> None:
 def _check(case: str) -> dict:
     import torch
 
+    from kernels.megakernel import KernelConfig
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model.config import ModelConfig, RopeScaling
     from service.model.weights import LayerWeights, ModelWeights
 
-    bias, scaling, vocab, splits, bn_lm = CASES[case]
+    bias, scaling, vocab, splits, bn_lm, split_min = CASES[case]
     c = ModelConfig(
         name=f"tiny-{case}", architecture="qwen2" if bias else "llama", hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=vocab, rope_theta=10000.0,
@@ -78,7 +79,8 @@ def _check(case: str) -> dict:
     w = ModelWeights(embed=embed, layers=layers, final_norm=1 + r(h), lm_head=embed)
     max_slots, max_context = 4, 256
     ref = ReferenceDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32)
-    mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32)
+    mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
+                           kernel_config=KernelConfig(split_min_chunks=split_min))
     from kernels.instructions import Tiling
 
     # bucket 4 (batch 3) splits the cached positions; bucket 1 keeps one split; LM tiles leave a ragged tail

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +21,17 @@ from service.backends.reference import ReferenceDecoder
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
 
+if TYPE_CHECKING:
+    from kernels.megakernel import KernelConfig, PackedWeights
+
 
 def megakernel_available() -> bool:
     """True where the megakernel can run: a CUDA device and an importable Triton. Cheap: compiles nothing."""
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
-def pack_weights(config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype):  # noqa: ANN201
+def pack_weights(config: ModelConfig, weights: ModelWeights, device: torch.device,
+                 dtype: torch.dtype) -> tuple[PackedWeights, ModelWeights]:
     """The kernel's layer-stacked tensors, and a ModelWeights made of views into them (for the prefill)."""
     from kernels.megakernel import PackedWeights
 
@@ -76,7 +81,7 @@ class MegakernelDecoder:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 num_programs: int | None = None, kernel_config: object | None = None,
+                 num_programs: int | None = None, kernel_config: KernelConfig | None = None,
                  use_cuda_graphs: bool | None = None) -> None:
         from kernels.instructions import ModelDims
         from kernels.megakernel import Megakernel
@@ -98,13 +103,15 @@ class MegakernelDecoder:
         cache = self.reference.cache
         self.kernel = Megakernel(dims, packed, cache.k, cache.v, self.reference.cos, self.reference.sin,
                                  max_batch=max(Megakernel.BUCKETS), num_programs=num_programs,
-                                 config=kernel_config)  # type: ignore[arg-type]
+                                 config=kernel_config)
         self.buckets = Megakernel.BUCKETS
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # one host buffer for the three int32 input rows, copied to the device in one transfer
         n = self.kernel.bpad
         self._host = torch.zeros(3, n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        # the last asynchronous copy out of _host; _host is not rewritten before it has run
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._inputs = torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions])
         self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs.unbind(0)
 
@@ -129,10 +136,14 @@ class MegakernelDecoder:
             return DecodeOutput(torch.cat([p.logits for p in parts]), torch.cat([p.argmax for p in parts]))
         b = self.bucket(n)
         pad = b - n
+        if self._copied is not None:
+            self._copied.synchronize()
         self._host[0, :b] = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.int32)
         self._host[1, :b] = torch.tensor(list(slots) + [self.scratch_slot] * pad, dtype=torch.int32)
         self._host[2, :b] = torch.tensor(list(positions) + [0] * pad, dtype=torch.int32)
         self._inputs.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.run_step(b)
         return DecodeOutput(self.kernel.logits[:n].clone(), self.kernel.argmax[:n].clone())
 
