@@ -4,7 +4,8 @@
 #   bench/e2e_gpu.sh [RAW_DIR]      → RAW_DIR/*.json (one loadtest file per run, server logs), then
 #                                     bench/results/e2e-<device>.{json,md,png} via bench/e2e_report.py
 # Env: PARLEY_E2E_MODEL (synthetic:llama-3.2-1b), PARLEY_E2E_BACKENDS ("megakernel reference"),
-#      PARLEY_E2E_SWEEP_S (seconds per sweep rate, 6), PARLEY_E2E_PY (python3).
+#      PARLEY_E2E_SWEEP_S (seconds per sweep rate, 6), PARLEY_E2E_PY (python3),
+#      PARLEY_E2E_PYSPY (a py-spy binary: profiles the server during the single-stream run).
 set -euo pipefail
 RAW=${1:-bench/results/e2e-raw}
 MODEL=${PARLEY_E2E_MODEL:-synthetic:llama-3.2-1b}
@@ -40,7 +41,12 @@ for backend in $BACKENDS; do
   wait_ready $pid || { tail -n 50 "$RAW/server-$backend.log"; exit 1; }
   $PY -c "import httpx; open('$RAW/$backend-latency-model.json','w').write(httpx.get('$URL/v1/latency_model').text)" || true
   # One stream at a time: the product promise, as a single voice session meets it.
+  if [ -n "${PARLEY_E2E_PYSPY:-}" ]; then
+    "$PARLEY_E2E_PYSPY" record -p $pid -d 6 -r 500 --threads --nonblocking -f speedscope \
+      -o "$RAW/$backend-pyspy.json" >/dev/null 2>&1 &
+  fi
   loadtest "$backend-single-32" --concurrency 1 --num-requests 40 --warmup 5 --input-len 32 --output-len 64
+  wait %2 2>/dev/null || true
   loadtest "$backend-single-1000" --concurrency 1 --num-requests 20 --warmup 3 --input-len 1000 --output-len 64
   # Open-loop Poisson arrivals, doubling the rate until fewer than 99% meet the SLA, then bisecting.
   loadtest "$backend-sweep-32" --sweep --duration "$SWEEP_S" --warmup 5 --input-len 32 --output-len 64 \

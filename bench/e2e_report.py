@@ -59,7 +59,7 @@ def main(raw: str) -> None:
     info = device_info()
     records = []
     for path in sorted(raw_dir.glob("*-*.json")):
-        if "latency-model" in path.name:
+        if "latency-model" in path.name or "pyspy" in path.name:
             continue
         backend, kind = path.stem.split("-", 1)
         doc = json.loads(path.read_text())
