@@ -24,6 +24,11 @@ from service.latency_model import LatencyModel
 
 log = logging.getLogger("parley.admission")
 
+PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
+PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
+MAX_MARGIN = 1.0  # predictions are never stretched by more than 2x
+MARGIN_DECAY = 0.02  # per SLA token on time: the widened margin's share given back
+
 
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, num_slots: int,
@@ -32,6 +37,9 @@ class AdmissionController:
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
         self.num_slots = num_slots
         self.margin = margin  # predictions are stretched by this much: a miss costs more than a refusal
+        self.base_margin = margin  # the margin widens past this when SLA tokens come later than predicted
+        self._predicted: dict[str, float] = {}  # request id → unstretched prediction of arrival → SLA token (s)
+        self._last_probe = -math.inf
         self.strict = strict
         self._lock = threading.Lock()
         self._active: dict[str, Request] = {}
@@ -54,11 +62,12 @@ class AdmissionController:
         with self._lock:
             active = [r for r in self._active.values() if r.state is not State.FINISHED]
             if not self.best_effort:
-                self._decide(req, active, now)
+                t_nth = self._decide(req, active, now)
+                self._predicted[req.id] = (now - req.arrival) + (t_nth - now) / (1 + self.margin)
             self._active[req.id] = req
         engine.metrics.sla_headroom.set(self.headroom(now))
 
-    def _decide(self, req: Request, active: list[Request], now: float) -> None:
+    def _decide(self, req: Request, active: list[Request], now: float) -> float:
         """Play the engine's next moves forward: slots free as running requests end, waiting ones (FIFO, the
         newcomer last) take them and are prefilled one after another, every step serves the whole batch."""
         lat, stretch = self.latency, 1 + self.margin
@@ -77,6 +86,8 @@ class AdmissionController:
             t_nth = prefill_done + (_sla_index(r, self.sla_tokens) - 1) * step
             if r.deadline is not None and t_nth > r.deadline:
                 own = r is req
+                if own and not active and self._probe(req, t_nth, now):
+                    break
                 raise Rejected(
                     ("sla_unmeetable" if len(active) == 0 else "overloaded") if own else "overloaded",
                     f"the server cannot deliver {_sla_index(req, self.sla_tokens)} tokens within "
@@ -89,10 +100,37 @@ class AdmissionController:
             if left and r.deadline is not None and now + prefills_now + left * step > r.deadline:
                 raise Rejected("overloaded", "admitting this request would make a running one miss its SLA",
                                self.retry_after_s(active, now))
+        return t_nth  # the newcomer's (it is the last of `waiting`)
+
+    def _probe(self, req: Request, t_nth: float, now: float) -> bool:
+        """Admit a request predicted to miss, on an idle server (it can delay nobody), now and then: otherwise a
+        latency model that is too pessimistic (a stalled calibration sample, slow steps seen in a load spike) would
+        refuse everything for ever, never observing the steps that would correct it."""
+        if now - self._last_probe < PROBE_EVERY_S or t_nth - req.arrival > PROBE_WITHIN * self.sla_s:
+            return False
+        self._last_probe = now
+        log.info("admitting %s as a probe: predicted %.0f ms for its SLA token on an idle server (SLA %.0f ms)",
+                 req.id, (t_nth - req.arrival) * 1e3, self.sla_s * 1e3)
+        return True
 
     def release(self, req: Request) -> None:
         with self._lock:
             self._active.pop(req.id, None)
+            self._predicted.pop(req.id, None)
+
+    def observe_nth(self, req: Request, at: float) -> None:
+        """The SLA token came out. Where it came later than predicted by more than the margin allows (a busy host:
+        the scheduler's own jitter, other processes), widen the margin at once by half the shortfall; each token
+        on time narrows it back a little, towards the configured margin."""
+        with self._lock:
+            predicted = self._predicted.pop(req.id, None)
+            if predicted is None or predicted <= 0:
+                return
+            needed = (at - req.arrival) / predicted - 1
+            if needed > self.margin:
+                self.margin = min(MAX_MARGIN, self.margin + 0.5 * (needed - self.margin))
+            else:
+                self.margin -= MARGIN_DECAY * (self.margin - self.base_margin)
 
     def observe_step(self, batch: int, seconds: float) -> None:
         self.latency.observe_step(batch, seconds)

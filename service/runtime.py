@@ -10,6 +10,7 @@ import torch
 
 from service.admission import AdmissionController
 from service.backends import make_decoder, resolve_backend
+from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
 from service.config import ServeConfig
 from service.engine.engine import Admission, Engine
@@ -49,7 +50,7 @@ def build_engine(cfg: ServeConfig) -> Runtime:
         decoder = faults = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step, cfg.hang_step)
         faults.armed = False
     t0 = time.perf_counter()
-    latency = calibrate(decoder)
+    latency = calibrate_robustly(decoder)
     log.info("latency model measured in %.1f s: %s", time.perf_counter() - t0, latency.snapshot())
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, decoder.max_slots,
                                     strict=cfg.strict_sla)
@@ -64,6 +65,33 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     if faults is not None:
         faults.steps, faults.armed = 0, True
     return Runtime(cfg, model, engine, backend, device, model_id=cfg.model, latency=latency, admission=admission)
+
+
+CALIBRATION_TRIES = 3
+
+
+def calibrate_robustly(decoder: Decoder) -> LatencyModel:
+    """calibrate(), and again (at most CALIBRATION_TRIES in all, keeping each point's fastest time) while its numbers
+    contradict themselves. On a busy host one stalled sample can be a hundred times too slow; a latency model that
+    predicts everything too slow refuses everything, and then never observes the steps that would correct it."""
+    lat = calibrate(decoder)
+    for _ in range(CALIBRATION_TRIES - 1):
+        if not _disturbed(lat):
+            break
+        log.warning("the latency calibration looks disturbed (a busy host?): %s; measuring again", lat.snapshot())
+        again = calibrate(decoder)
+        lat = LatencyModel({b: min(s, again._step.get(b, s)) for b, s in lat._step.items()},
+                           {n: min(s, again._prefill.get(n, s)) for n, s in lat._prefill.items()}, lat.max_batch)
+    return lat
+
+
+def _disturbed(lat: LatencyModel) -> bool:
+    """A longer prefill measured faster than a shorter one, a bigger batch's step faster than a smaller one's (by
+    more than noise), or slower than proportionally: the work is the same each time, so a sample was stalled."""
+    pre, steps = sorted(lat._prefill.items()), sorted(lat._step.items())
+    if any(s2 < s1 for (_, s1), (_, s2) in zip(pre, pre[1:])):
+        return True
+    return any(s2 < s1 / 1.2 or s2 > s1 * (b2 / b1) * 1.5 for (b1, s1), (b2, s2) in zip(steps, steps[1:]))
 
 
 def warm_up(engine: Engine) -> None:

@@ -248,3 +248,48 @@ def test_drain_finishes_in_flight_work_and_refuses_new(tiny):
         assert result["ok"] and deltas[-1].usage.completion_tokens == 40
     finally:
         eng.stop()
+
+
+@pytest.fixture(params=[False, True], ids=["in-step", "run-ahead"])
+def overlap(request):
+    return request.param
+
+
+def make_overlap_engine(model, overlap, eos=(), slots=4, ctx=256):
+    dec = ReferenceDecoder(model.config, model.weights, max_slots=slots, max_context=ctx)
+    eng = Engine(dec, model.tokenizer, eos_token_ids=eos, sla_tokens=8)
+    eng.overlap = overlap  # a GPU engine runs a step ahead; the CPU can run the same logic, for this test
+    eng.start()
+    return eng
+
+
+def test_running_a_step_ahead_changes_no_token(tiny, overlap):
+    base = make_overlap_engine(tiny, False)
+    try:
+        alone = [[t for d in base.generate(p, GREEDY) for t in d.token_ids] for p in ([5, 6], [9, 9, 9], [77])]
+    finally:
+        base.stop()
+    first = alone[0]
+    eos = first[5]  # a request that stops mid-way while the next step already runs
+    eng = make_overlap_engine(tiny, overlap, eos=(eos,))
+    try:
+        qs = []
+        for p in ([5, 6], [9, 9, 9], [77]):
+            q = queue.SimpleQueue()
+            eng.submit(p, SamplingParams(max_tokens=12, temperature=0), q.put)
+            qs.append(q)
+        got = [[t for d in collect(q) for t in d.token_ids] for q in qs]
+        for g, a in zip(got, alone):
+            cut = a.index(eos) + 1 if eos in a else len(a)
+            assert g == a[:cut]
+        sess = eng.new_session()
+        q = queue.SimpleQueue()
+        eng.submit([5, 6, 7], GREEDY, q.put, session=sess)
+        reply = [t for d in collect(q) for t in d.token_ids]
+        q = queue.SimpleQueue()
+        eng.submit([5, 6, 7] + reply + [1], GREEDY, q.put, session=sess)
+        d2 = collect(q)
+        assert d2[-1].usage.cached_tokens == 3 + len(reply) - 1  # no token computed ahead counts as cached
+        assert wait_until(lambda: eng.stats.running == 0 and eng._inflight is None)
+    finally:
+        eng.stop()

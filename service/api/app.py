@@ -100,16 +100,39 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema (the request bodies are the pydantic models), less the 422 it documents for every body:
-    Parley answers a bad body with 400 in OpenAI's shape (documented per route)."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for path in schema.get("paths", {}).values():
-            for op in path.values():
-                op.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
+    Parley answers a bad body with 400 in OpenAI's shape (documented per route). Once the model is loaded, the
+    limits it sets are in the schema too: max_tokens below the context, token ids within the vocabulary."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    models = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        models.pop(name, None)
+    st = server_state(app)
+    if st.runtime is None:
+        return schema  # not cached: the limits come with the model
+    ctx, vocab = st.max_context, st.vocab_size
+    for model, fields in (("CompletionRequest", ("max_tokens",)),
+                          ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens"))):
+        for f in fields:
+            for alt in _alternatives(models.get(model, {}).get("properties", {}).get(f, {})):
+                if alt.get("type") == "integer":
+                    alt["maximum"] = ctx - 1
+    for alt in _alternatives(models.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})):
+        items = alt.get("items", {})
+        for arr in (alt, items):
+            if arr.get("type") == "array" and arr.get("items", {}).get("type") == "integer":
+                arr["maxItems"] = ctx - 1
+                arr["items"].update(minimum=0, maximum=vocab - 1)
+    app.openapi_schema = schema
+    return schema
+
+
+def _alternatives(prop: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(prop.get("anyOf", [])) or [prop]
 
 
 def server_state(app: FastAPI) -> ServerState:

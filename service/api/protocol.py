@@ -11,6 +11,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 4
+
+
+def only(value: Any) -> dict[str, Any]:
+    """A schema fragment: the one value (or null) a known but unsupported field accepts."""
+    return {"anyOf": [{"const": value}, {"type": "null"}]}
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -35,10 +40,11 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
     user: str | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # Known but unsupported: accepted at their defaults only. The schema says so (validation is the validators').
+    n: int = Field(default=1, json_schema_extra=only(1))
+    presence_penalty: float | None = Field(default=None, json_schema_extra=only(0))
+    frequency_penalty: float | None = Field(default=None, json_schema_extra=only(0))
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
 
     @field_validator("stop")
     @classmethod
@@ -84,10 +90,10 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(Sampling):
     prompt: Prompt
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = Field(default=None, json_schema_extra={"type": "null"})
+    echo: bool = Field(default=False, json_schema_extra=only(False))
+    best_of: int | None = Field(default=None, json_schema_extra=only(1))
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -191,9 +197,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    logprobs: bool | None = Field(default=None, json_schema_extra=only(False))
+    top_logprobs: int | None = Field(default=None, json_schema_extra=only(0))
+    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
     response_format: dict[str, Any] | None = None
 
     @field_validator("logprobs")

@@ -175,7 +175,7 @@ class RealtimeConnection:
         kind = event["type"]
         try:
             json.dumps(event, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:  # a \\ud800 escape: not text; the tokenizer (and our replies) would choke on it
+        except UnicodeEncodeError:  # a \ud800 escape: not text; the tokenizer (and our replies) would choke on it
             await self.error("invalid_request_error", "invalid_encoding",
                              "the event holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode",
                              event_type=kind[:64].encode("utf-8", "replace").decode())
@@ -267,7 +267,7 @@ class RealtimeConnection:
             raise APIError(400, "response_id must be a string", param="response_id", code="invalid_value")
         active = self.active
         if active is None or (rid is not None and rid != active.id):
-            which = f"response {rid}" if rid else "a response"
+            which = f"response {rid}" if rid else "response"
             raise APIError(400, f"there is no {which} in progress to cancel", param="response_id",
                            code="response_cancel_not_active")
         active.stream.cancel()  # the engine frees the slot before its next step; response.done follows
@@ -297,6 +297,9 @@ class RealtimeConnection:
                 if text or status == "completed":
                     self.conversation.append({"role": "assistant", "content": text})
             self.active = None  # before response.done: the client may answer it with the next response.create
+            if status == "failed":  # an error event too, for clients that only watch those
+                await self.error("server_error", "engine_error", f"generation failed: {last.error or 'engine error'}",
+                                 event_type="response.create", response_id=active.id)
             await self.send({"type": "response.done", "response": self._done(active.id, status, text, last)})
         except Exception:  # the socket went away mid-response: stop generating
             active.stream.cancel()

@@ -30,7 +30,9 @@ class Decoder(Protocol):
         writing their K/V. Returns the float32 logits [vocab] of the last token."""
         ...
 
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
         """One step for a batch of any size up to max_slots: token_ids[i] sits at positions[i] of slots[i].
-        Writes its K/V; returns the logits and the greedy token of each sequence."""
+        Writes its K/V; returns the logits and the greedy token of each sequence. Asynchronous on a GPU: nothing
+        waits for the device. `token_ids` may be a device tensor (the previous step's argmax), so that a step
+        can be launched before the last one's tokens reach the host."""
         ...

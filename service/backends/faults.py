@@ -32,7 +32,7 @@ class FaultInjectingDecoder:
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         return self.inner.prefill(slot, token_ids, start_pos)
 
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
         if self.armed:
             self.steps += 1
         if self.armed and self.steps == self.fail_step:

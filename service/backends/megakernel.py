@@ -123,7 +123,7 @@ class MegakernelDecoder:
         return next(b for b in self.buckets if b >= n)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
         n = len(slots)
         if not (n == len(token_ids) == len(positions)) or n == 0:
             raise ValueError("decode needs one slot, token and position per sequence")
@@ -138,10 +138,14 @@ class MegakernelDecoder:
         pad = b - n
         if self._copied is not None:
             self._copied.synchronize()
-        self._host[0, :b] = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.int32)
+        on_device = isinstance(token_ids, torch.Tensor)  # the last step's argmax: never leaves the GPU
+        if not on_device:
+            self._host[0, :b] = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.int32)
         self._host[1, :b] = torch.tensor(list(slots) + [self.scratch_slot] * pad, dtype=torch.int32)
         self._host[2, :b] = torch.tensor(list(positions) + [0] * pad, dtype=torch.int32)
         self._inputs.copy_(self._host, non_blocking=True)
+        if on_device:
+            self.kernel.tokens[:n].copy_(token_ids)
         if self._copied is not None:
             self._copied.record()
         self.run_step(b)

@@ -52,6 +52,11 @@ class ReferenceDecoder:
         self.cache = KVCache(config, max_slots, max_context, self.device, self.dtype)
         cos, sin = config.rope_tables(max_context)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        # On a GPU an eager prefill is launch-bound (~40 kernels a layer: 12 ms for Llama-1B at any length up to
+        # ~1k tokens), so a fresh prompt runs as a CUDA graph captured per power-of-two length bucket.
+        self.graph_prefill = self.device.type == "cuda"
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]] = {}
+        self._graph_pool = None
 
     # -- one layer, for n new tokens of each of b sequences -------------------------------------------
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,6 +85,8 @@ class ReferenceDecoder:
         end = start_pos + n
         if n == 0 or end > self.max_context:
             raise ValueError(f"prefill of {n} tokens at {start_pos} does not fit a context of {self.max_context}")
+        if self.graph_prefill and start_pos == 0:
+            return self._prefill_graphed(slot, token_ids)
         ids = torch.tensor([token_ids], device=self.device)
         pos = torch.arange(start_pos, end, device=self.device).unsqueeze(0)
         x = self.weights.embed[ids]
@@ -98,8 +105,52 @@ class ReferenceDecoder:
             x = self._mlp(lw, x)
         return self._logits(x[:, -1])[0]
 
+    def _prefill_fresh(self, ids: torch.Tensor, slot: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """A prompt from position 0 on device tensors only (capturable): ids [1, n], slot and last [1]. Tokens past
+        `last` are padding: causal attention keeps them from the real ones, and the K/V they leave in the slot
+        lie beyond the sequence, where each decode step writes before it reads."""
+        n = ids.shape[1]
+        pos = torch.arange(n, device=ids.device).unsqueeze(0)
+        x = self.weights.embed[ids]
+        for i, lw in enumerate(self.weights.layers):
+            q, k, v = self._qkv(lw, x, pos)
+            self.cache.k[i, slot, :, :n] = k
+            self.cache.v[i, slot, :, :n] = v
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + F.linear(attn.transpose(1, 2).reshape(1, n, -1), lw.wo)
+            x = self._mlp(lw, x)
+        return self._logits(x.index_select(1, last)[:, 0])[0]
+
+    def _prefill_graphed(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        n = len(token_ids)
+        bucket = min(max(16, 1 << (n - 1).bit_length()), self.max_context)
+        if bucket not in self._prefill_graphs:
+            self._capture_prefill(bucket)
+        graph, ids, slot_t, last, out = self._prefill_graphs[bucket]
+        ids[0, :n] = torch.tensor(token_ids, dtype=torch.int64)
+        slot_t.fill_(slot)
+        last.fill_(n - 1)
+        graph.replay()
+        return out.clone()
+
+    def _capture_prefill(self, bucket: int) -> None:
+        ids = torch.zeros(1, bucket, dtype=torch.int64, device=self.device)
+        slot = torch.zeros(1, dtype=torch.int64, device=self.device)
+        last = torch.zeros(1, dtype=torch.int64, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the graph: kernel selection and workspaces
+            self._prefill_fresh(ids, slot, last)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._prefill_fresh(ids, slot, last)
+        self._prefill_graphs[bucket] = (graph, ids, slot, last, out)
+
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
         if not slots or not len(slots) == len(token_ids) == len(positions):
             raise ValueError(f"decode of {len(slots)} slots, {len(token_ids)} tokens, {len(positions)} positions")
         kv_len = max(positions) + 1
@@ -108,7 +159,8 @@ class ReferenceDecoder:
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         pos_t = torch.tensor(positions, device=dev)
-        x = self.weights.embed[torch.tensor(token_ids, device=dev)].unsqueeze(1)  # [b, 1, hidden]
+        ids = token_ids.to(dev) if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=dev)
+        x = self.weights.embed[ids].unsqueeze(1)  # [b, 1, hidden]
         logits = self.decode_tensors(x, slot_t, pos_t, kv_len)
         return DecodeOutput(logits, logits.argmax(-1))
 

@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from service.backends.decoder import Decoder
+import torch
+
+from service.backends.decoder import DecodeOutput, Decoder
 from service.engine.kv_slots import Session
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams, State
@@ -49,6 +51,19 @@ class Admission:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None: ...
 
+    def observe_nth(self, req: Request, at: float) -> None: ...
+
+
+@dataclass
+class _Step:
+    """A launched decode step whose tokens have not been read back yet."""
+
+    batch: list[Request]
+    out: DecodeOutput
+    host_argmax: torch.Tensor  # on the host once `ready` has fired
+    ready: torch.cuda.Event | None
+    t0: float
+
 
 @dataclass
 class EngineStats:
@@ -78,6 +93,14 @@ class Engine:
         self.accepting = True
         self._thread: threading.Thread | None = None
         self._busy_since: float | None = None
+        # What admission learns a step costs is the engine's cadence: from one decode step's start to the next one's,
+        # less the prefills run in between (admission models those on their own). That includes what the decode
+        # step alone does not: the loop's own work, and waiting for the GIL while the API thread is busy.
+        self._prev_step: tuple[float, int] | None = None  # (start, batch) of the last step, while decoding goes on
+        self._prefill_s_since = 0.0
+        self.overlap = decoder.device.type == "cuda"  # run a step ahead (see _decode_step)
+        self._inflight: _Step | None = None
+        self._last_completed = 0.0
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
         self.metrics.sla_seconds.set(self.sla_s)
@@ -192,9 +215,10 @@ class Engine:
         while (req := sched.next_to_prefill()) is not None:
             self._prefill(req)
         self._update_gauges()
-        if sched.running:
+        if sched.running or self._inflight is not None:
             self._decode_step()
         else:
+            self._prev_step = None  # idle: the next step starts a new cadence
             self._wake.wait(timeout=0.5)
             self._wake.clear()
 
@@ -223,6 +247,7 @@ class Engine:
             return
         finally:
             self._busy_since = None
+            self._prefill_s_since += time.perf_counter() - req.prefill_start
         req.prefill_end = time.perf_counter()
         n = len(req.prompt_ids) - start
         self.metrics.prefill_time.observe(req.prefill_end - req.prefill_start)
@@ -233,31 +258,87 @@ class Engine:
         self._emit_or_fail(req, token)
 
     def _decode_step(self) -> None:
+        """One token for every running request. On a GPU, while the batch stays the same and greedy, the next step
+        is launched before this one's tokens are read back (its input is this step's argmax, on the device), so
+        the host's work per token (streaming, detokenizing, bookkeeping) hides behind the kernel."""
         batch = list(self.scheduler.running)
+        pending, self._inflight = self._inflight, None
+        if pending is not None:
+            if pending.batch == batch and self._can_run_ahead(batch):
+                self._inflight = self._launch(batch, pending.out.argmax, [r.kv_len + 1 for r in batch])
+                self._complete(pending)
+                return
+            self._complete(pending)
+            batch = list(self.scheduler.running)
+            if not batch:
+                return
+        launched = self._launch(batch, [r.output_ids[-1] for r in batch], [r.kv_len for r in batch])
+        if launched is None:
+            return
+        if self.overlap and self._can_run_ahead(batch):
+            self._inflight = launched
+        else:
+            self._complete(launched)
+
+    def _can_run_ahead(self, batch: list[Request]) -> bool:
+        ctx = self.decoder.max_context
+        return all(r.params.greedy and r.kv_len + 2 < ctx for r in batch)
+
+    def _launch(self, batch: list[Request], tokens: list[int] | torch.Tensor, positions: list[int]) -> _Step | None:
         t0 = time.perf_counter()
+        if self._prev_step is not None:
+            prev_start, prev_batch = self._prev_step
+            self.admission.observe_step(prev_batch, max(0.0, t0 - prev_start - self._prefill_s_since))
+        self._prev_step, self._prefill_s_since = (t0, len(batch)), 0.0
         self._busy_since = time.monotonic()
         try:
-            out = self.decoder.decode([r.slot for r in batch], [r.output_ids[-1] for r in batch],
-                                      [r.kv_len for r in batch])
-            tokens = sample(out.logits, out.argmax, batch)
+            out = self.decoder.decode([r.slot for r in batch], tokens, positions)
+            if out.argmax.is_cuda:  # start the tokens' trip to the host now; _complete waits for this step alone
+                host, ready = out.argmax.to("cpu", non_blocking=True), torch.cuda.Event()
+                ready.record()
+            else:
+                host, ready = out.argmax, None
         except Exception as e:  # fail the requests of this step, keep serving the rest
-            log.exception("decode step failed")
-            for req in batch:
-                self._finish(req, "error", error=f"decode step failed: {e}")
+            self._fail_step(batch, e)
+            return None
+        finally:
+            self._busy_since = None
+        return _Step(batch, out, host, ready, t0)
+
+    def _complete(self, step: _Step) -> None:
+        """Read a launched step's tokens back and stream them."""
+        self._busy_since = time.monotonic()
+        try:
+            if step.ready is not None:
+                step.ready.synchronize()
+            tokens = sample(step.out.logits, step.host_argmax, step.batch)
+        except Exception as e:
+            self._fail_step(step.batch, e)
             return
         finally:
             self._busy_since = None
-        for req, token in zip(batch, tokens):
+        for req, token in zip(step.batch, tokens):
+            if req.state is State.FINISHED:  # cancelled, or ended while this step ran ahead: its token is void
+                continue
             if isinstance(token, Exception):  # this request's sampling failed: fail it alone
                 log.error("sampling failed for %s: %s", req.id, token)
                 self._finish(req, "error", error=f"sampling failed: {token}")
                 continue
             req.kv_len += 1
             self._emit_or_fail(req, token)
-        # The whole step as a client sees it: kernel, sampling, detokenizing, streaming.
-        dt = time.perf_counter() - t0
-        self.metrics.decode_step.labels(batch_size=str(len(batch))).observe(dt)
-        self.admission.observe_step(len(batch), dt)
+        # Per token as a client sees it: kernel, sampling, detokenizing, streaming. (Admission observes the
+        # cadence at each launch.)
+        now = time.perf_counter()
+        dt = now - max(step.t0, self._last_completed)
+        self._last_completed = now
+        self.metrics.decode_step.labels(batch_size=str(len(step.batch))).observe(dt)
+
+    def _fail_step(self, batch: list[Request], e: Exception) -> None:
+        log.exception("decode step failed")
+        for req in batch:
+            if req.state is not State.FINISHED:
+                self._finish(req, "error", error=f"decode step failed: {e}")
+        self._prev_step = None
 
     def _emit_or_fail(self, req: Request, token: int) -> None:
         """_emit, and if detokenizing or streaming this one request raises, fail it alone."""
@@ -284,6 +365,7 @@ class Engine:
             req.nth_token_at = now
             m.time_to_nth_token.observe(now - req.arrival)
             self._check_sla(req, now)
+            self.admission.observe_nth(req, now)
 
         reason = None
         if token in self.eos and not req.params.ignore_eos:
