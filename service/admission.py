@@ -53,13 +53,27 @@ class AdmissionController:
         return self.latency.prefill(prompt_tokens) + (self.sla_tokens - 1) * self.latency.step(1)
 
     def idle_server_meets_sla(self) -> bool:
-        return self.idle_prediction_s() * (1 + self.margin) <= self.sla_s
+        return self.idle_prediction_s() * (1 + self.base_margin) <= self.sla_s
+
+    def _reconsider_best_effort(self) -> None:
+        """The start-up sweep times steps one by one; serving runs them back to back, often faster. As the
+        latency model learns the real cadence, an idle server may turn out able to keep the SLA after all (or
+        no longer able to)."""
+        if self.strict:
+            return
+        best_effort = not self.idle_server_meets_sla()
+        if best_effort != self.best_effort:
+            log.warning("the latency model now predicts %.0f ms to token %d on an idle server: %s",
+                        self.idle_prediction_s() * 1e3, self.sla_tokens,
+                        "serving best-effort" if best_effort else "enforcing the SLA")
+            self.best_effort = best_effort
 
     # -- the Engine's admission hooks ---------------------------------------------------------------------
     def check(self, req: Request, engine: Engine) -> None:
         req.deadline = req.arrival + self.sla_s
         now = time.perf_counter()
         with self._lock:
+            self._reconsider_best_effort()
             active = [r for r in self._active.values() if r.state is not State.FINISHED]
             if not self.best_effort:
                 t_nth = self._decide(req, active, now)

@@ -293,3 +293,34 @@ def test_running_a_step_ahead_changes_no_token(tiny, overlap):
         assert wait_until(lambda: eng.stats.running == 0 and eng._inflight is None)
     finally:
         eng.stop()
+
+
+def test_sampling_on_the_device_follows_the_same_truncation(tiny):
+    """sample_on_device draws only tokens that sample() could draw (top-k, top-p), greedy rows stay greedy, and an
+    engine running ahead with unseeded sampling streams the tokens it chose."""
+    from service.engine.request import Request
+    from service.engine.sampling import sample_on_device
+
+    torch = pytest.importorskip("torch")
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.8, top_p=0.5)]
+    reqs = [Request([1], p, lambda d: None, TextOutput(tiny.tokenizer.detokenizer())) for p in params]
+    seen = [set(), set(), set()]
+    for _ in range(300):
+        out = sample_on_device(logits, logits.argmax(-1), reqs)
+        for i, t in enumerate(out.tolist()):
+            seen[i].add(t)
+    assert seen[0] == {int(logits[0].argmax())}
+    assert seen[1] <= set(torch.topk(logits[1], 3).indices.tolist()) and len(seen[1]) > 1
+    probs = (logits[2] / 0.8).softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = int(((probs[order].cumsum(0) - probs[order]) < 0.5).sum())
+    assert seen[2] <= set(order[:keep].tolist())
+
+    eng = make_overlap_engine(tiny, True)
+    try:
+        out = list(eng.generate([4, 5], SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)))
+        assert out[-1].usage.completion_tokens == 20 and sum(len(d.token_ids) for d in out) == 20
+    finally:
+        eng.stop()

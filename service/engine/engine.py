@@ -17,7 +17,7 @@ from service.backends.decoder import DecodeOutput, Decoder
 from service.engine.kv_slots import Session
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams, State
-from service.engine.sampling import sample, sample_one
+from service.engine.sampling import sample, sample_on_device, sample_one
 from service.engine.scheduler import Scheduler
 from service.metrics import Metrics
 from service.model.tokenizer import Tokenizer
@@ -60,7 +60,8 @@ class _Step:
 
     batch: list[Request]
     out: DecodeOutput
-    host_argmax: torch.Tensor  # on the host once `ready` has fired
+    chosen: torch.Tensor | None  # the next tokens, chosen on the device (None: sample on the host)
+    host_tokens: torch.Tensor | None  # `chosen` copied to the host, there once `ready` has fired
     ready: torch.cuda.Event | None
     t0: float
 
@@ -258,14 +259,15 @@ class Engine:
         self._emit_or_fail(req, token)
 
     def _decode_step(self) -> None:
-        """One token for every running request. On a GPU, while the batch stays the same and greedy, the next step
-        is launched before this one's tokens are read back (its input is this step's argmax, on the device), so
-        the host's work per token (streaming, detokenizing, bookkeeping) hides behind the kernel."""
+        """One token for every running request. On a GPU, while the batch stays the same, the next step is launched
+        before this one's tokens are read back: they are chosen on the device (greedy, or sampled there) and fed
+        straight into it, so the host's work per token (streaming, detokenizing, bookkeeping) hides behind the
+        kernel. A request with a seed is sampled on the host, one step at a time."""
         batch = list(self.scheduler.running)
         pending, self._inflight = self._inflight, None
         if pending is not None:
-            if pending.batch == batch and self._can_run_ahead(batch):
-                self._inflight = self._launch(batch, pending.out.argmax, [r.kv_len + 1 for r in batch])
+            if pending.batch == batch and pending.chosen is not None and self._can_run_ahead(batch):
+                self._inflight = self._launch(batch, pending.chosen, [r.kv_len + 1 for r in batch])
                 self._complete(pending)
                 return
             self._complete(pending)
@@ -275,14 +277,18 @@ class Engine:
         launched = self._launch(batch, [r.output_ids[-1] for r in batch], [r.kv_len for r in batch])
         if launched is None:
             return
-        if self.overlap and self._can_run_ahead(batch):
+        if launched.chosen is not None:
             self._inflight = launched
         else:
             self._complete(launched)
 
     def _can_run_ahead(self, batch: list[Request]) -> bool:
+        """Whether the next tokens can be chosen on the device (greedy, or sampling with no seed to honour)
+        and one more position fits every sequence."""
+        if not self.overlap:
+            return False
         ctx = self.decoder.max_context
-        return all(r.params.greedy and r.kv_len + 2 < ctx for r in batch)
+        return all((r.params.greedy or r.params.seed is None) and r.kv_len + 2 < ctx for r in batch)
 
     def _launch(self, batch: list[Request], tokens: list[int] | torch.Tensor, positions: list[int]) -> _Step | None:
         t0 = time.perf_counter()
@@ -293,25 +299,30 @@ class Engine:
         self._busy_since = time.monotonic()
         try:
             out = self.decoder.decode([r.slot for r in batch], tokens, positions)
-            if out.argmax.is_cuda:  # start the tokens' trip to the host now; _complete waits for this step alone
-                host, ready = out.argmax.to("cpu", non_blocking=True), torch.cuda.Event()
-                ready.record()
-            else:
-                host, ready = out.argmax, None
+            chosen, host, ready = None, None, None
+            if self._can_run_ahead(batch):
+                # choose on the device and start the tokens' trip to the host now; _complete waits for this step
+                chosen = host = sample_on_device(out.logits, out.argmax, batch)
+                if chosen.is_cuda:
+                    host, ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
+                    ready.record()
         except Exception as e:  # fail the requests of this step, keep serving the rest
             self._fail_step(batch, e)
             return None
         finally:
             self._busy_since = None
-        return _Step(batch, out, host, ready, t0)
+        return _Step(batch, out, chosen, host, ready, t0)
 
     def _complete(self, step: _Step) -> None:
         """Read a launched step's tokens back and stream them."""
         self._busy_since = time.monotonic()
         try:
-            if step.ready is not None:
-                step.ready.synchronize()
-            tokens = sample(step.out.logits, step.host_argmax, step.batch)
+            if step.host_tokens is not None:
+                if step.ready is not None:
+                    step.ready.synchronize()
+                tokens = step.host_tokens.tolist()
+            else:
+                tokens = sample(step.out.logits, step.out.argmax, step.batch)
         except Exception as e:
             self._fail_step(step.batch, e)
             return
