@@ -5,16 +5,22 @@
 #                                     bench/results/e2e-<device>.{json,md,png} via bench/e2e_report.py
 # Env: PARLEY_E2E_MODEL (synthetic:llama-3.2-1b), PARLEY_E2E_BACKENDS ("megakernel reference"),
 #      PARLEY_E2E_SWEEP_S (seconds per sweep rate, 6), PARLEY_E2E_PY (python3),
-#      PARLEY_E2E_PYSPY (a py-spy binary: profiles the server during the single-stream run).
+#      PARLEY_E2E_PYSPY (a py-spy binary: profiles the server during the single-stream run),
+#      PARLEY_E2E_EXTRA (a JSON object merged into every request, e.g. '{"temperature": 0}'; default: none, so
+#      the server's defaults, temperature 1, as the openai SDK sends) and PARLEY_E2E_TAG (prefixes the run names).
 set -euo pipefail
 RAW=${1:-bench/results/e2e-raw}
 MODEL=${PARLEY_E2E_MODEL:-synthetic:llama-3.2-1b}
 BACKENDS=${PARLEY_E2E_BACKENDS:-megakernel reference}
 SWEEP_S=${PARLEY_E2E_SWEEP_S:-6}
 PY=${PARLEY_E2E_PY:-python3}
+EXTRA=${PARLEY_E2E_EXTRA:-"{}"}
+TAG=${PARLEY_E2E_TAG:-}
 PORT=8011
 URL=http://127.0.0.1:$PORT
 mkdir -p "$RAW"
+$PY -c "import json, torch, triton; json.dump({'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
+'triton': triton.__version__}, open('$RAW/device.json', 'w'))"
 
 wait_ready() {
   for _ in $(seq 600); do
@@ -29,7 +35,9 @@ wait_ready() {
 
 loadtest() {  # NAME ARGS...
   local name=$1; shift
-  $PY -m loadtest.cli --url "$URL" --quiet --sla-tokens 64 --sla-ms 100 --json "$RAW/$name.json" "$@" \
+  name="${name/-/-$TAG}"
+  $PY -m loadtest.cli --url "$URL" --quiet --sla-tokens 64 --sla-ms 100 --extra-body "$EXTRA" \
+    --json "$RAW/$name.json" "$@" \
     | tee "$RAW/$name.txt" | tail -n 25
 }
 

@@ -56,7 +56,8 @@ def fmt(x: Any, digits: int = 1) -> str:
 
 def main(raw: str) -> None:
     raw_dir = Path(raw)
-    info = device_info()
+    info_file = raw_dir / "device.json"  # written on the GPU host; the report may be made elsewhere
+    info = json.loads(info_file.read_text()) if info_file.exists() else device_info()
     records = []
     for path in sorted(raw_dir.glob("*-*.json")):
         if "latency-model" in path.name or "pyspy" in path.name:

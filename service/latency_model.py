@@ -95,8 +95,9 @@ def calibrate(decoder: Decoder, reps: int = 2) -> LatencyModel:
         return [rng.randrange(vocab) for _ in range(n)]
 
     prefill_s: dict[int, float] = {}
-    decoder.prefill(0, tokens(16))  # warm-up: first calls allocate and compile
     for n in sorted({16, 128, min(1024, ctx // 2)} & set(range(1, ctx // 2 + 1))):
+        decoder.prefill(0, tokens(n))  # untimed: the first prefill of a length may compile or capture a graph
+        _sync(decoder)
         times = []
         for _ in range(reps if n <= 128 else 1):  # a long prefill is its own average
             t0 = time.perf_counter()

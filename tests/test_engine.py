@@ -324,3 +324,16 @@ def test_sampling_on_the_device_follows_the_same_truncation(tiny):
         assert out[-1].usage.completion_tokens == 20 and sum(len(d.token_ids) for d in out) == 20
     finally:
         eng.stop()
+
+
+def test_untruncated_sampling_on_the_device_draws_by_the_softmax(tiny):
+    """With no top-k/top-p (the fast path), the draw frequencies follow softmax(logits / T)."""
+    from service.engine.request import Request
+    from service.engine.sampling import sample_on_device
+
+    torch = pytest.importorskip("torch")
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    req = Request([1], SamplingParams(temperature=0.7), lambda d: None, TextOutput(tiny.tokenizer.detokenizer()))
+    out = sample_on_device(logits, logits.argmax(-1), [req] * 4000)
+    freq = torch.bincount(out, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.03, rtol=0)

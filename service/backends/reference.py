@@ -57,6 +57,17 @@ class ReferenceDecoder:
         self.graph_prefill = self.device.type == "cuda"
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]] = {}
         self._graph_pool = None
+        if self.graph_prefill:  # all buckets now: a capture on a user's first prompt of a length costs ~50 ms
+            with torch.inference_mode():
+                for bucket in self.prefill_buckets():
+                    self._capture_prefill(bucket)
+
+    def prefill_buckets(self) -> list[int]:
+        sizes, b = [], 16
+        while b < self.max_context:
+            sizes.append(b)
+            b *= 2
+        return [*sizes, self.max_context]
 
     # -- one layer, for n new tokens of each of b sequences -------------------------------------------
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -123,7 +134,7 @@ class ReferenceDecoder:
 
     def _prefill_graphed(self, slot: int, token_ids: list[int]) -> torch.Tensor:
         n = len(token_ids)
-        bucket = min(max(16, 1 << (n - 1).bit_length()), self.max_context)
+        bucket = next(b for b in self.prefill_buckets() if b >= n)
         if bucket not in self._prefill_graphs:
             self._capture_prefill(bucket)
         graph, ids, slot_t, last, out = self._prefill_graphs[bucket]

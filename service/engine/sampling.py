@@ -60,9 +60,14 @@ def sample_on_device(logits: torch.Tensor, argmax: torch.Tensor, requests: list[
 
     vocab = logits.shape[-1]
     temp = column([r.params.temperature if not r.params.greedy else 1.0 for r in requests], torch.float32)
+    greedy = column([r.params.greedy for r in requests], torch.bool)[:, 0]
+    if all(r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in requests):
+        # no truncation (what most clients send): no sort over the vocabulary, a handful of small kernels
+        noise = torch.empty_like(logits, dtype=torch.float32).exponential_(generator=generator)
+        sampled = ((logits.float() / temp).softmax(-1) / noise).argmax(-1)
+        return torch.where(greedy, argmax, sampled)
     top_k = column([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], torch.int64)
     top_p = column([r.params.top_p for r in requests], torch.float32)
-    greedy = column([r.params.greedy for r in requests], torch.bool)[:, 0]
     scores, order = torch.sort(logits.float() / temp, dim=-1, descending=True)
     rank = torch.arange(vocab, device=dev)[None, :]
     scores = scores.masked_fill(rank >= top_k, float("-inf"))
