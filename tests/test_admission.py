@@ -147,3 +147,42 @@ def test_an_idle_cpu_server_says_it_serves_best_effort_and_strict_refuses(caplog
         strict.check(req, FakeEngine())
     assert e.value.reason == "sla_unmeetable"
     lenient.check(req, FakeEngine())  # best-effort admits
+
+
+def test_admission_learns_that_its_predictions_run_pessimistic():
+    """Once a late SLA token has widened the margin, an idle server refuses requests that would make it; each SLA
+    token that then comes early (a probe's) teaches the controller its bias and narrows the margin, until it admits
+    them again. And it stays honest: late tokens push the bias up."""
+    from service.engine.output import TextOutput
+    from service.engine.request import Request
+    from service.model.synthetic import byte_tokenizer
+
+    lat = LatencyModel({1: 0.00130}, {16: 0.003, 128: 0.0035}, max_batch=4)  # reality: ~1.2 ms a step
+    adm = AdmissionController(lat, 0.1, 64, 4)
+    assert not adm.best_effort
+
+    class FakeEngine:
+        metrics = Metrics(64)
+
+    def request():
+        return Request(list(range(32)), SamplingParams(max_tokens=64), lambda d: None,
+                       TextOutput(byte_tokenizer(300).detokenizer()))
+
+    def observe(ratio):
+        req = request()
+        adm._predicted[req.id] = adm.idle_prediction_s()
+        adm.observe_nth(req, req.arrival + ratio * adm.idle_prediction_s())
+
+    adm.margin = 0.25  # as after a late token
+    adm._last_probe = time.perf_counter()  # no probe just now
+    with pytest.raises(Rejected):
+        adm.check(request(), FakeEngine())
+    for _ in range(40):
+        observe(0.9)
+    assert adm.bias < 0.95 and adm.margin < 0.2
+    req = request()
+    adm.check(req, FakeEngine())  # admitted now
+    adm.release(req)
+    for _ in range(40):
+        observe(1.5)
+    assert adm.bias > 1.2
