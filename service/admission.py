@@ -27,7 +27,8 @@ log = logging.getLogger("parley.admission")
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
 MAX_MARGIN = 1.0  # predictions are never stretched by more than 2x
-MARGIN_DECAY = 0.02  # per SLA token on time: the widened margin's share given back
+MARGIN_DECAY = 0.05  # per SLA token on time: the widened margin's share given back (one late first request on
+# the H100, slowed by one-off costs, widened it so far that 0.02 kept an idle server refusing for a minute)
 BIAS_EWMA = 0.1  # weight of one observed SLA token in the learned actual/predicted ratio
 BIAS_RANGE = (0.75, 2.0)
 

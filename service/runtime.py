@@ -95,12 +95,16 @@ def _disturbed(lat: LatencyModel) -> bool:
 
 
 def warm_up(engine: Engine) -> None:
-    """One short request through the whole path, so the first user pays no compilation or allocation. It bypasses
+    """Short requests through the whole path, so the first user pays no compilation or allocation. It bypasses
     admission: a strict SLA that no request can meet (a CPU) must refuse users, not stop the server starting."""
     admission, engine.admission = engine.admission, Admission(engine.sla_s)
     metrics, engine.metrics = engine.metrics, Metrics(engine.sla_tokens)  # users' metrics start at zero
     try:
-        for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
-            pass
+        # greedy, then sampled with and without truncation: each path has kernels of its own to load
+        for params in (SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True),
+                       SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=40, ignore_eos=True)):
+            for _ in engine.generate([1, 2, 3, 4], params):
+                pass
     finally:
         engine.admission, engine.metrics = admission, metrics

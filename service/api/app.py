@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+# anyio imports its asyncio backend on the first request: a first voice turn would pay those imports on the event
+# loop (seen in the H100 profile) and look late to admission. Import it now.
+import anyio._backends._asyncio  # noqa: F401
 from fastapi import FastAPI, HTTPException
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
