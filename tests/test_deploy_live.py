@@ -10,11 +10,9 @@ deploy_support.alert_as_always_answering), which answers exactly when the series
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy_support import PROMETHEUS_DIR, ROOT, all_exprs, free_port, recording_rule_names
+from deploy_support import PROMETHEUS_DIR, all_exprs, free_port, recording_rule_names
+
+from tests.server_fixture import start_server, stop_server
 
 PROMETHEUS = shutil.which("prometheus")
 SERVER_START_TIMEOUT_S = 420  # model load and the calibration sweep on a 2-core CI machine
@@ -54,37 +54,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def parley(tmp_path_factory):
-    if not (ROOT / "service" / "cli.py").exists():
-        pytest.skip("service/cli.py (the server) is not in this tree yet")
-    tmp = tmp_path_factory.mktemp("parley")
-    port = free_port()
-    log = tmp / "parley.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PARLEY_")}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
     # A short context keeps the start-up calibration sweep short (no 1,024-token prefill on the CPU).
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--max-batch", "2", "--max-context", "256", "--sla-tokens", str(SLA_TOKENS),
-           "--gpu-hourly-usd", "2.5"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"parley exited with {proc.returncode}:\n{_tail(log)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"parley not healthy after {SERVER_START_TIMEOUT_S} s:\n{_tail(log)}")
-            time.sleep(0.5)
-        yield {"base": base, "port": port, "log": log}
-    finally:
-        _stop(proc)
+    server = start_server(tmp_path_factory.mktemp("parley") / "parley.log", "--device", "cpu", "--max-batch", "2",
+                          "--max-context", "256", "--sla-tokens", str(SLA_TOKENS), "--gpu-hourly-usd", "2.5",
+                          timeout_s=SERVER_START_TIMEOUT_S)
+    yield {"base": server.base, "port": server.port, "log": server.log}
+    stop_server(server)
 
 
 @pytest.fixture(scope="module")

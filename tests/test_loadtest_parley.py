@@ -2,65 +2,30 @@
 every request completes with the right token count over completions, chat and realtime, and the report's
 figures agree with its records."""
 
-import importlib.util
 import json
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.cli import main
+from tests.server_fixture import start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loadtest_checks import check_consistent  # noqa: E402
 
-ROOT = Path(__file__).parents[1]
 STARTUP_S = 180  # ~25 s on an idle 2-core machine (model load + calibration); far more on a busy one
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def parley(tmp_path_factory):
-    if importlib.util.find_spec("service.cli") is None:
-        pytest.skip("service.cli (the Parley server) is not there yet")
-    port = free_port()
-    log = tmp_path_factory.mktemp("parley") / "server.log"
-    with open(log, "w") as out:
-        # --max-waiting 4: a burst of 16 finds the queue full (the short loads, 2 in flight, never do).
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--max-batch", "4",
-                                 "--max-waiting", "4"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"parley exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"parley not healthy within {STARTUP_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    # --max-waiting 4: a burst of 16 finds the queue full (the short loads, 2 in flight, never do).
+    server = start_server(tmp_path_factory.mktemp("parley") / "server.log", "--max-batch", "4", "--max-waiting", "4",
+                          timeout_s=STARTUP_S)
+    yield server.base
+    stop_server(server)
 
 
 def run(tmp_path, url: str, *args: str) -> dict:
