@@ -242,8 +242,16 @@ def main() -> None:
                     dec.check_errors()
                     res = time_graph(dec._graphs[batch], args.reps)
                     dec.check_errors()
-                    add(records, common, "megakernel" if v == "default" else f"megakernel[{v}]", res,
-                        schedule=k.schedule(batch).describe())
+                    name = "megakernel" if v == "default" else f"megakernel[{v}]"
+                    add(records, common, name, res, schedule=k.schedule(batch).describe())
+                    # the same step with every row sampling at temperature 1 (inside the kernel)
+                    k.draw[0, :batch] = torch.ones(batch, device="cuda").view(torch.int32)
+                    k.draw[1:, :batch] = torch.randint(-2**31, 2**31 - 1, (2, batch), device="cuda",
+                                                       dtype=torch.int32)
+                    res = time_graph(dec._graphs[batch], args.reps)
+                    dec.check_errors()
+                    k.draw.zero_()
+                    add(records, common, f"{name}, sampling T=1", res)
                 if not args.skip_reference:
                     ref: ReferenceDecoder = base.reference
                     x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")].unsqueeze(1)

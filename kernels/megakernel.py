@@ -16,6 +16,9 @@ hanging; the host checks the flag.
 
 Matvecs use tensor cores (`tl.dot`) with the batch rows as M, padded only to the bucket; each 16-row weight tile is
 accumulated as KS independent k-slices (a batched dot, one slice per warp) and summed in the epilogue.
+
+Sampling happens in the same launch: where a row samples, each LM-head task reduces the Gumbel-perturbed logits
+of its columns (kernels/sampling.py) after its stream, and ARGMAX reduces those partials next to the greedy ones.
 """
 
 from __future__ import annotations
@@ -28,29 +31,9 @@ import triton
 import triton.language as tl
 
 from kernels import instructions as I
+from kernels.sampling import gumbel_perturb
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _interpreter_numpy2_shim() -> None:
-    """Triton 3.6's interpreter turns a scalar into an index with int() of a one-element array, which numpy ≥ 2.4
-    refuses (a loop bound loaded from memory then fails). Patch that one conversion, for the interpreter only."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_parley_shim", False):
-        return
-
-    def patched(tensor, scope):  # noqa: ANN001, ANN202
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._parley_shim = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET:
-    _interpreter_numpy2_shim()
 
 
 @dataclass
@@ -176,13 +159,51 @@ def _mv_epilogue(OP: tl.constexpr, n0, acc, acc2, rstd, best_v, best_i, B, out_p
 
 
 @triton.jit
+def _load_draw(draw_ptr, pos_ptr, B, BPAD: tl.constexpr, DSTRIDE: tl.constexpr):
+    """How each row picks its token: temperature (0: greedy), seed words, position; and whether any row samples.
+    draw_ptr holds three int32 rows of DSTRIDE: the temperature's float32 bits, the seed's low and high words."""
+    rb = tl.arange(0, BPAD)
+    m = rb < B
+    temperature = tl.load(draw_ptr + rb, mask=m, other=0).to(tl.float32, bitcast=True)
+    seed_lo = tl.load(draw_ptr + DSTRIDE + rb, mask=m, other=0)
+    seed_hi = tl.load(draw_ptr + 2 * DSTRIDE + rb, mask=m, other=0)
+    position = tl.load(pos_ptr + rb, mask=m, other=0)
+    return temperature, seed_lo, seed_hi, position, tl.max(temperature, axis=0) > 0
+
+
+@triton.jit
+def _sample_task(c0, c1, B, logits_ptr, draw_ptr, pos_ptr, N: tl.constexpr, BPAD: tl.constexpr,
+                 DSTRIDE: tl.constexpr, CG: tl.constexpr):
+    """The drawn token's (max, argmax) over columns [c0, c1) of logits this program has just written: one pass
+    after the LM head's stream, in blocks of 8 elements per thread, so the noise of many columns is computed side
+    by side (per 64-column tile, inside the stream's epilogue, its latency stalled the stream: ~38 us a step)."""
+    SC: tl.constexpr = 1024 // BPAD
+    rb = tl.arange(0, BPAD)
+    temperature, seed_lo, seed_hi, position, _ = _load_draw(draw_ptr, pos_ptr, B, BPAD, DSTRIDE)
+    best_v = tl.full([BPAD], float("-inf"), tl.float32)
+    best_i = tl.full([BPAD], N, tl.int32)
+    for s0 in range(c0, c1, SC):
+        rc = s0 + tl.arange(0, SC)
+        m = (rb[:, None] < B) & (rc[None, :] < c1)
+        lg = _ld_act(logits_ptr + rb[:, None] * N + rc[None, :], m, CG, float("-inf"))
+        sc = gumbel_perturb(lg, rc, temperature, seed_lo, seed_hi, position)
+        mx = tl.max(sc, axis=1)
+        idx = tl.min(tl.where(sc == mx[:, None], rc[None, :], N), axis=1).to(tl.int32)
+        take = mx > best_v  # blocks come in increasing order: ties keep the earlier index
+        best_v = tl.where(take, mx, best_v)
+        best_i = tl.where(take, idx, best_i)
+    return best_v, best_i
+
+
+@triton.jit
 def _mv_task(OP: tl.constexpr, r0, nsub, ordinal, B, w_ptr, w2_ptr, a_ptr, ssq_in_ptr, bias_ptr, out_ptr,
-             xn_ptr, nwn_ptr, ssq_out_ptr, lmax_ptr, lidx_ptr, eps, K: tl.constexpr, N: tl.constexpr,
-             NORM: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, KS: tl.constexpr, CG: tl.constexpr):
+             xn_ptr, nwn_ptr, ssq_out_ptr, lmax_ptr, lidx_ptr, n_parts, draw_ptr, pos_ptr, eps, K: tl.constexpr,
+             N: tl.constexpr, NORM: tl.constexpr, DUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BPAD: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, CG: tl.constexpr, DSTRIDE: tl.constexpr):
     """Rows [r0, r0 + nsub*BN) of out = a @ W^T (and a @ W2^T with DUAL), as one software-pipelined stream over
     (row tile, k chunk): a task of many row tiles fills the pipeline once. NORM: a is x * norm_weight, and the
-    epilogue scales by rstd (from the sums of squares at ssq_in_ptr)."""
+    epilogue scales by rstd (from the sums of squares at ssq_in_ptr). LMHEAD also leaves the greedy token's
+    (max, argmax) partial, and where a row samples, the drawn token's."""
     KB: tl.constexpr = (K + BK - 1) // BK
     EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0)
     dt = w_ptr.dtype.element_ty
@@ -230,6 +251,13 @@ def _mv_task(OP: tl.constexpr, r0, nsub, ordinal, B, w_ptr, w2_ptr, a_ptr, ssq_i
     if OP == I.LMHEAD:
         tl.store(lmax_ptr + ordinal * BPAD + rb, best_v)
         tl.store(lidx_ptr + ordinal * BPAD + rb, best_i)
+        if tl.max(tl.load(draw_ptr + rb, mask=rb < B, other=0).to(tl.float32, bitcast=True), axis=0) > 0:
+            tl.debug_barrier()  # the logits this program wrote, visible to all its threads
+            sv, si = _sample_task(r0, tl.minimum(r0 + nsub * BN, N), B, out_ptr, draw_ptr, pos_ptr, N, BPAD,
+                                  DSTRIDE, CG)
+            # the sampled partials sit after the greedy ones
+            tl.store(lmax_ptr + (n_parts + ordinal) * BPAD + rb, sv)
+            tl.store(lidx_ptr + (n_parts + ordinal) * BPAD + rb, si)
 
 
 @triton.jit
@@ -361,10 +389,9 @@ def _op_attn(layer, b, g, s, S, batch, cnt_ptr, arrive0, tok_ptr, slot_ptr, pos_
 
 
 @triton.jit
-def _op_argmax(B, n_parts, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, ssq_ptr, n_ssq, V: tl.constexpr,
-               BPAD: tl.constexpr, CG: tl.constexpr):
-    """Reduce the LM-head tasks' (max, argmax) partials; then, every other task being done (they all lead
-    here), zero the counters and the sums of squares for the next replay."""
+def _reduce_partials(lmax_ptr, lidx_ptr, p0, n_parts, B, V: tl.constexpr, BPAD: tl.constexpr, CG: tl.constexpr):
+    """The token of each row from n_parts (max, argmax) partials starting at partial p0: the largest value, and
+    of equal values the smallest index."""
     TC: tl.constexpr = 128
     rb = tl.arange(0, BPAD)
     best = tl.full([BPAD], float("-inf"), tl.float32)
@@ -372,14 +399,31 @@ def _op_argmax(B, n_parts, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, ssq
     for t0 in range(0, n_parts, TC):
         rt = t0 + tl.arange(0, TC)
         m = (rt[:, None] < n_parts) & (rb[None, :] < B)
-        vals = _ld_act(lmax_ptr + rt[:, None] * BPAD + rb[None, :], m, CG, float("-inf"))
-        idxs = _ld_act(lidx_ptr + rt[:, None] * BPAD + rb[None, :], m, CG, V)
+        vals = _ld_act(lmax_ptr + (p0 + rt[:, None]) * BPAD + rb[None, :], m, CG, float("-inf"))
+        idxs = _ld_act(lidx_ptr + (p0 + rt[:, None]) * BPAD + rb[None, :], m, CG, V)
         cm = tl.max(vals, axis=0)
         ci = tl.min(tl.where(vals == cm[None, :], idxs, V), axis=0)
         take = (cm > best) | ((cm == best) & (ci < bidx))
         best = tl.where(take, cm, best)
         bidx = tl.where(take, ci, bidx)
-    tl.store(out_ptr + rb, bidx.to(tl.int64), mask=rb < B)
+    return bidx
+
+
+@triton.jit
+def _op_argmax(B, n_parts, lmax_ptr, lidx_ptr, out_ptr, sample_out_ptr, draw_ptr, pos_ptr, cnt_ptr, n_counters,
+               ssq_ptr, n_ssq, V: tl.constexpr, BPAD: tl.constexpr, CG: tl.constexpr, DSTRIDE: tl.constexpr):
+    """Reduce the LM-head tasks' (max, argmax) partials into the greedy token, and the sampled ones into the drawn
+    token (the greedy one where no row samples); then, every other task being done (they all lead here), zero the
+    counters and the sums of squares for the next replay."""
+    rb = tl.arange(0, BPAD)
+    greedy = _reduce_partials(lmax_ptr, lidx_ptr, 0, n_parts, B, V, BPAD, CG)
+    tl.store(out_ptr + rb, greedy.to(tl.int64), mask=rb < B)
+    draw = _load_draw(draw_ptr, pos_ptr, B, BPAD, DSTRIDE)
+    if draw[4]:
+        tl.store(sample_out_ptr + rb, _reduce_partials(lmax_ptr, lidx_ptr, n_parts, n_parts, B, V, BPAD, CG)
+                 .to(tl.int64), mask=rb < B)
+    else:
+        tl.store(sample_out_ptr + rb, greedy.to(tl.int64), mask=rb < B)
     for c0 in range(0, n_counters, 1024):
         rc = c0 + tl.arange(0, 1024)
         tl.store(cnt_ptr + rc, tl.zeros([1024], tl.int32), mask=rc < n_counters)
@@ -395,17 +439,17 @@ def _op_argmax(B, n_parts, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, ssq
 @triton.jit
 def megakernel(
     tasks_ptr, starts_ptr, cnt_ptr, err_ptr,
-    tok_ptr, slot_ptr, pos_ptr, batch, attn_splits, n_counters, n_lm_tiles,
+    tok_ptr, slot_ptr, pos_ptr, draw_ptr, batch, attn_splits, n_counters, n_lm_tiles,
     embed_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, norm1_ptr, norm2_ptr, fnorm_ptr, lm_ptr,
     cos_ptr, sin_ptr, kc_ptr, vc_ptr,
     x_ptr, xn_ptr, ssq_ptr, qkv_ptr, attn_ptr, ffn_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr, lmax_ptr, lidx_ptr,
-    out_ptr, eps, sm_scale, prof_ptr,
+    out_ptr, sample_out_ptr, eps, sm_scale, prof_ptr,
     H: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr, V: tl.constexpr,
     NLAYERS: tl.constexpr, SLOTS: tl.constexpr, CTX: tl.constexpr, HAS_BIAS: tl.constexpr,
     BN_MV: tl.constexpr, BN_LM: tl.constexpr, BN_E: tl.constexpr,
     BK_MV: tl.constexpr, BK_GU: tl.constexpr, BK_LM: tl.constexpr, KS: tl.constexpr, KS_LM: tl.constexpr,
     BPAD: tl.constexpr, GPAD: tl.constexpr, CH: tl.constexpr, SMAX: tl.constexpr, SPLIT_MIN: tl.constexpr,
-    PF_AHEAD: tl.constexpr,
+    PF_AHEAD: tl.constexpr, DSTRIDE: tl.constexpr,
     CG: tl.constexpr,
     MAX_SPIN: tl.constexpr, PROFILE: tl.constexpr,
 ):
@@ -440,8 +484,8 @@ def megakernel(
         ssq_mlp = ssq_ptr + (2 * layer + 1) * BPAD
         if op == I.QKV:
             _mv_task(I.QKV, a0, a1, 0, batch, wqkv_ptr + layer * QKVR * H, wqkv_ptr, xn_ptr, ssq_attn,
-                     bqkv_ptr + layer * QKVR, qkv_ptr, xn_ptr, norm1_ptr, ssq_ptr, lmax_ptr, lidx_ptr, eps,
-                     H, QKVR, True, False, HAS_BIAS, BPAD, BN_MV, BK_MV, KS, CG)
+                     bqkv_ptr + layer * QKVR, qkv_ptr, xn_ptr, norm1_ptr, ssq_ptr, lmax_ptr, lidx_ptr, n_lm_tiles,
+                     draw_ptr, pos_ptr, eps, H, QKVR, True, False, HAS_BIAS, BPAD, BN_MV, BK_MV, KS, CG, DSTRIDE)
         elif op == I.ATTN:
             inc = _op_attn(layer, a0, a1, tl.load(rec + I.F_A2), attn_splits, batch, cnt_ptr,
                            arrive0, tok_ptr, slot_ptr, pos_ptr, qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
@@ -450,28 +494,30 @@ def megakernel(
         elif op == I.OPROJ:
             # x += attn @ Wo^T, and the MLP norm's operand
             _mv_task(I.OPROJ, a0, a1, 0, batch, wo_ptr + layer * H * Q, wo_ptr, attn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
-                     xn_ptr, norm2_ptr + layer * H, ssq_mlp, lmax_ptr, lidx_ptr, eps,
-                     Q, H, False, False, False, BPAD, BN_MV, BK_MV, KS, CG)
+                     xn_ptr, norm2_ptr + layer * H, ssq_mlp, lmax_ptr, lidx_ptr, n_lm_tiles, draw_ptr, pos_ptr, eps,
+                     Q, H, False, False, False, BPAD, BN_MV, BK_MV, KS, CG, DSTRIDE)
         elif op == I.GATEUP:
             _mv_task(I.GATEUP, a0, a1, 0, batch, wg_ptr + layer * F * H, wu_ptr + layer * F * H, xn_ptr, ssq_mlp,
-                     bqkv_ptr, ffn_ptr, xn_ptr, norm2_ptr, ssq_ptr, lmax_ptr, lidx_ptr, eps,
-                     H, F, True, True, False, BPAD, BN_MV, BK_GU, KS, CG)
+                     bqkv_ptr, ffn_ptr, xn_ptr, norm2_ptr, ssq_ptr, lmax_ptr, lidx_ptr, n_lm_tiles, draw_ptr,
+                     pos_ptr, eps, H, F, True, True, False, BPAD, BN_MV, BK_GU, KS, CG, DSTRIDE)
         elif op == I.DOWN:
             # x += ffn @ Wdown^T, and the next layer's attention norm operand (the final norm's after the last)
             last_layer = layer == NLAYERS - 1
             nwn = tl.where(last_layer, fnorm_ptr, norm1_ptr + (layer + 1) * H)
             _mv_task(I.DOWN, a0, a1, 0, batch, wd_ptr + layer * H * F, wd_ptr, ffn_ptr, ssq_ptr, bqkv_ptr, x_ptr,
-                     xn_ptr, nwn, ssq_ptr + (2 * layer + 2) * BPAD, lmax_ptr, lidx_ptr, eps,
-                     F, H, False, False, False, BPAD, BN_MV, BK_MV, KS, CG)
+                     xn_ptr, nwn, ssq_ptr + (2 * layer + 2) * BPAD, lmax_ptr, lidx_ptr, n_lm_tiles, draw_ptr,
+                     pos_ptr, eps, F, H, False, False, False, BPAD, BN_MV, BK_MV, KS, CG, DSTRIDE)
         elif op == I.LMHEAD:
+            # logits, the greedy token's partials, and (where a row samples) the drawn token's
             _mv_task(I.LMHEAD, a0, a1, tl.load(rec + I.F_A2), batch, lm_ptr, lm_ptr, xn_ptr,
                      ssq_ptr + 2 * NLAYERS * BPAD, bqkv_ptr, logits_ptr, xn_ptr, fnorm_ptr, ssq_ptr, lmax_ptr,
-                     lidx_ptr, eps, H, V, True, False, False, BPAD, BN_LM, BK_LM, KS_LM, CG)
+                     lidx_ptr, n_lm_tiles, draw_ptr, pos_ptr, eps, H, V, True, False, False, BPAD, BN_LM, BK_LM,
+                     KS_LM, CG, DSTRIDE)
         elif op == I.EMBED:
             _op_embed(a0, a1, tok_ptr, embed_ptr, x_ptr, xn_ptr, norm1_ptr, ssq_ptr, batch, H, BPAD, BN_E)
         elif op == I.ARGMAX:
-            _op_argmax(batch, n_lm_tiles, lmax_ptr, lidx_ptr, out_ptr, cnt_ptr, n_counters, ssq_ptr,
-                       (2 * NLAYERS + 1) * BPAD, V, BPAD, CG)
+            _op_argmax(batch, n_lm_tiles, lmax_ptr, lidx_ptr, out_ptr, sample_out_ptr, draw_ptr, pos_ptr, cnt_ptr,
+                       n_counters, ssq_ptr, (2 * NLAYERS + 1) * BPAD, V, BPAD, CG, DSTRIDE)
             inc = tl.full([], 0, tl.int32)
         tl.debug_barrier()
         done = tl.load(rec + I.F_DONE)
@@ -517,8 +563,9 @@ class Megakernel:
     """Buffers, schedules (one per batch bucket) and the launch of the decode-step kernel.
 
     k_cache/v_cache: [layers, slots, kv_heads, max_context, head_dim]; cos/sin: float32 [max_context, head_dim/2].
-    Inputs are the int32 tensors `tokens`, `slots`, `positions` ([max_batch]); outputs `logits` (float32
-    [max_batch, vocab]) and `argmax` (int64 [max_batch]). `step(batch)` reads and writes only those.
+    Inputs are the int32 tensors `tokens`, `slots`, `positions` ([max_batch]) and `draw` ([3, max_batch]: each
+    row's temperature as float32 bits, 0 for greedy, and its seed's two words); outputs `logits` (float32
+    [max_batch, vocab]), `argmax` and `sampled` (int64 [max_batch]). `step(batch)` reads and writes only those.
     """
 
     BUCKETS = (1, 2, 4, 8, 16)
@@ -550,11 +597,14 @@ class Megakernel:
         self.tokens = z(bp, dtype=torch.int32)
         self.slots = z(bp, dtype=torch.int32)
         self.positions = z(bp, dtype=torch.int32)
+        # how each row picks its token (kernels/sampling.py): temperature as float32 bits (0: greedy), seed words
+        self.draw = z(3, bp, dtype=torch.int32)
         self.x, self.xn, self.qkv = z(bp, d.hidden), z(bp, d.hidden), z(bp, d.qkv_rows)
         self.ssq = z(2 * d.num_layers + 1, bp, dtype=torch.float32)
         self.attn, self.ffn = z(bp, d.q_size), z(bp, d.ffn)
         self.logits = z(bp, d.vocab, dtype=torch.float32)
         self.argmax = z(bp, dtype=torch.int64)
+        self.sampled = z(bp, dtype=torch.int64)  # the drawn token (the greedy one for rows that do not sample)
         nparts = bp * d.num_kv_heads * max_splits
         self.pm, self.pl = z(nparts, self.gpad, dtype=torch.float32), z(nparts, self.gpad, dtype=torch.float32)
         self.pacc = z(nparts, self.gpad, d.head_dim, dtype=torch.float32)
@@ -575,8 +625,9 @@ class Megakernel:
             self.sched_dev[batch] = (
                 s.tasks.to(self.device), s.starts.to(self.device),
                 torch.zeros(s.num_counters, device=self.device, dtype=torch.int32),
-                torch.zeros(n_lm, max(batch, self.cfg.min_rows), device=self.device, dtype=torch.float32),
-                torch.zeros(n_lm, max(batch, self.cfg.min_rows), device=self.device, dtype=torch.int32),
+                # (max, argmax) partials of the LM-head tasks: the greedy ones, then the sampled ones
+                torch.zeros(2 * n_lm, max(batch, self.cfg.min_rows), device=self.device, dtype=torch.float32),
+                torch.zeros(2 * n_lm, max(batch, self.cfg.min_rows), device=self.device, dtype=torch.int32),
             )
         return self.schedules[batch]
 
@@ -599,20 +650,20 @@ class Megakernel:
             extra["launch_cooperative_grid"] = True
         megakernel[(self.num_programs,)](
             tasks, starts, counters, self.err,
-            self.tokens, self.slots, self.positions, batch, t.attn_splits, s.num_counters, s.num_lm_parts,
+            self.tokens, self.slots, self.positions, self.draw, batch, t.attn_splits, s.num_counters, s.num_lm_parts,
             w.embed, w.wqkv, w.bqkv if w.bqkv is not None else w.wqkv, w.wo, w.w_gate, w.w_up, w.w_down,
             w.attn_norm, w.mlp_norm, w.final_norm, w.lm_head,
             self.cos, self.sin, self.k_cache, self.v_cache,
             self.x, self.xn, self.ssq, self.qkv, self.attn, self.ffn, self.logits, self.pm, self.pl, self.pacc,
             lmax, lidx,
-            self.argmax, d.rms_eps, d.head_dim ** -0.5, self.prof_buffer(s),
+            self.argmax, self.sampled, d.rms_eps, d.head_dim ** -0.5, self.prof_buffer(s),
             H=d.hidden, NH=d.num_heads, KVH=d.num_kv_heads, D=d.head_dim, F=d.ffn, V=d.vocab,
             NLAYERS=d.num_layers, SLOTS=self.slots_total, CTX=self.max_context, HAS_BIAS=w.bqkv is not None,
             BN_MV=t.bn_mv, BN_LM=t.bn_lm, BN_E=I.EMBED_COLS, BK_MV=c.bk_mv, BK_GU=c.bk_gu, BK_LM=c.bk_lm,
             KS=c.k_split, KS_LM=c.k_split_lm,
             BPAD=max(batch, c.min_rows), GPAD=self.gpad, CH=c.chunk, SMAX=_pow2(self.max_splits),
             SPLIT_MIN=c.split_min_chunks,
-            PF_AHEAD=0 if INTERPRET else c.prefetch_ahead,
+            PF_AHEAD=0 if INTERPRET else c.prefetch_ahead, DSTRIDE=self.draw.stride(0),
             CG=not INTERPRET, MAX_SPIN=c.max_spin, PROFILE=c.profile and not INTERPRET,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )

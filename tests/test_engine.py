@@ -337,3 +337,78 @@ def test_untruncated_sampling_on_the_device_draws_by_the_softmax(tiny):
     out = sample_on_device(logits, logits.argmax(-1), [req] * 4000)
     freq = torch.bincount(out, minlength=4).float() / 4000
     torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.03, rtol=0)
+
+
+class DrawingDecoder:
+    """The reference decoder, drawing tokens inside its step as Decoder.draws_tokens promises: Gumbel-max over
+    logits / T with noise keyed by (seed, position) only. Counts the rows it drew, so the test sees the engine
+    hand sampled requests to the decoder."""
+
+    draws_tokens = True
+
+    def __init__(self, inner: ReferenceDecoder) -> None:
+        self.inner, self.drawn = inner, 0
+        self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
+        self.device, self.name = inner.device, "drawing"
+
+    def prefill(self, slot, token_ids, start_pos=0):
+        return self.inner.prefill(slot, token_ids, start_pos)
+
+    def draw(self, logits, draws, positions):
+        import torch
+
+        out = []
+        for row, d, pos in zip(logits, draws, positions):
+            g = torch.Generator().manual_seed((d.seed * 1_000_003 + pos) % 2**63)
+            u = torch.rand(row.shape[-1], generator=g).clamp_min(1e-12)
+            out.append(int((row / d.temperature - torch.log(-torch.log(u))).argmax()))
+            self.drawn += 1
+        return torch.tensor(out)
+
+    def decode(self, slots, token_ids, positions, draws=None):
+
+        from service.backends.decoder import DecodeOutput
+
+        out = self.inner.decode(slots, token_ids, positions)
+        if draws is None:
+            return out
+        sampled = out.argmax.clone()
+        for i, (d, pos) in enumerate(zip(draws, positions)):
+            if d.temperature > 0:
+                sampled[i] = self.draw(out.logits[i:i + 1], [d], [pos])[0]
+        return DecodeOutput(out.logits, out.argmax, sampled)
+
+
+def test_sampled_requests_draw_inside_the_decode_step(tiny, overlap):
+    """With a decoder that draws inside its step, the engine hands it every untruncated sampled request (greedy
+    rows keep the argmax, top-p rows are still sampled by the engine): a seeded request draws the same tokens
+    alone and in a mixed batch, with or without running ahead; unseeded requests differ."""
+    def engine():
+        dec = DrawingDecoder(ReferenceDecoder(tiny.config, tiny.weights, max_slots=4, max_context=256))
+        eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=8)
+        eng.overlap = overlap
+        eng.start()
+        return eng, dec
+
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, ignore_eos=True)
+    eng, dec = engine()
+    try:
+        alone = [t for d in eng.generate([3, 1, 4], seeded) for t in d.token_ids]
+        greedy_alone = [t for d in eng.generate([2, 7], GREEDY) for t in d.token_ids]
+        # all 16 drawn by the decoder, the first over the prefill's logits (running ahead: one more step is
+        # launched before the host sees that the request has ended)
+        assert dec.drawn == (17 if overlap else 16)
+        qs = [queue.SimpleQueue() for _ in range(3)]
+        eng.submit([2, 7], GREEDY, qs[0].put)
+        eng.submit([3, 1, 4], seeded, qs[1].put)
+        eng.submit([5, 5], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.5, ignore_eos=True), qs[2].put)
+        got = [[t for d in collect(q) for t in d.token_ids] for q in qs]
+        assert got[1] == alone
+        assert got[0] == greedy_alone
+        assert len(got[2]) == 16
+        free = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+        a = [t for d in eng.generate([3, 1, 4], free) for t in d.token_ids]
+        b = [t for d in eng.generate([3, 1, 4], free) for t in d.token_ids]
+        assert len(a) == len(b) == 16 and a != b
+    finally:
+        eng.stop()

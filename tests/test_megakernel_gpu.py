@@ -81,3 +81,61 @@ def test_megakernel_matches_reference_on_gpu(shape: str, batch: int) -> None:
     assert r["worst_vs_ref"] < TOL or as_good, r
     assert r["argmax_consistent"], r
     assert r["argmax_agree_fp32_mk"] >= r["argmax_agree_fp32_ref"] - 0.1, r
+
+
+def test_megakernel_samples_from_the_softmax_on_gpu() -> None:
+    """Sampling inside the step on the H100, at the Llama-3.2-1B shape, batch 8: every row's drawn token equals the
+    Gumbel-max draw of the kernel's own logits (kernels.sampling.draw over whole rows), greedy rows keep the
+    argmax, and over 4,000 draws with fresh seeds the tokens follow softmax(logits / T) (chi-square, 1e-6)."""
+    import math
+
+    from kernels.sampling import draw
+    from service.backends.decoder import Draw
+    from service.backends.megakernel import MegakernelDecoder
+    from service.model.synthetic import load_synthetic
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    config, weights, _ = load_synthetic("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, seed=seed)
+    mk = MegakernelDecoder(config, weights, max_slots=8, max_context=512)
+    del weights
+    g = torch.Generator().manual_seed(seed)
+    slots = list(range(8))
+    ids = torch.randint(0, config.vocab_size, (37,), generator=g).tolist()
+    for s in slots:  # the same prompt everywhere: eight rows with the same logits
+        mk.prefill(s, ids)
+    toks, pos = [ids[-1]] * 8, [37] * 8
+    logits = mk.decode(slots, toks, pos).logits[0].float()
+    # a temperature at which the top token holds ~30% of the mass: a few dozen tokens carry most of it
+    lo, hi = 1e-4, 10.0
+    for _ in range(60):
+        t = math.sqrt(lo * hi)
+        lo, hi = (t, hi) if (logits / t).softmax(-1).max() > 0.3 else (lo, t)
+    temp = math.sqrt(lo * hi)
+    counts = torch.zeros(config.vocab_size, dtype=torch.float64)
+    expected = torch.zeros(config.vocab_size, dtype=torch.float64, device="cuda")  # summed over the draws made
+    exact = True
+    n_steps = 500
+    for step in range(n_steps):
+        seeds = torch.randint(0, 2**62, (8,), generator=g).tolist()
+        draws = [Draw(0.0 if (step == 0 and i == 0) else temp, s) for i, s in enumerate(seeds)]
+        out = mk.decode(slots, toks, pos, draws)
+        want = draw(out.logits, torch.tensor([d.temperature for d in draws], device="cuda"),
+                    torch.tensor(seeds, device="cuda"), torch.tensor(pos, device="cuda"))
+        exact &= bool((out.sampled == want).all())
+        hot = 1 if step == 0 else 0  # row 0 of the first step is greedy
+        if step == 0:
+            assert int(out.sampled[0]) == int(out.argmax[0])
+        counts += torch.bincount(out.sampled[hot:].cpu(), minlength=config.vocab_size).double()
+        # each replay's own logits (the kernel's float atomics may round a little differently from step to step)
+        expected += (out.logits[hot:].double() / temp).softmax(-1).sum(0)
+    mk.check_errors()
+    assert exact, seed
+    expected = expected.cpu()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = int(big.sum())
+    limit = dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+    print({"seed": seed, "temperature": temp, "chi2": chi2, "limit": limit, "dof": dof})
+    assert chi2 < limit, (seed, chi2, limit, dof)

@@ -42,8 +42,95 @@ def test_megakernel_matches_reference_in_interpreter(case: str) -> None:
     assert {r["batch"] for r in result["steps"]} == {1, 3}
 
 
+def test_in_kernel_sampling_draws_from_the_softmax() -> None:
+    """The Gumbel-max draw (kernels/sampling.py) over fresh random logits: the tokens drawn with independent seeds
+    follow softmax(logits / T) (a chi-square test), greedy rows keep the argmax, and a (seed, position) pair draws
+    the same token again."""
+    r = _run("sampling")
+    assert r["greedy_rows_keep_argmax"], r
+    assert r["same_key_same_draw"] and r["new_position_new_draw"], r
+    # chi-square over bins with >= 5 expected draws: the 1e-6 quantile for the degrees of freedom at hand
+    assert r["chi2"] < r["chi2_limit"], r
+
+
+def test_megakernel_draws_match_the_drawing_function_in_interpreter() -> None:
+    """The megakernel's sampled token equals the Gumbel-max draw of its own logits with the row's temperature,
+    seed and position (computed over the whole row, while the kernel reduces tile by tile); greedy rows return
+    the argmax; the same seed draws the same token, other seeds other tokens."""
+    r = _run("megakernel-draws")
+    assert r["sampled"] == r["expected"], r
+    assert r["greedy_equal"], r
+    assert r["repeat_equal"], r
+    assert r["distinct_over_seeds"] >= 3, r
+
+
 # ------------------------------------------------------------------------------------------------------------
 # what runs inside the interpreter process
+
+
+def _check_sampling() -> dict:
+    import math
+
+    import torch
+
+    from kernels.sampling import draw
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    c, n = 16, 16384
+    logits = torch.randn(c, generator=g) * 1.5
+    temp = 0.5 + torch.rand(1, generator=g).item()
+    seeds = torch.randint(0, 2**62, (n,), generator=g)
+    pos = torch.randint(0, 4096, (n,), generator=g)
+    tokens = draw(logits.expand(n, c), torch.full((n,), temp), seeds, pos)
+    counts = torch.bincount(tokens, minlength=c).double()
+    expected = (logits / temp).softmax(-1).double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]) if (~big).any() else counts[big]
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]) if (~big).any() else expected[big]
+    keep = exp > 0
+    chi2 = float((((obs - exp) ** 2) / exp)[keep].sum())
+    dof = int(keep.sum()) - 1
+    # Wilson-Hilferty: the chi-square quantile at 1 - 1e-6 (z = 4.753)
+    limit = dof * (1 - 2 / (9 * dof) + 4.753 * math.sqrt(2 / (9 * dof))) ** 3
+    rows = torch.randn(64, c, generator=g)
+    greedy = draw(rows, torch.zeros(64), seeds[:64], pos[:64])
+    again = draw(logits.expand(64, c), torch.full((64,), 4.0), seeds[:64], pos[:64])
+    first = draw(logits.expand(64, c), torch.full((64,), 4.0), seeds[:64], pos[:64])
+    moved = draw(logits.expand(64, c), torch.full((64,), 4.0), seeds[:64], pos[:64] + 1)
+    return {"seed": seed, "temperature": temp, "chi2": chi2, "chi2_limit": limit, "dof": dof,
+            "greedy_rows_keep_argmax": bool((greedy == rows.argmax(-1)).all()),
+            "same_key_same_draw": bool((again == first).all()), "new_position_new_draw": bool((moved != first).any())}
+
+
+def _check_megakernel_draws() -> dict:
+    import torch
+
+    from kernels.sampling import draw
+    from service.backends.decoder import Draw
+    from service.backends.megakernel import MegakernelDecoder
+    from service.model.synthetic import load_synthetic
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    config, weights, _ = load_synthetic("tiny", seed=seed, num_layers=1)
+    v = config.vocab_size
+    mk = MegakernelDecoder(config, weights, 4, 128, device="cpu", dtype=torch.float32)
+    slots, pos = [0, 1, 2, 3], []
+    for s in slots:
+        n = int(torch.randint(3, 40, (1,), generator=g))
+        mk.prefill(s, torch.randint(0, v, (n,), generator=g).tolist())
+        pos.append(n)
+    toks = torch.randint(0, v, (4,), generator=g).tolist()
+    seeds = torch.randint(0, 2**62, (4,), generator=g).tolist()
+    draws = [Draw(0.0, seeds[0]), Draw(0.7, seeds[1]), Draw(1.3, seeds[2]), Draw(2.0, seeds[3])]
+    out = mk.decode(slots, toks, pos, draws)
+    again = mk.decode(slots, toks, pos, draws)  # the same step again: it rewrites the same K/V
+    expected = draw(out.logits, torch.tensor([d.temperature for d in draws]), torch.tensor(seeds), torch.tensor(pos))
+    hot = [int(mk.decode([3], [toks[3]], [pos[3]], [Draw(2.0, seeds[3] + 1 + i)]).sampled[0]) for i in range(8)]
+    return {"seed": seed, "sampled": out.sampled.tolist(), "expected": expected.tolist(),
+            "greedy_equal": int(out.sampled[0]) == int(out.argmax[0]),
+            "repeat_equal": again.sampled.tolist() == out.sampled.tolist(), "distinct_over_seeds": len(set(hot))}
 
 
 def _check(case: str) -> dict:
@@ -114,4 +201,6 @@ def _check(case: str) -> dict:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    print(json.dumps(_check(sys.argv[1])))
+    what = sys.argv[1]
+    check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws}.get(what)
+    print(json.dumps(check() if check else _check(what)))

@@ -16,6 +16,16 @@ from service.model.config import ModelConfig
 class DecodeOutput(NamedTuple):
     logits: torch.Tensor  # float32 [batch, vocab], for sampling with temperature/top-p/top-k
     argmax: torch.Tensor  # int64 [batch], the greedy token (the megakernel computes it in the same launch)
+    sampled: torch.Tensor | None = None  # int64 [batch], each row's token drawn as `draws` asked (None: not asked,
+    # or a decoder that does not draw; the engine then samples from `logits`)
+
+
+class Draw(NamedTuple):
+    """How a row's next token is drawn inside the decode step: from softmax(logits / temperature) (0: greedy),
+    with noise keyed by (seed, position, token id), so a request's draws depend on its seed and nothing else."""
+
+    temperature: float
+    seed: int
 
 
 class Decoder(Protocol):
@@ -30,9 +40,18 @@ class Decoder(Protocol):
         writing their K/V. Returns the float32 logits [vocab] of the last token."""
         ...
 
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
+    draws_tokens: bool  # whether decode() honours `draws` (returns `sampled`) and draw() exists
+
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+               draws: list[Draw] | None = None) -> DecodeOutput:
         """One step for a batch of any size up to max_slots: token_ids[i] sits at positions[i] of slots[i].
-        Writes its K/V; returns the logits and the greedy token of each sequence. Asynchronous on a GPU: nothing
-        waits for the device. `token_ids` may be a device tensor (the previous step's argmax), so that a step
-        can be launched before the last one's tokens reach the host."""
+        Writes its K/V; returns the logits and the greedy token of each sequence, and where the decoder draws
+        tokens and `draws` is given, each row's drawn token. Asynchronous on a GPU: nothing waits for the device.
+        `token_ids` may be a device tensor (the previous step's tokens), so that a step can be launched before
+        the last one's tokens reach the host."""
+        ...
+
+    def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
+        """Where draws_tokens: the draw decode() makes, over given float32 logits [n, vocab] (a prefill's last
+        ones) for tokens at `positions`; int64 [n] on the device."""
         ...

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from service.backends.decoder import DecodeOutput, Decoder
+from service.backends.decoder import DecodeOutput, Decoder, Draw
 
 
 class InjectedFault(RuntimeError):
@@ -27,12 +27,13 @@ class FaultInjectingDecoder:
         self.armed = True  # faults count steps only while armed (a server arms them once it is warm)
         self.steps = 0
         self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
-        self.device, self.name = inner.device, inner.name
+        self.device, self.name, self.draws_tokens = inner.device, inner.name, inner.draws_tokens
 
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         return self.inner.prefill(slot, token_ids, start_pos)
 
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+               draws: list[Draw] | None = None) -> DecodeOutput:
         if self.armed:
             self.steps += 1
         if self.armed and self.steps == self.fail_step:
@@ -41,4 +42,4 @@ class FaultInjectingDecoder:
             time.sleep(self.hang_s)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return self.inner.decode(slots, token_ids, positions)
+        return self.inner.decode(slots, token_ids, positions, draws)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from service.backends.decoder import DecodeOutput
+from service.backends.decoder import DecodeOutput, Draw
 from service.backends.reference import ReferenceDecoder
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
@@ -78,6 +78,7 @@ def pack_weights(config: ModelConfig, weights: ModelWeights, device: torch.devic
 
 class MegakernelDecoder:
     name = "megakernel"
+    draws_tokens = True  # temperature sampling runs inside the step (kernels/sampling.py)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -107,13 +108,15 @@ class MegakernelDecoder:
         self.buckets = Megakernel.BUCKETS
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # one host buffer for the three int32 input rows, copied to the device in one transfer
+        # one host buffer for the int32 input rows (tokens, slots, positions, the draw's three), one transfer
         n = self.kernel.bpad
-        self._host = torch.zeros(3, n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._host = torch.zeros(6, n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         # the last asynchronous copy out of _host; _host is not rewritten before it has run
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._inputs = torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions])
-        self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs.unbind(0)
+        self._inputs = torch.cat([torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions]),
+                                  self.kernel.draw])
+        self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs[:3].unbind(0)
+        self.kernel.draw = self._inputs[3:]
 
     # -- the Decoder interface ------------------------------------------------------------------------
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
@@ -123,17 +126,20 @@ class MegakernelDecoder:
         return next(b for b in self.buckets if b >= n)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+               draws: list[Draw] | None = None) -> DecodeOutput:
         n = len(slots)
-        if not (n == len(token_ids) == len(positions)) or n == 0:
-            raise ValueError("decode needs one slot, token and position per sequence")
+        if not (n == len(token_ids) == len(positions)) or n == 0 or (draws is not None and len(draws) != n):
+            raise ValueError("decode needs one slot, token and position (and draw, if any) per sequence")
         if max(positions) >= self.max_context or min(positions) < 0:
             raise ValueError(f"a position is outside the context of {self.max_context}")
         top = self.buckets[-1]
         if n > top:  # more sequences than the largest bucket: run it in pieces
-            parts = [self.decode(slots[i:i + top], token_ids[i:i + top], positions[i:i + top])
+            parts = [self.decode(slots[i:i + top], token_ids[i:i + top], positions[i:i + top],
+                                 None if draws is None else draws[i:i + top])
                      for i in range(0, n, top)]
-            return DecodeOutput(torch.cat([p.logits for p in parts]), torch.cat([p.argmax for p in parts]))
+            return DecodeOutput(torch.cat([p.logits for p in parts]), torch.cat([p.argmax for p in parts]),
+                                None if draws is None else torch.cat([p.sampled for p in parts]))
         b = self.bucket(n)
         pad = b - n
         if self._copied is not None:
@@ -143,13 +149,28 @@ class MegakernelDecoder:
             self._host[0, :b] = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.int32)
         self._host[1, :b] = torch.tensor(list(slots) + [self.scratch_slot] * pad, dtype=torch.int32)
         self._host[2, :b] = torch.tensor(list(positions) + [0] * pad, dtype=torch.int32)
+        self._host[3:, :b] = 0  # padding rows and greedy requests: temperature 0
+        if draws is not None:
+            temps = torch.tensor([max(0.0, d.temperature) for d in draws], dtype=torch.float32)
+            self._host[3, :n] = temps.view(torch.int32)
+            seeds = torch.tensor([d.seed & (2**63 - 1) for d in draws], dtype=torch.int64)
+            self._host[4:, :n] = seeds.view(torch.int32).view(n, 2).T  # (low, high) words, little-endian
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:
             self.kernel.tokens[:n].copy_(token_ids)
         if self._copied is not None:
             self._copied.record()
         self.run_step(b)
-        return DecodeOutput(self.kernel.logits[:n].clone(), self.kernel.argmax[:n].clone())
+        return DecodeOutput(self.kernel.logits[:n].clone(), self.kernel.argmax[:n].clone(),
+                            None if draws is None else self.kernel.sampled[:n].clone())
+
+    def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
+        from kernels.sampling import draw
+
+        dev = logits.device
+        return draw(logits, torch.tensor([max(0.0, d.temperature) for d in draws], device=dev),
+                    torch.tensor([d.seed & (2**63 - 1) for d in draws], dtype=torch.int64, device=dev),
+                    torch.tensor(positions, dtype=torch.int32, device=dev))
 
     def run_step(self, bucket: int) -> None:
         """Run (or replay) the step of a bucket on whatever the input buffers hold."""

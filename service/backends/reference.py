@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.backends.decoder import DecodeOutput
+from service.backends.decoder import DecodeOutput, Draw
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
 
@@ -40,6 +40,7 @@ class KVCache:
 
 class ReferenceDecoder:
     name = "reference"
+    draws_tokens = False
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> None:
@@ -161,7 +162,9 @@ class ReferenceDecoder:
         self._prefill_graphs[bucket] = (graph, ids, slot, last, out)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int]) -> DecodeOutput:
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+               draws: list[Draw] | None = None) -> DecodeOutput:
+        """The Decoder's step; `draws` is not honoured here (draws_tokens is False): the engine samples."""
         if not slots or not len(slots) == len(token_ids) == len(positions):
             raise ValueError(f"decode of {len(slots)} slots, {len(token_ids)} tokens, {len(positions)} positions")
         kv_len = max(positions) + 1

@@ -13,16 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from service.backends.decoder import DecodeOutput, Decoder
+from service.backends.decoder import DecodeOutput, Decoder, Draw
 from service.engine.kv_slots import Session
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams, State
-from service.engine.sampling import sample, sample_on_device, sample_one
+from service.engine.sampling import sample, sample_on_device, sample_one, untruncated
 from service.engine.scheduler import Scheduler
 from service.metrics import Metrics
 from service.model.tokenizer import Tokenizer
 
 log = logging.getLogger("parley.engine")
+
+SLOW_STEP_S = 0.05
 
 
 class Rejected(Exception):
@@ -60,6 +62,7 @@ class _Step:
 
     batch: list[Request]
     out: DecodeOutput
+    decided: list[bool]  # rows whose token the decoder chose (greedy, or drawn inside the step)
     chosen: torch.Tensor | None  # the next tokens, chosen on the device (None: sample on the host)
     host_tokens: torch.Tensor | None  # `chosen` copied to the host, there once `ready` has fired
     ready: torch.cuda.Event | None
@@ -241,7 +244,11 @@ class Engine:
         self._busy_since = time.monotonic()
         try:
             logits = self.decoder.prefill(req.slot, req.prompt_ids[start:], start)
-            token = sample_one(logits, req)
+            if self._drawn_in_step(req):  # the decoder's own draw, keyed like the steps that follow
+                draw = Draw(req.params.temperature, req.draw_seed)
+                token = int(self.decoder.draw(logits[None], [draw], [len(req.prompt_ids) - 1])[0])
+            else:
+                token = sample_one(logits, req)
         except Exception as e:  # a fault fails this request only; the engine goes on
             log.exception("prefill failed for %s", req.id)
             self._finish(req, "error", error=f"prefill failed: {e}")
@@ -283,12 +290,18 @@ class Engine:
             self._complete(launched)
 
     def _can_run_ahead(self, batch: list[Request]) -> bool:
-        """Whether the next tokens can be chosen on the device (greedy, or sampling with no seed to honour)
-        and one more position fits every sequence."""
+        """Whether the next tokens can be chosen on the device (greedy, drawn by the decoder, or sampling with no
+        seed to honour) and one more position fits every sequence."""
         if not self.overlap:
             return False
         ctx = self.decoder.max_context
-        return all((r.params.greedy or r.params.seed is None) and r.kv_len + 2 < ctx for r in batch)
+        return all((r.params.greedy or r.params.seed is None or self._drawn_in_step(r)) and r.kv_len + 2 < ctx
+                   for r in batch)
+
+    def _drawn_in_step(self, req: Request) -> bool:
+        """A sampled request whose tokens the decoder draws inside its step (no truncation to apply); keyed by
+        the request's seed and position, so a seed reproduces whatever the batch."""
+        return self.decoder.draws_tokens and not req.params.greedy and untruncated(req.params)
 
     def _launch(self, batch: list[Request], tokens: list[int] | torch.Tensor, positions: list[int]) -> _Step | None:
         t0 = time.perf_counter()
@@ -298,11 +311,20 @@ class Engine:
         self._prev_step, self._prefill_s_since = (t0, len(batch)), 0.0
         self._busy_since = time.monotonic()
         try:
-            out = self.decoder.decode([r.slot for r in batch], tokens, positions)
+            slots = [r.slot for r in batch]
+            drawn = [self._drawn_in_step(r) for r in batch]
+            if any(drawn):
+                draws = [Draw(r.params.temperature if d else 0.0, r.draw_seed) for r, d in zip(batch, drawn)]
+                out = self.decoder.decode(slots, tokens, positions, draws)
+                base = out.sampled
+            else:
+                out = self.decoder.decode(slots, tokens, positions)
+                base = out.argmax
+            decided = [r.params.greedy or d for r, d in zip(batch, drawn)]
             chosen, host, ready = None, None, None
             if self._can_run_ahead(batch):
                 # choose on the device and start the tokens' trip to the host now; _complete waits for this step
-                chosen = host = sample_on_device(out.logits, out.argmax, batch)
+                chosen = host = sample_on_device(out.logits, base, batch, decided=decided)
                 if chosen.is_cuda:
                     host, ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
                     ready.record()
@@ -311,7 +333,7 @@ class Engine:
             return None
         finally:
             self._busy_since = None
-        return _Step(batch, out, chosen, host, ready, t0)
+        return _Step(batch, out, decided, chosen, host, ready, t0)
 
     def _complete(self, step: _Step) -> None:
         """Read a launched step's tokens back and stream them."""
@@ -322,7 +344,8 @@ class Engine:
                     step.ready.synchronize()
                 tokens = step.host_tokens.tolist()
             else:
-                tokens = sample(step.out.logits, step.out.argmax, step.batch)
+                base = step.out.sampled if step.out.sampled is not None else step.out.argmax
+                tokens = sample(step.out.logits, base, step.batch, step.decided)
         except Exception as e:
             self._fail_step(step.batch, e)
             return
@@ -343,6 +366,8 @@ class Engine:
         dt = now - max(step.t0, self._last_completed)
         self._last_completed = now
         self.metrics.decode_step.labels(batch_size=str(len(step.batch))).observe(dt)
+        if dt > SLOW_STEP_S:  # every stream stalled this long: say so, it is what a client notices
+            log.warning("a decode step of %d took %.0f ms", len(step.batch), dt * 1e3)
 
     def _fail_step(self, batch: list[Request], e: Exception) -> None:
         log.exception("decode step failed")

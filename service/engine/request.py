@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,11 +88,16 @@ class Request:
     kv_len: int = 0  # positions of this request's slot holding valid K/V
     cancelled: bool = False
     generator: torch.Generator | None = None
+    draw_seed: int = field(default_factory=lambda: random.getrandbits(63))  # keys draws made inside a step
     prefill_start: float | None = None
     prefill_end: float | None = None
     first_token_at: float | None = None
     nth_token_at: float | None = None
     last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:  # a seeded request draws the same tokens every time
+            self.draw_seed = self.params.seed & (2**63 - 1)
 
     @property
     def sla_token_index(self) -> int:

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.request import Request
+from service.engine.request import Request, SamplingParams
 
 
-def sample(logits: torch.Tensor, argmax: torch.Tensor, requests: list[Request]) -> list[int | Exception]:
-    """The next token of each request; logits [batch, vocab] float32 and argmax [batch] from the decoder.
+def untruncated(params: SamplingParams) -> bool:
+    """Sampling from the whole softmax: what a decoder can draw inside its step (Decoder.draws_tokens)."""
+    return params.top_k <= 0 and params.top_p >= 1.0
+
+
+def sample(logits: torch.Tensor, chosen: torch.Tensor, requests: list[Request],
+           decided: list[bool] | None = None) -> list[int | Exception]:
+    """The next token of each request; logits [batch, vocab] float32 and chosen [batch] from the decoder: the
+    greedy token, or the token the decoder drew, for the rows that `decided` marks (default: the greedy ones).
     Sampling is per request, and so are its failures: a request whose sampling raises gets the exception in its
     place (the engine fails that request only), the others get their tokens."""
-    tokens: list[int | Exception] = argmax.tolist()  # the one host sync of a step
+    if decided is None:
+        decided = [r.params.greedy for r in requests]
+    tokens: list[int | Exception] = chosen.tolist()  # the one host sync of a step
     for i, req in enumerate(requests):
-        if not req.params.greedy:
+        if not decided[i]:
             try:
                 tokens[i] = sample_one(logits[i], req)
             except Exception as e:
@@ -46,26 +55,28 @@ def sample_one(logits: torch.Tensor, req: Request) -> int:
     return int(torch.multinomial(scores.softmax(-1), 1, generator=req.generator))
 
 
-def sample_on_device(logits: torch.Tensor, argmax: torch.Tensor, requests: list[Request],
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, chosen: torch.Tensor, requests: list[Request],
+                     generator: torch.Generator | None = None, decided: list[bool] | None = None) -> torch.Tensor:
     """The same choice as `sample`, for a whole batch at once and without waiting for the device: the result
     stays on the GPU, where the next decode step can read it before the host does. Rows draw by the Gumbel-max
     trick over the temperature-scaled, top-k and top-p truncated scores. Seeded requests are left to `sample`."""
     dev = logits.device
-    if all(r.params.greedy for r in requests):
-        return argmax
+    if decided is None:
+        decided = [r.params.greedy for r in requests]
+    if all(decided):
+        return chosen
 
     def column(values: list[float], dtype: torch.dtype) -> torch.Tensor:  # pinned, so the copy does not sync
         return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)[:, None]
 
     vocab = logits.shape[-1]
     temp = column([r.params.temperature if not r.params.greedy else 1.0 for r in requests], torch.float32)
-    greedy = column([r.params.greedy for r in requests], torch.bool)[:, 0]
-    if all(r.params.top_k <= 0 and r.params.top_p >= 1.0 for r in requests):
+    keep = column(decided, torch.bool)[:, 0]
+    if all(untruncated(r.params) for r in requests):
         # no truncation (what most clients send): no sort over the vocabulary, a handful of small kernels
         noise = torch.empty_like(logits, dtype=torch.float32).exponential_(generator=generator)
         sampled = ((logits.float() / temp).softmax(-1) / noise).argmax(-1)
-        return torch.where(greedy, argmax, sampled)
+        return torch.where(keep, chosen, sampled)
     top_k = column([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], torch.int64)
     top_p = column([r.params.top_p for r in requests], torch.float32)
     scores, order = torch.sort(logits.float() / temp, dim=-1, descending=True)
@@ -77,4 +88,4 @@ def sample_on_device(logits: torch.Tensor, argmax: torch.Tensor, requests: list[
     noise = torch.empty_like(scores).exponential_(generator=generator)
     choice = (scores.softmax(-1) / noise).argmax(-1, keepdim=True)  # Gumbel-max, as an exponential race
     sampled = order.gather(-1, choice)[:, 0]
-    return torch.where(greedy, argmax, sampled)
+    return torch.where(keep, chosen, sampled)
