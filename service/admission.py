@@ -31,6 +31,8 @@ MARGIN_DECAY = 0.05  # per SLA token on time: the widened margin's share given b
 # the H100, slowed by one-off costs, widened it so far that 0.02 kept an idle server refusing for a minute)
 BIAS_EWMA = 0.1  # weight of one observed SLA token in the learned actual/predicted ratio
 BIAS_RANGE = (0.75, 2.0)
+BIAS_STEP = (0.8, 1.25)  # one SLA token's ratio counts at most this far from 1: a stall (a 100 ms pause under load
+# on the H100) must not teach the bias; the margin answers misses
 
 
 class AdmissionController:
@@ -59,20 +61,20 @@ class AdmissionController:
         return self.latency.prefill(prompt_tokens) + (self.sla_tokens - 1) * self.latency.step(1)
 
     def idle_server_meets_sla(self) -> bool:
-        return self.idle_prediction_s() * self.bias * (1 + self.base_margin) <= self.sla_s
+        """Whether an idle server keeps the SLA, as predicted (the margin is for the queueing and jitter of a busy
+        one). A bias below 1 (the model runs pessimistic) may show that it does after all."""
+        return self.idle_prediction_s() * min(1.0, self.bias) <= self.sla_s
 
     def _reconsider_best_effort(self) -> None:
-        """The start-up sweep times steps one by one; serving runs them back to back, often faster. As the
-        latency model learns the real cadence, an idle server may turn out able to keep the SLA after all (or
-        no longer able to)."""
-        if self.strict:
+        """A server that started best-effort (its calibration predicted a miss even when idle) enforces the SLA
+        as soon as the latency model, learning the real cadence, predicts that an idle server keeps it. Never the
+        other way: steps seen under load run slower than idle ones, and a server near its SLA flapped into
+        best-effort on the H100 and admitted requests that then missed; late tokens widen the margin instead."""
+        if self.strict or not self.best_effort or not self.idle_server_meets_sla():
             return
-        best_effort = not self.idle_server_meets_sla()
-        if best_effort != self.best_effort:
-            log.warning("the latency model now predicts %.0f ms to token %d on an idle server: %s",
-                        self.idle_prediction_s() * 1e3, self.sla_tokens,
-                        "serving best-effort" if best_effort else "enforcing the SLA")
-            self.best_effort = best_effort
+        log.warning("the latency model now predicts %.0f ms to token %d on an idle server: enforcing the SLA",
+                    self.idle_prediction_s() * 1e3, self.sla_tokens)
+        self.best_effort = False
 
     # -- the Engine's admission hooks ---------------------------------------------------------------------
     def check(self, req: Request, engine: Engine) -> None:
@@ -82,15 +84,19 @@ class AdmissionController:
             self._reconsider_best_effort()
             active = [r for r in self._active.values() if r.state is not State.FINISHED]
             if not self.best_effort:
-                t_nth = self._decide(req, active, now)
-                self._predicted[req.id] = (now - req.arrival) + (t_nth - now) / self._stretch()
+                # An idle server judges with the configured margin: the widened one is for the queueing and jitter
+                # of a busy server, and one late request (the first 1,000-token prompt of a run, on the H100) had
+                # widened it so far that a single stream of such prompts was refused outright.
+                stretch = self._stretch() if active else self.bias * (1 + self.base_margin)
+                t_nth = self._decide(req, active, now, stretch)
+                self._predicted[req.id] = (now - req.arrival) + (t_nth - now) / stretch
             self._active[req.id] = req
         engine.metrics.sla_headroom.set(self.headroom(now))
 
-    def _decide(self, req: Request, active: list[Request], now: float) -> float:
+    def _decide(self, req: Request, active: list[Request], now: float, stretch: float) -> float:
         """Play the engine's next moves forward: slots free as running requests end, waiting ones (FIFO, the
         newcomer last) take them and are prefilled one after another, every step serves the whole batch."""
-        lat, stretch = self.latency, self._stretch()
+        lat = self.latency
         running = [r for r in active if r.state is State.RUNNING]
         waiting = [r for r in active if r.state is State.WAITING] + [req]
         step = lat.step(min(len(active) + 1, self.num_slots)) * stretch
@@ -152,7 +158,8 @@ class AdmissionController:
                 return
             ratio = (at - req.arrival) / predicted
             lo, hi = BIAS_RANGE
-            self.bias = min(hi, max(lo, (1 - BIAS_EWMA) * self.bias + BIAS_EWMA * ratio))
+            learned = min(BIAS_STEP[1], max(BIAS_STEP[0], ratio))
+            self.bias = min(hi, max(lo, (1 - BIAS_EWMA) * self.bias + BIAS_EWMA * learned))
             needed = ratio / self.bias - 1
             if needed > self.margin:
                 self.margin = min(MAX_MARGIN, self.margin + 0.5 * (needed - self.margin))

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "[PARLEY_SLA_TOKENS]")
     s.add_argument("--strict-sla", action=argparse.BooleanOptionalAction, default=None,
                    help="refuse what cannot meet the SLA even where no request could (a CPU) [PARLEY_STRICT_SLA]")
+    s.add_argument("--sla-margin", type=float, help=f"admission stretches its predictions by this share, more "
+                                                    f"while tokens come late (default {d.sla_margin:g}) "
+                                                    "[PARLEY_SLA_MARGIN]")
     s.add_argument("--max-waiting", type=int, help=f"admitted requests that may wait for a slot (default "
                                                    f"{d.max_waiting}) [PARLEY_MAX_WAITING]")
     s.add_argument("--gpu-hourly-usd", type=float, help="this replica's GPU price per hour, for the cost panels "
@@ -60,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     names = ("model", "host", "port", "backend", "device", "max_batch", "max_context", "sla_ms", "sla_tokens",
-             "strict_sla", "max_waiting", "gpu_hourly_usd", "drain_timeout_s", "wedge_timeout_s", "step_delay_ms",
-             "fail_step", "hang_step")
+             "strict_sla", "sla_margin", "max_waiting", "gpu_hourly_usd", "drain_timeout_s", "wedge_timeout_s",
+             "step_delay_ms", "fail_step", "hang_step")
     return ServeConfig.from_env(**{n: getattr(args, n) for n in names})
 
 

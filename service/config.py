@@ -18,6 +18,7 @@ class ServeConfig:
     sla_ms: float = 100.0
     sla_tokens: int = 64
     strict_sla: bool = False  # refuse what cannot meet the SLA even when no request could (a CPU)
+    sla_margin: float = 0.05  # admission stretches its predictions by this much (widened while tokens come late)
     max_waiting: int = 64
     gpu_hourly_usd: float = 0.0  # exported as parley_gpu_hourly_usd for the cost panels
     drain_timeout_s: float = 30.0
