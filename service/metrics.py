@@ -46,6 +46,9 @@ class Metrics:
         self.decode_step = Histogram(
             "parley_decode_step_seconds", "One decode step of the whole running batch", ["batch_size"],
             buckets=STEP_BUCKETS, registry=r)
+        self.gc_pause = Histogram(
+            "parley_gc_pause_seconds", "Python garbage-collector pauses: every stream stalls during one",
+            ["generation"], buckets=STEP_BUCKETS, registry=r)
         self.requests = Counter(
             "parley_requests", "Requests by outcome (completed, cancelled, rejected, failed) and reason",
             ["outcome", "reason"], registry=r)

@@ -59,6 +59,20 @@ def test_encode_matches_transformers(text, tokenizer, hf_tokenizer):
     assert tokenizer.decode(ours) == hf_tokenizer.decode(ours, skip_special_tokens=True)
 
 
+def test_long_texts_encode_the_same(tokenizer, hf_tokenizer):
+    """Texts past LONG_TEXT_CHARS take the encode_batch path (the GIL released): the ids are transformers' all the
+    same, with and without special tokens, for plain text and for a chat."""
+    from service.model.tokenizer import LONG_TEXT_CHARS
+
+    text = " ".join(TEXTS) * (LONG_TEXT_CHARS // len(" ".join(TEXTS)) + 2)
+    assert len(text) >= LONG_TEXT_CHARS
+    assert tokenizer.encode(text) == hf_tokenizer.encode(text)
+    assert tokenizer.encode(text, add_special_tokens=False) == hf_tokenizer.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": text}]
+    chat = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.encode_chat(messages) == hf_tokenizer.encode(chat, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("text", DIGIT_TEXTS)
 def test_digits_split_individually(text, tokenizer, hf_tokenizer):
     """llama.cpp's `smollm` pre-tokenizer and SmolLM2's tokenizer.json split \\p{N} one digit at a time.

@@ -53,7 +53,9 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, max_context: int, max_t
     """The engine checks these too; checking first gives the client a precise `param` and `code`."""
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    # min/max run in C; only a prompt that holds a bad id is searched (in Python) for the first one
+    bad = None if 0 <= min(prompt_ids) and max(prompt_ids) < vocab_size else \
+        next(t for t in prompt_ids if not 0 <= t < vocab_size)
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of the vocabulary [0, {vocab_size})", param=param,
                        code="invalid_token_id")

@@ -19,7 +19,7 @@ import uvicorn
 from service.api.app import MAX_BODY_BYTES, create_app, server_state
 from service.api.state import ServerState
 from service.config import ServeConfig
-from service.runtime import build_engine
+from service.runtime import build_engine, settle_process
 
 log = logging.getLogger("parley")
 
@@ -79,7 +79,7 @@ def serve(cfg: ServeConfig, log_level: str = "info", access_log: bool = False) -
     """Run `parley serve` until SIGTERM/SIGINT; the exit status."""
     check_port(cfg.host, cfg.port)  # before minutes of loading, not after
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
-    app = create_app(lambda: build_engine(cfg))
+    app = create_app(lambda: settle_process(build_engine(cfg)))
     state = server_state(app)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
                             log_level=log_level, access_log=access_log, ws_max_size=WS_MAX_BYTES,
