@@ -44,14 +44,14 @@ loadtest() {  # NAME ARGS...
 for backend in $BACKENDS; do
   echo "== $backend =="
   $PY -m service.cli serve --model "$MODEL" --backend "$backend" --max-batch 8 --max-context 2048 \
-      --port $PORT --gpu-hourly-usd 2.5 >"$RAW/server-$backend.log" 2>&1 &
+      --port $PORT --gpu-hourly-usd 2.5 >"$RAW/server-$TAG$backend.log" 2>&1 &
   pid=$!
-  wait_ready $pid || { tail -n 50 "$RAW/server-$backend.log"; exit 1; }
-  $PY -c "import httpx; open('$RAW/$backend-latency-model.json','w').write(httpx.get('$URL/v1/latency_model').text)" || true
+  wait_ready $pid || { tail -n 50 "$RAW/server-$TAG$backend.log"; exit 1; }
+  $PY -c "import httpx; open('$RAW/$TAG$backend-latency-model.json','w').write(httpx.get('$URL/v1/latency_model').text)" || true
   # One stream at a time: the product promise, as a single voice session meets it.
   if [ -n "${PARLEY_E2E_PYSPY:-}" ]; then
     "$PARLEY_E2E_PYSPY" record -p $pid -d 6 -r 500 --threads --nonblocking -f speedscope \
-      -o "$RAW/$backend-pyspy.json" >/dev/null 2>&1 &
+      -o "$RAW/$TAG$backend-pyspy.json" >/dev/null 2>&1 &
   fi
   loadtest "$backend-single-32" --concurrency 1 --num-requests 40 --warmup 5 --input-len 32 --output-len 64
   wait %2 2>/dev/null || true
@@ -59,7 +59,7 @@ for backend in $BACKENDS; do
   # Open-loop Poisson arrivals, doubling the rate until fewer than 99% meet the SLA, then bisecting.
   loadtest "$backend-sweep-32" --sweep --duration "$SWEEP_S" --warmup 5 --input-len 32 --output-len 64 \
     --sweep-start 4 --sweep-bisect 2 --plot "$RAW/$backend-sweep-32.png"
-  $PY -c "import httpx; open('$RAW/$backend-metrics.txt','w').write(httpx.get('$URL/metrics').text)" || true
+  $PY -c "import httpx; open('$RAW/$TAG$backend-metrics.txt','w').write(httpx.get('$URL/metrics').text)" || true
   kill -TERM $pid; wait $pid || true
 done
 $PY bench/e2e_report.py "$RAW"

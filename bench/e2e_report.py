@@ -89,7 +89,8 @@ def main(raw: str) -> None:
             f"{fmt(r['output_tokens_per_s'], 0)} | {fmt(r['usd_per_1m_tokens'], 3)} |")
     sweeps = [r for r in records if r.get("sweep")]
     for r in sweeps:
-        lines += ["", f"Sweep, {r['backend']}: rate → SLA attainment of admitted (of all), rejection rate, TTF64 p99",
+        lines += ["", f"Sweep, {r['backend']} {r['kind']}: rate → SLA attainment of admitted (of all), rejection "
+                      "rate, TTF64 p99",
                   "", "| rate /s | attainment admitted | attainment all | rejected | TTF64 p99 ms |",
                   "|---|---|---|---|---|"]
         lines += [f"| {fmt(p['rate'])} | {fmt(p['sla_attainment'], 3)} | {fmt(p['sla_attainment_all'], 3)} | "
