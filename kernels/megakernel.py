@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import instructions as I
-from kernels.sampling import gumbel_perturb
+from kernels.sampling import gumbel_best
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -186,9 +186,7 @@ def _sample_task(c0, c1, B, logits_ptr, draw_ptr, pos_ptr, N: tl.constexpr, BPAD
         rc = s0 + tl.arange(0, SC)
         m = (rb[:, None] < B) & (rc[None, :] < c1)
         lg = _ld_act(logits_ptr + rb[:, None] * N + rc[None, :], m, CG, float("-inf"))
-        sc = gumbel_perturb(lg, rc, temperature, seed_lo, seed_hi, position)
-        mx = tl.max(sc, axis=1)
-        idx = tl.min(tl.where(sc == mx[:, None], rc[None, :], N), axis=1).to(tl.int32)
+        mx, idx = gumbel_best(lg, rc, temperature, seed_lo, seed_hi, position, N)
         take = mx > best_v  # blocks come in increasing order: ties keep the earlier index
         best_v = tl.where(take, mx, best_v)
         best_i = tl.where(take, idx, best_i)

@@ -31,6 +31,19 @@ def gumbel_perturb(logits, cols, temperature, seed_lo, seed_hi, position):
     return tl.where(hot[:, None], logits * inv_t[:, None] + g, logits)
 
 
+@triton.jit
+def gumbel_best(logits, cols, temperature, seed_lo, seed_hi, position, n_cols):
+    """Per row of a block: the largest perturbed score and, of equal ones, the first column (int32)."""
+    sc = gumbel_perturb(logits, cols, temperature, seed_lo, seed_hi, position)
+    mx = tl.max(sc, axis=1)
+    return mx, tl.min(tl.where(sc == mx[:, None], cols[None, :], n_cols), axis=1).to(tl.int32)
+
+
+def seed_words(seeds: torch.Tensor) -> torch.Tensor:
+    """Seeds (int64, in [0, 2^63)) as the int32 words the kernels read: [n, 2], (low, high) per row."""
+    return seeds.to(torch.int64).contiguous().view(torch.int32).view(-1, 2)
+
+
 
 @triton.jit
 def _draw_rows(logits_ptr, n_rows, n_cols, temp_ptr, words_ptr, pos_ptr, best_v_ptr, best_i_ptr, n_blocks,
@@ -46,20 +59,18 @@ def _draw_rows(logits_ptr, n_rows, n_cols, temp_ptr, words_ptr, pos_ptr, best_v_
     rc = blk * BC + tl.arange(0, BC)
     m = live[:, None] & (rc[None, :] < n_cols)
     lg = tl.load(logits_ptr + rr.to(tl.int64)[:, None] * n_cols + rc[None, :], mask=m, other=float("-inf"))
-    sc = gumbel_perturb(lg, rc, temperature, seed_lo, seed_hi, position)
-    mx = tl.max(sc, axis=1)
-    idx = tl.min(tl.where(sc == mx[:, None], rc[None, :], n_cols), axis=1)
+    mx, idx = gumbel_best(lg, rc, temperature, seed_lo, seed_hi, position, n_cols)
     tl.store(best_v_ptr + rr * n_blocks + blk, mx, mask=live)
     tl.store(best_i_ptr + rr * n_blocks + blk, idx, mask=live)
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The same draw over whole rows of ready logits ([rows, vocab] float32; temperature [rows], 0 for greedy;
-    seeds int64 [rows]; positions [rows]): int64 tokens. What the megakernel's LM head computes tile by tile.
-    Blocks of columns run side by side (one program for a 128k vocabulary took 5 ms); the first block holding
+    seeds int64 in [0, 2^63) [rows]; positions [rows]): int64 tokens. What the megakernel's LM head computes tile
+    by tile. Blocks of columns run side by side (one program for a 128k vocabulary took 5 ms); the first block holding
     the best score wins, so equal scores resolve to the first column, as in the kernel."""
     rows, cols = logits.shape
-    words = (seeds.to(torch.int64) & (2**63 - 1)).contiguous().view(torch.int32)  # (low, high) per row
+    words = seed_words(seeds)
     rb = min(16, triton.next_power_of_2(rows))
     bc = max(16, min(1024, triton.next_power_of_2(cols), 8192 // rb))
     n_blocks = triton.cdiv(cols, bc)

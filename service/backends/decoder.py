@@ -25,7 +25,7 @@ class Draw(NamedTuple):
     with noise keyed by (seed, position, token id), so a request's draws depend on its seed and nothing else."""
 
     temperature: float
-    seed: int
+    seed: int  # in [0, 2^63), as Request.draw_seed
 
 
 class Decoder(Protocol):

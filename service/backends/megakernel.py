@@ -153,8 +153,9 @@ class MegakernelDecoder:
         if draws is not None:
             temps = torch.tensor([max(0.0, d.temperature) for d in draws], dtype=torch.float32)
             self._host[3, :n] = temps.view(torch.int32)
-            seeds = torch.tensor([d.seed & (2**63 - 1) for d in draws], dtype=torch.int64)
-            self._host[4:, :n] = seeds.view(torch.int32).view(n, 2).T  # (low, high) words, little-endian
+            from kernels.sampling import seed_words
+
+            self._host[4:, :n] = seed_words(torch.tensor([d.seed for d in draws])).T
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:
             self.kernel.tokens[:n].copy_(token_ids)
@@ -169,7 +170,7 @@ class MegakernelDecoder:
 
         dev = logits.device
         return draw(logits, torch.tensor([max(0.0, d.temperature) for d in draws], device=dev),
-                    torch.tensor([d.seed & (2**63 - 1) for d in draws], dtype=torch.int64, device=dev),
+                    torch.tensor([d.seed for d in draws], dtype=torch.int64, device=dev),
                     torch.tensor(positions, dtype=torch.int32, device=dev))
 
     def run_step(self, bucket: int) -> None:
