@@ -16,7 +16,7 @@ import torch
 from service.backends.decoder import DecodeOutput, Decoder, Draw
 from service.engine.kv_slots import Session
 from service.engine.output import TextOutput
-from service.engine.request import Delta, Request, SamplingParams, State
+from service.engine.request import Delta, Request, SamplingParams, State, outcome_of
 from service.engine.sampling import sample, sample_on_device, sample_one, untruncated
 from service.engine.scheduler import Scheduler
 from service.metrics import Metrics
@@ -432,7 +432,7 @@ class Engine:
         if reason in ("stop", "length"):
             text += req.output.finish()
         now = time.perf_counter()
-        outcome = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}.get(reason, "failed")
+        outcome = outcome_of(reason)
         self.metrics.requests.labels(outcome=outcome, reason="" if outcome != "failed" else "engine_error").inc()
         self.metrics.e2e_latency.observe(now - req.arrival)
         self.admission.release(req)

@@ -61,6 +61,11 @@ class Delta:
     timings: Timings | None = None
 
 
+def outcome_of(finish_reason: str | None) -> str:
+    """How a request ended, as metrics and the realtime API's `status` name it: completed, cancelled or failed."""
+    return {"stop": "completed", "length": "completed", "cancelled": "cancelled"}.get(finish_reason or "", "failed")
+
+
 class State(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
