@@ -1,58 +1,65 @@
 """Decode-step benchmark: the megakernel against its peers and the memory-bandwidth floor, in one GPU run.
 
-    python bench/decode.py [--out bench/results] [--models llama-3.2-1b smollm2-135m] [--batches 1 8]
-                           [--contexts 128 2048] [--skip-hf] [--variants pf0 pf2 ...]
+    python bench/decode.py [--out bench/results] [--models llama-3.2-1b qwen2.5-1.5b smollm2-135m]
+                           [--weights bf16 fp8] [--batches 1 8] [--contexts 128 2048] [--variants tma pfown ...]
+                           [--timeline default tma ...] [--hf] [--tag NAME]
 
-Times, per (model, batch, context): the megakernel (median of CUDA-graph replays); the PyTorch reference decoder's
-`decode_tensors` captured in a CUDA graph; Hugging Face transformers `generate`, eager (dynamic cache) and with the
-static cache (which transformers compiles), as the median interval between decode steps. The floor is the bytes a
-step must read (every weight once, plus the K/V of the context) over the streaming-read bandwidth measured here.
+Times, per (model, weights, batch, context): the megakernel (median of CUDA-graph replays; each variant named);
+the peers measured in the same run: the PyTorch reference decoder's step captured in a CUDA graph, the same step
+compiled by Inductor (torch.compile, default mode) and captured in a CUDA graph (the gpt-fast recipe, the
+strongest peer an hour buys), and with --hf Hugging Face `generate` (eager, static cache). The floor is the bytes a
+step must read (every weight once, in the weights' format, plus the K/V of the context) over the streaming-read
+bandwidth measured in the same run. --timeline records, for the named variants at batch 1 and context 128, when
+each task of the step started, found its inputs ready and ended (globaltimer), summed per phase.
 Weights are synthetic (seeded random, the real shapes): decode cost does not depend on weight values.
-Writes bench/results/decode-<device>.json and .md.
+Writes bench/results/decode-<device>[-TAG].json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.megakernel import KernelConfig  # noqa: E402
+from kernels import instructions as I  # noqa: E402
+from kernels.instructions import Op  # noqa: E402
+from kernels.megakernel import MATVECS, KernelConfig, MatvecTile, default_tiles  # noqa: E402
 from service.backends.megakernel import MegakernelDecoder  # noqa: E402
 from service.backends.reference import ReferenceDecoder  # noqa: E402
 from service.model.config import ModelConfig  # noqa: E402
 from service.model.synthetic import load_synthetic  # noqa: E402
 
-VARIANTS: dict[str, KernelConfig] = {
-    "default": KernelConfig(),
-    "pf0": KernelConfig(prefetch_ahead=0),
-    "pf2": KernelConfig(prefetch_ahead=2),
-    "pfbig": KernelConfig(prefetch_bytes=256 << 10),
-    "bk512": KernelConfig(bk_mv=512),
-    "bk128": KernelConfig(bk_mv=128, bk_gu=128),
-    "st3": KernelConfig(num_stages=3),
-    "st6": KernelConfig(num_stages=6),
-    "bn8": KernelConfig(bn_mv=8),
-    "bn32": KernelConfig(bn_mv=32),
-    "ch128": KernelConfig(chunk=128),
-    "w8": KernelConfig(num_warps=8),
-    "w4p2": KernelConfig(programs_per_sm=2),
-    "noncoop": KernelConfig(cooperative=False),
-    "bp16": KernelConfig(min_rows=16),
-    "sm1": KernelConfig(split_min_chunks=1),
-    "sm8": KernelConfig(split_min_chunks=8),
-    "ks1": KernelConfig(k_split=1, k_split_lm=1),
-    "ks2": KernelConfig(k_split=2),
-    "lm4": KernelConfig(k_split_lm=4),
-    "w8ks8": KernelConfig(num_warps=8, k_split=8, k_split_lm=4),
-    "bp1st6": KernelConfig(min_rows=1, num_stages=6),
+
+def _tiles(fp8: bool, ops: tuple[Op, ...] = MATVECS, **change: object) -> dict[Op, MatvecTile]:
+    tiles = default_tiles(fp8)
+    return {op: dataclasses.replace(t, **change) if op in ops else t for op, t in tiles.items()}
+
+
+# Kernel variants the bench can time beside the default (--variants NAME ...): each a function of whether the
+# weights are FP8 (their default tiles differ). bench/NOTES.md says what each measured.
+VARIANTS: dict[str, Callable[[bool], KernelConfig]] = {
+    "default": lambda fp8: KernelConfig(),
+    # weights through the tensor-memory accelerator in every matvec (boxes of at most 256 columns)
+    "tma": lambda fp8: KernelConfig(tiles=_tiles(fp8, tma=True, k_chunk=256, stages=6 if fp8 else 4)),
+    "lm-pointers": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.LMHEAD,), tma=False)),
+    "one-stream": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.OPROJ, Op.DOWN), k_halves=False)),
+    # weights prefetched into L2 a task ahead instead of before each task's own wait
+    "pf-ahead": lambda fp8: KernelConfig(prefetch_own=False, prefetch_ahead=1),
+    "no-kv-prefetch": lambda fp8: KernelConfig(prefetch_kv=False),
+    "pft2": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.GATEUP,), prefetch_tiles=2)),
+    "st6": lambda fp8: KernelConfig(tiles=_tiles(fp8, stages=6)),
+    "qkv8": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV,), rows=8)),
+    "bk2x": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.DOWN), k_chunk=1024 if fp8 else 512)),
+    "invariant": lambda fp8: KernelConfig(batch_invariant=True),
 }
 
 
@@ -175,17 +182,77 @@ def hf_step_ms(model, batch: int, context: int, vocab: int, static: bool, new_to
     return statistics.median(gaps)
 
 
+def timeline(dec: MegakernelDecoder, batch: int, context: int) -> dict:
+    """Per-phase times of one step, from the kernel's globaltimer stamps (KernelConfig(profile=True)): for each
+    phase, from the previous phase's last end to its own last end (`phase_us`), from that end to its first task
+    finding its inputs ready (`ready_after_us`), and its tasks' mean time from ready to end (`task_us`)."""
+    k = dec.kernel
+    k.tokens[:batch] = 1
+    k.slots[:batch] = torch.arange(batch, device="cuda", dtype=torch.int32)
+    k.positions[:batch] = context
+    for _ in range(3):
+        k.step(batch)
+    torch.cuda.synchronize()
+    s = k.schedule(batch)
+    prof = k.prof[: len(s.tasks)].cpu().double()
+    t0 = prof[:, 0].min()
+    ready, end = prof[:, 1] - t0, prof[:, 2] - t0
+    keys = [(int(r[I.F_LAYER]), int(r[I.F_OP])) for r in s.tasks]
+    order = [(0, Op.EMBED)] + [(layer, op) for layer in range(dec.config.num_layers) for op in I.LAYER_OPS] + \
+        [(0, Op.LMHEAD), (0, Op.ARGMAX)]
+    phases: dict[str, list[list[float]]] = {}
+    prev_end = 0.0
+    for layer, op in order:
+        idx = [i for i, kk in enumerate(keys) if kk == (layer, int(op))]
+        ph_end = end[idx].max().item()
+        work = (end[idx] - ready[idx]).mean().item()
+        phases.setdefault(op.name, []).append([(ph_end - prev_end) / 1e3, (ready[idx].min().item() - prev_end) / 1e3,
+                                               work / 1e3])
+        prev_end = ph_end
+    out = {"step_us": end.max().item() / 1e3, "tasks": len(s.tasks), "phases": {}}
+    for name, v in phases.items():
+        t = torch.tensor(v)
+        out["phases"][name] = {"count": len(v), "phase_us": t[:, 0].mean().item(), "sum_us": t[:, 0].sum().item(),
+                               "ready_after_us": t[:, 1].mean().item(), "task_us": t[:, 2].mean().item()}
+    return out
+
+
+def check_logits(dec: MegakernelDecoder, tokens: torch.Tensor, context: int) -> torch.Tensor:
+    """The reference decoder's logits for the step the bench times (its K/V rewritten at `context` as the kernel's
+    step does), to check each variant against before its time counts."""
+    batch = len(tokens)
+    ref = dec.reference
+    with torch.inference_mode():
+        x = ref.weights.embed[tokens.long()].unsqueeze(1)
+        return ref.decode_tensors(x, torch.arange(batch, device="cuda"), torch.full((batch,), context, device="cuda"),
+                                  context + 1).float()
+
+
+def compiled_peer(ref: ReferenceDecoder, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                  kv_len: int) -> torch.cuda.CUDAGraph:
+    """The reference step compiled by Inductor (default mode) and captured in a CUDA graph: gpt-fast's recipe."""
+    step = torch.compile(ref.decode_tensors, dynamic=False)
+    with torch.inference_mode():
+        for _ in range(3):
+            step(x, slots, positions, kv_len)
+        torch.cuda.synchronize()
+        return graph_of(lambda: step(x, slots, positions, kv_len))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "smollm2-135m"])
+    ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "smollm2-135m"])
+    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048])
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--variants", nargs="*", default=[])
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
+    ap.add_argument("--timeline", nargs="*", default=[], help="variants to profile per phase (B=1, context 128)")
+    ap.add_argument("--no-peers", action="store_true", help="the megakernel only (no reference, no compiled step)")
+    ap.add_argument("--hf", action="store_true", help="also Hugging Face generate (eager, static cache)")
     ap.add_argument("--hf-static-budget-s", type=float, default=300.0)
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
 
     import triton
@@ -195,13 +262,14 @@ def main() -> None:
     torch.cuda.empty_cache()
     print(f"{dev_name}: streaming read {bw['read_GBps']:.0f} GB/s, d2d copy {bw['copy_GBps']:.0f} GB/s", flush=True)
     records: list[dict] = []
+    timelines: list[dict] = []
     max_ctx = max(args.contexts) + 64
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "decode-" + dev_name.replace(" ", "-")
+    stem = "decode-" + dev_name.replace(" ", "-") + (f"-{args.tag}" if args.tag else "")
     doc = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "bandwidth": bw,
            "note": "synthetic weights (seeded random, the real shapes): decode cost does not depend on weight values",
-           "records": records}
+           "records": records, "timelines": timelines}
 
     def save() -> None:  # after every model, so that a run cut short still leaves its numbers
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
@@ -210,75 +278,95 @@ def main() -> None:
     for model_name in args.models:
         t_static = 0.0  # the static-cache budget is per model
         config, weights, _ = load_synthetic(model_name, device="cuda", dtype=torch.bfloat16)
-        wbytes = weights.nbytes()
-        decoders = {}
-        for v in ["default", *args.variants]:
-            decoders[v] = MegakernelDecoder(config, weights, max_slots=max(args.batches), max_context=max_ctx,
-                                            kernel_config=VARIANTS[v])
-        del weights
-        base = decoders["default"]
-        for dec in decoders.values():  # time on random K/V, never zeros
-            dec.reference.cache.k.normal_()
-            dec.reference.cache.v.normal_()
         hf = None
-        if not args.skip_hf:
+        if args.hf:
             try:
                 hf = hf_model(config)
             except Exception as e:  # noqa: BLE001
                 print("hf model failed:", repr(e)[:300], flush=True)
-        for batch in args.batches:
-            for context in args.contexts:
-                floor = (wbytes + kv_bytes(config, batch, context)) / (bw["read_GBps"] * 1e6)
-                common = {"model": f"synthetic:{model_name}", "batch": batch, "context": context,
-                          "floor_ms": floor, "weight_bytes": wbytes, "kv_bytes": kv_bytes(config, batch, context)}
-
-                for v, dec in decoders.items():
-                    k = dec.kernel
-                    k.tokens[:batch] = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
-                    k.slots[:batch] = torch.arange(batch, device="cuda", dtype=torch.int32)
-                    k.positions[:batch] = context
-                    dec.run_step(batch)
-                    torch.cuda.synchronize()
-                    dec.check_errors()
-                    res = time_graph(dec._graphs[batch], args.reps)
-                    dec.check_errors()
-                    name = "megakernel" if v == "default" else f"megakernel[{v}]"
-                    add(records, common, name, res, schedule=k.schedule(batch).describe())
-                    # the same step with every row sampling at temperature 1 (inside the kernel)
-                    k.draw[0, :batch] = torch.ones(batch, device="cuda").view(torch.int32)
-                    k.draw[1:, :batch] = torch.randint(-2**31, 2**31 - 1, (2, batch), device="cuda",
-                                                       dtype=torch.int32)
-                    res = time_graph(dec._graphs[batch], args.reps)
-                    dec.check_errors()
-                    k.draw.zero_()
-                    add(records, common, f"{name}, sampling T=1", res)
-                if not args.skip_reference:
-                    ref: ReferenceDecoder = base.reference
-                    x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")].unsqueeze(1)
-                    sl = torch.arange(batch, device="cuda")
-                    ps = torch.full((batch,), context, device="cuda")
-                    with torch.inference_mode():
-                        g = graph_of(lambda: ref.decode_tensors(x, sl, ps, context + 1))  # noqa: B023
-                    add(records, common, "reference-cudagraph", time_graph(g, args.reps))
-                    del g
-                if hf is not None:
-                    try:
-                        ms = hf_step_ms(hf, batch, context, config.vocab_size, False)
-                        add(records, common, "hf-generate-eager", {"step_ms": ms})
-                    except Exception as e:  # noqa: BLE001
-                        print("hf eager failed:", repr(e)[:300], flush=True)
-                    if t_static < args.hf_static_budget_s / len(args.models):
-                        t0 = time.time()
-                        try:
-                            ms = hf_step_ms(hf, batch, context, config.vocab_size, True)
-                            add(records, common, "hf-generate-static", {"step_ms": ms})
+        for fmt in args.weights:
+            fp8 = fmt == "fp8"
+            base = MegakernelDecoder(config, weights, max_slots=max(args.batches), max_context=max_ctx,
+                                     weight_format=fmt)
+            base.reference.cache.k.normal_()  # time on random K/V, never zeros
+            base.reference.cache.v.normal_()
+            decoders = {v: base.with_kernel_config(VARIANTS[v](fp8)) for v in ["default", *args.variants]}
+            wbytes = base.kernel.w.nbytes()
+            for v in args.timeline:
+                dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fp8), profile=True),
+                                              use_cuda_graphs=False)
+                tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": 1, "context": 128,
+                       **timeline(dec, 1, 128)}
+                timelines.append(tl_)
+                print(f"TIMELINE {model_name} {fmt} {v}: {tl_['step_us']:.1f} us " + ", ".join(
+                    f"{n} {p['phase_us']:.2f}" for n, p in tl_["phases"].items()), flush=True)
+                del dec
+            for batch in args.batches:
+                for context in args.contexts:
+                    floor = (wbytes + kv_bytes(config, batch, context)) / (bw["read_GBps"] * 1e6)
+                    common = {"model": f"synthetic:{model_name}", "weights": fmt, "batch": batch,
+                              "context": context, "floor_ms": floor, "weight_bytes": wbytes,
+                              "kv_bytes": kv_bytes(config, batch, context)}
+                    tokens = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
+                    want = check_logits(base, tokens, context)
+                    for v, dec in decoders.items():
+                        k = dec.kernel
+                        k.tokens[:batch] = tokens
+                        k.slots[:batch] = torch.arange(batch, device="cuda", dtype=torch.int32)
+                        k.positions[:batch] = context
+                        dec.run_step(batch)
+                        torch.cuda.synchronize()
+                        dec.check_errors()
+                        # before timing: the same logits as the reference decoder's (a broken variant is no result)
+                        err = ((k.logits[:batch] - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+                        res = time_graph(dec._graphs[batch], args.reps)
+                        dec.check_errors()
+                        name = "megakernel" if v == "default" else f"megakernel[{v}]"
+                        add(records, common, name, res, schedule=k.schedule(batch).describe(), rel_err_vs_reference=err)
+                        if err > 0.05:
+                            print(f"   {name}: logits {err:.3f} away from the reference decoder's: WRONG", flush=True)
+                        if v == "default":  # the same step with every row sampling at temperature 1 (in the kernel)
+                            k.draw[0, :batch] = torch.ones(batch, device="cuda").view(torch.int32)
+                            k.draw[1:, :batch] = torch.randint(-2**31, 2**31 - 1, (2, batch), device="cuda",
+                                                               dtype=torch.int32)
+                            res = time_graph(dec._graphs[batch], args.reps)
+                            dec.check_errors()
+                            k.draw.zero_()
+                            add(records, common, f"{name}, sampling T=1", res)
+                    if not args.no_peers and not fp8:
+                        ref: ReferenceDecoder = base.reference
+                        x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")]
+                        x = x.unsqueeze(1)
+                        sl = torch.arange(batch, device="cuda")
+                        ps = torch.full((batch,), context, device="cuda")
+                        with torch.inference_mode():
+                            g = graph_of(lambda: ref.decode_tensors(x, sl, ps, context + 1))  # noqa: B023
+                        add(records, common, "reference-cudagraph", time_graph(g, args.reps))
+                        del g
+                        try:  # gpt-fast's static cache: attend over all of it, masked (one compile per batch)
+                            g = compiled_peer(ref, x, sl, ps, max_ctx)
+                            add(records, common, "compiled-pytorch-cudagraph", time_graph(g, args.reps))
+                            del g
                         except Exception as e:  # noqa: BLE001
-                            print("hf static failed:", repr(e)[:300], flush=True)
-                        t_static += time.time() - t0
-                    else:
-                        print("hf static: skipped (time budget)", flush=True)
-            save()
-        del decoders, base, hf
+                            print("compiled peer failed:", repr(e)[:500], flush=True)
+                    if hf is not None and not fp8:
+                        try:
+                            ms = hf_step_ms(hf, batch, context, config.vocab_size, False)
+                            add(records, common, "hf-generate-eager", {"step_ms": ms})
+                        except Exception as e:  # noqa: BLE001
+                            print("hf eager failed:", repr(e)[:300], flush=True)
+                        if t_static < args.hf_static_budget_s / len(args.models):
+                            t0 = time.time()
+                            try:
+                                ms = hf_step_ms(hf, batch, context, config.vocab_size, True)
+                                add(records, common, "hf-generate-static", {"step_ms": ms})
+                            except Exception as e:  # noqa: BLE001
+                                print("hf static failed:", repr(e)[:300], flush=True)
+                            t_static += time.time() - t0
+                save()
+            del decoders, base
+            torch.cuda.empty_cache()
+        del weights, hf
         torch.cuda.empty_cache()
     save()
     print(markdown(doc))
@@ -287,7 +375,7 @@ def main() -> None:
 def markdown(doc: dict) -> str:
     recs = doc["records"]
     backends = list(dict.fromkeys(r["backend"] for r in recs))
-    keys = list(dict.fromkeys((r["model"], r["batch"], r["context"]) for r in recs))
+    keys = list(dict.fromkeys((r["model"], r["weights"], r["batch"], r["context"]) for r in recs))
     bw = doc["bandwidth"]
     lines = [
         f"# Decode step on {doc['device']}",
@@ -295,19 +383,28 @@ def markdown(doc: dict) -> str:
         f"torch {doc['torch']}, Triton {doc['triton']}. Bandwidth measured in the same run: streaming read "
         f"{bw['read_GBps']:.0f} GB/s, device-to-device copy {bw['copy_GBps']:.0f} GB/s (read + written).",
         "Weights are synthetic (seeded random, the real shapes): decode cost does not depend on weight values.",
-        "Floor = (weights + K/V of the context) / streaming-read bandwidth. Times in ms per decode step: the "
-        "median of CUDA-graph replays (megakernel, reference), or the median interval between steps of "
-        "`generate` (Hugging Face). In brackets: floor / time.",
+        "Floor = (weights in their format + K/V of the context) / streaming-read bandwidth. Times in ms per decode "
+        "step: the median of CUDA-graph replays (megakernel, reference, compiled PyTorch), or the median interval "
+        "between steps of `generate` (Hugging Face). In brackets: floor / time. The peers run bf16 weights.",
         "",
-        "| model | batch | context | floor | " + " | ".join(backends) + " |",
-        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in backends) + " |",
+        "| model | weights | batch | context | floor | " + " | ".join(backends) + " |",
+        "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in backends) + " |",
     ]
     for key in keys:
-        row = {r["backend"]: r for r in recs if (r["model"], r["batch"], r["context"]) == key}
+        row = {r["backend"]: r for r in recs if (r["model"], r["weights"], r["batch"], r["context"]) == key}
         floor = next(iter(row.values()))["floor_ms"]
         cells = [f"{row[b]['step_ms']:.3f} ({100 * row[b]['floor_over_step']:.0f}%)" if b in row else "–"
                  for b in backends]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {floor:.3f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {floor:.3f} | " + " | ".join(cells) + " |")
+    if doc.get("timelines"):
+        lines += ["", "## Per-phase timeline (batch 1, context 128; µs per phase, mean over layers)", "",
+                  "| model | weights | variant | step (µs, kernel-internal) | " +
+                  " | ".join(o.name for o in Op) + " |",
+                  "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in Op) + " |"]
+        for t in doc["timelines"]:
+            cells = [f"{t['phases'][o.name]['phase_us']:.2f}" if o.name in t["phases"] else "–" for o in Op]
+            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['step_us']:.1f} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,7 @@ At the end, every one of these must hold, or the exit status is 1:
   the end of the warm-up (the first --warmup-s seconds) to the end;
 - a spawned server exits 0 on SIGTERM, with no traceback in its log.
 
-It uses httpx and websockets only (no torch, no Parley imports), so it runs from any client box.
+It uses httpx, websockets and prometheus_client only (no torch, no Parley imports), so it runs from any client box.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
 import signal
 import socket
@@ -41,11 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 ROOT = Path(__file__).resolve().parent.parent
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 BAD_BODIES = [  # (path, body, the status it must get)
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
@@ -71,13 +71,15 @@ class Tally:
             self.failures.append(what)
 
 
-def metrics_of(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
+def parse_metrics(text: str) -> list[Sample]:
+    """Every sample of a /metrics text, as prometheus_client reads it (ValueError if it is not Prometheus text)."""
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric(samples: list[Sample], name: str, **labels: str) -> float | None:
+    """The sum of the samples `name` whose labels include `labels`; None when there is none."""
+    values = [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
+    return sum(values) if values else None
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -262,7 +264,7 @@ async def worker(base: str, deadline: float, rng: random.Random, t: Tally, timeo
                 t.fail(f"{kind}: {type(e).__name__}: {e}")
 
 
-async def poller(base: str, deadline: float, t: Tally, samples: list[dict[str, float]]) -> None:
+async def poller(base: str, deadline: float, t: Tally) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=10) as client:
         n = 0
         while time.monotonic() < deadline:
@@ -277,21 +279,22 @@ async def poller(base: str, deadline: float, t: Tally, samples: list[dict[str, f
                 t.health_bad += 1
             if n % 5 == 0:
                 try:
-                    samples.append(metrics_of((await client.get("/metrics")).text))
+                    parse_metrics((await client.get("/metrics")).text)
                     t.metrics_polls += 1
-                except httpx.HTTPError:
-                    t.fail("GET /metrics failed")
+                except (httpx.HTTPError, ValueError) as e:
+                    t.fail(f"GET /metrics failed: {type(e).__name__}: {e}")
             n += 1
             await asyncio.sleep(1.0)
 
 
-async def wait_idle(base: str, timeout_s: float) -> dict[str, float]:
+async def wait_idle(base: str, timeout_s: float) -> list[Sample]:
+    """Poll /metrics until nothing runs or waits and every KV slot is free; the last samples (idle or not)."""
     async with httpx.AsyncClient(base_url=base, timeout=10) as client:
         end = time.monotonic() + timeout_s
         while True:
-            m = metrics_of((await client.get("/metrics")).text)
-            if (m.get("parley_requests_running") == 0 and m.get("parley_requests_waiting") == 0
-                    and m.get("parley_kv_slots_free") == m.get("parley_kv_slots_total")):
+            m = parse_metrics((await client.get("/metrics")).text)
+            if (metric(m, "parley_requests_running") == 0 and metric(m, "parley_requests_waiting") == 0
+                    and metric(m, "parley_kv_slots_free") == metric(m, "parley_kv_slots_total")):
                 return m
             if time.monotonic() > end:
                 return m
@@ -303,11 +306,10 @@ async def soak(base: str, pid: int | None, args: argparse.Namespace) -> tuple[Ta
     problems: list[str] = []
     start = time.monotonic()
     deadline = start + args.minutes * 60
-    samples: list[dict[str, float]] = []
     rng = random.Random(args.seed)
     tasks = [asyncio.create_task(worker(base, deadline, random.Random(rng.random()), t, args.request_timeout_s))
              for _ in range(args.concurrency)]
-    tasks.append(asyncio.create_task(poller(base, deadline, t, samples)))
+    tasks.append(asyncio.create_task(poller(base, deadline, t)))
     warmup_s = min(args.warmup_s, args.minutes * 60 / 3)
     await asyncio.sleep(warmup_s)
     rss_warm = rss_mb(pid)
@@ -316,11 +318,11 @@ async def soak(base: str, pid: int | None, args: argparse.Namespace) -> tuple[Ta
     m = await wait_idle(base, 60)
     rss_end = rss_mb(pid)
 
-    running, waiting = m.get("parley_requests_running"), m.get("parley_requests_waiting")
-    free, total = m.get("parley_kv_slots_free"), m.get("parley_kv_slots_total")
+    running, waiting = metric(m, "parley_requests_running"), metric(m, "parley_requests_waiting")
+    free, total = metric(m, "parley_kv_slots_free"), metric(m, "parley_kv_slots_total")
     if running != 0 or waiting != 0 or free != total:
         problems.append(f"not idle after the traffic: running {running}, waiting {waiting}, slots free {free}/{total}")
-    failed = sum(v for k, v in m.items() if k.startswith("parley_requests_total{") and 'outcome="failed"' in k)
+    failed = metric(m, "parley_requests_total", outcome="failed") or 0
     if failed:
         problems.append(f"the server counts {failed:.0f} failed requests")
     if t.health_bad:

@@ -1,51 +1,151 @@
 """The megakernel's instruction set and its schedule, built in plain Python.
 
-A decode step is a list of tasks. Each task is one instruction on one tile of work; every program of the
-persistent kernel (one per SM) walks its own slice of the list in order. A task waits until a global counter
-reaches a target (its inputs are ready), runs, and adds one to its own counter. The list is ordered by phase, so
-the waits only ever look backwards; with all programs resident, nothing deadlocks. With a single program (the
-CPU interpreter), every wait is already met when it is reached.
+A decode step is a list of tasks. Each task is one instruction on one piece of work, serialised into an int64
+record: a header every task has (opcode, layer, the counter it waits on and the count it waits for, the counter it
+adds one to when done, two weight regions to prefetch into L2), then the instruction's own named fields. Every
+program of the persistent kernel (one per SM) walks its own slice of the list in order. The list is ordered by
+phase, so the waits only ever look backwards; with all programs resident, nothing deadlocks. With a single program
+(the CPU interpreter), every wait is already met when it is reached.
 
 The instructions (one layer = QKV → ATTN → OPROJ → GATEUP → DOWN):
 
-  EMBED   columns [c0, c1) of x[b] = embed[token[b]] for every row of the bucket
-  QKV     rows [n0, n1) of qkv = RMSNorm(x) @ [Wq; Wk; Wv]^T (+ bias)
-  ATTN    one split of flash-decoding for (row b, KV head g): RoPE on q and the new k, partial softmax over the
-          cached positions of the split (split 0 also takes the new token and appends k, v to the cache); the last
-          split to arrive merges the partials into attn[b, heads of g]. How many of the splits take part is decided
-          at run time from the position (short contexts: one split, which writes attn directly)
-  OPROJ   rows [n0, n1) of x += attn @ Wo^T
-  GATEUP  rows [n0, n1) of ffn = silu(RMSNorm(x) @ Wgate^T) * (RMSNorm(x) @ Wup^T)
-  DOWN    rows [n0, n1) of x += ffn @ Wdown^T
-  LMHEAD  rows [n0, n1) of logits = RMSNorm(x) @ lm_head^T, and the task's (max, argmax) per row
-  ARGMAX  reduce the tasks' (max, argmax) into the greedy token; reset the counters and sums of squares
+  Embed    columns [col0, col0 + tiles*64) of x[b] = embed[token[b]] for every row of the bucket, and of the first
+           norm's operand x * norm_weight
+  Matvec   rows [row0, row0 + tiles*bn) of one of
+           QKV     RMSNorm(x) @ [Wq; Wk; Wv]^T (+ bias), then RoPE on q and k, q to the attention's input, k and v
+                   appended to the KV cache at the row's position. A QKV tile is two runs of bn rows streamed side
+                   by side: rows d.. of a head and the rows d + head_dim/2.. they rotate with, so a tile applies
+                   RoPE on its own (v tiles: two consecutive runs)
+           OPROJ   x += attn @ Wo^T
+           GATEUP  ffn = silu(RMSNorm(x) @ Wgate^T) * (RMSNorm(x) @ Wup^T)
+           DOWN    x += ffn @ Wdown^T
+           LMHEAD  logits = RMSNorm(x) @ lm_head^T, and the task's (max, argmax) per row as partial `part`
+  Attention one split of flash-decoding for (batch row, KV head) over the cached positions, the new one included;
+           the last split to arrive (counted on counter `arrive`) merges the partials. How many splits take part is
+           decided at run time from the position (short contexts: one split, which writes attn directly)
+  Argmax   reduce the `parts` (max, argmax) partials into the greedy token (and the drawn one), then zero the
+           counters for the next replay
 
-A matvec phase has at most one task per program: a run of 16-row tiles that the kernel streams through one
-software pipeline. The tasks that write x (EMBED, OPROJ, DOWN) also write x * (the next norm's weight) and add
-their rows' sums of squares, so a norm costs its consumers nothing but a scale by rstd in their epilogue.
+The tasks that write x (Embed, OPROJ, DOWN) also write x * (the next norm's weight) and their columns' sums of
+squares (one partial per 16 columns and row, in a scratch slot of their own: no atomics, so the sums are the same
+every step), so a norm costs its consumers one read of the partials and a scale by rstd in their epilogue.
 
-Each task also names up to two weight regions (address, bytes) that the kernel prefetches into L2 a task ahead:
-weights never depend on activations, so their loads need not wait for anything (measured: a few % on SmolLM2,
-nothing on Llama-1B; see bench/NOTES.md).
+`Layout` says where every dependency counter and every scratch slot lives; the schedule writes the indices into
+the records, so the kernel never derives one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
-# opcodes
-EMBED, QKV, ATTN, OPROJ, GATEUP, DOWN, LMHEAD, ARGMAX = range(8)
-OP_NAMES = ("EMBED", "QKV", "ATTN", "OPROJ", "GATEUP", "DOWN", "LMHEAD", "ARGMAX")
 
-# fields of one task record (int64)
-F_OP, F_LAYER, F_A0, F_A1, F_A2, F_WAIT, F_TARGET, F_DONE, F_PF0, F_PF0_BYTES, F_PF1, F_PF1_BYTES = range(12)
-NUM_FIELDS = 12
+class Op(enum.IntEnum):
+    EMBED = 0
+    QKV = 1
+    ATTN = 2
+    OPROJ = 3
+    GATEUP = 4
+    DOWN = 5
+    LMHEAD = 6
+    ARGMAX = 7
 
-# counters: one per (layer, phase), then EMBED and LMHEAD, then the ATTN arrival counters per (layer, row, kv head)
-PHASES_PER_LAYER = 5  # QKV, ATTN, OPROJ, GATEUP, DOWN
-EMBED_COLS = 64  # columns per EMBED tile
+
+# the opcodes as plain module constants: what the kernel compares against
+EMBED, QKV, ATTN, OPROJ, GATEUP, DOWN, LMHEAD, ARGMAX = (int(o) for o in Op)
+OP_NAMES = tuple(o.name for o in Op)
+LAYER_OPS = (Op.QKV, Op.ATTN, Op.OPROJ, Op.GATEUP, Op.DOWN)  # one layer's phases, in order
+EMBED_COLS = 64  # columns per Embed tile
+
+
+@dataclass(frozen=True)
+class Region:
+    """A span of weights to prefetch into L2: an address and a byte count (0: nothing)."""
+
+    addr: int = 0
+    nbytes: int = 0
+
+
+NO_REGION = Region()
+
+
+@dataclass(frozen=True)
+class Task:
+    """The header every record starts with. Subclasses add their own fields, which follow it in declaration order."""
+
+    op: Op = Op.EMBED
+    layer: int = 0
+    wait: int = -1  # counter to wait on (-1: none)
+    target: int = 0  # ... until it reaches this
+    done: int = -1  # counter to add one to when done (-1: none)
+    prefetch: tuple[Region, Region] = (NO_REGION, NO_REGION)
+
+    HEADER_LEN: ClassVar[int] = 9  # op, layer, wait, target, done, and (addr, bytes) of two regions
+
+    @classmethod
+    def own_fields(cls) -> tuple[str, ...]:
+        base = {f.name for f in fields(Task)}
+        return tuple(f.name for f in fields(cls) if f.name not in base)
+
+    @classmethod
+    def offset(cls, name: str) -> int:
+        """Where field `name` of this instruction sits in its record."""
+        return cls.HEADER_LEN + cls.own_fields().index(name)
+
+    def encode(self) -> list[int]:
+        a, b = self.prefetch
+        rec = [int(self.op), self.layer, self.wait, self.target, self.done, a.addr, a.nbytes, b.addr, b.nbytes]
+        rec += [int(getattr(self, name)) for name in self.own_fields()]
+        return rec + [0] * (RECORD_LEN - len(rec))
+
+
+@dataclass(frozen=True)
+class Embed(Task):
+    op: Op = Op.EMBED
+    col0: int = 0
+    tiles: int = 0
+    ssq: int = 0  # the scratch slot its sums of squares go to (the first layer's attention norm)
+
+
+@dataclass(frozen=True)
+class Matvec(Task):
+    op: Op = Op.QKV
+    row0: int = 0
+    tiles: int = 0
+    part: int = 0  # LMHEAD: which (max, argmax) partial this task leaves
+    ssq: int = 0  # after a norm (QKV, GATEUP, LMHEAD): the slot of the sums it reads; OPROJ, DOWN: the one it writes
+
+
+@dataclass(frozen=True)
+class Attention(Task):
+    op: Op = Op.ATTN
+    row: int = 0  # batch row
+    kv_head: int = 0
+    split: int = 0
+    arrive: int = 0  # the counter the splits of (layer, row, kv_head) arrive on
+
+
+@dataclass(frozen=True)
+class Argmax(Task):
+    op: Op = Op.ARGMAX
+    parts: int = 0  # LM-head partials to reduce
+    counters: int = 0  # counters to zero for the next replay
+
+
+INSTRUCTIONS = (Embed, Matvec, Attention, Argmax)
+RECORD_LEN = Task.HEADER_LEN + max(len(cls.own_fields()) for cls in INSTRUCTIONS)
+
+# record offsets, as plain module constants for the kernel
+F_OP, F_LAYER, F_WAIT, F_TARGET, F_DONE, F_PF0, F_PF0_BYTES, F_PF1, F_PF1_BYTES = range(Task.HEADER_LEN)
+EMBED_COL0, EMBED_TILES, EMBED_SSQ = Embed.offset("col0"), Embed.offset("tiles"), Embed.offset("ssq")
+MV_ROW0, MV_TILES, MV_PART, MV_SSQ = (Matvec.offset(f) for f in ("row0", "tiles", "part", "ssq"))
+SSQ_COLS = 16  # columns per partial sum of squares
+ATTN_ROW, ATTN_KV_HEAD = Attention.offset("row"), Attention.offset("kv_head")
+ATTN_SPLIT, ATTN_ARRIVE = Attention.offset("split"), Attention.offset("arrive")
+ARGMAX_PARTS, ARGMAX_COUNTERS = Argmax.offset("parts"), Argmax.offset("counters")
 
 
 @dataclass(frozen=True)
@@ -80,46 +180,77 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where each dependency counter (one int32 each) and each scratch slot of sums of squares lives, for one model
+    and batch bucket. Counters: one per (layer, phase), Embed's and the LM head's, then the attention splits'
+    arrivals per (layer, row, KV head). Sums of squares: one slot per norm (each layer's attention and MLP norms, the
+    final norm), each holding hidden/16 partials per row."""
+
+    num_layers: int
+    batch: int
+    kv_heads: int
+
+    def phase(self, layer: int, op: Op) -> int:
+        return layer * len(LAYER_OPS) + LAYER_OPS.index(op)
+
+    @property
+    def embed(self) -> int:
+        return self.num_layers * len(LAYER_OPS)
+
+    @property
+    def lm_head(self) -> int:
+        return self.embed + 1
+
+    def arrive(self, layer: int, row: int, kv_head: int) -> int:
+        return self.lm_head + 1 + (layer * self.batch + row) * self.kv_heads + kv_head
+
+    @property
+    def counters(self) -> int:
+        return self.arrive(self.num_layers - 1, self.batch - 1, self.kv_heads - 1) + 1
+
+    def attn_norm(self, layer: int) -> int:
+        """The sums-of-squares slot of layer's attention norm (layer == num_layers: the final norm)."""
+        return 2 * layer
+
+    def mlp_norm(self, layer: int) -> int:
+        return 2 * layer + 1
+
+    @property
+    def ssq_slots(self) -> int:
+        return 2 * self.num_layers + 1
+
+
+@dataclass(frozen=True)
 class Tiling:
-    """Rows per matvec tile and attention splits. A matvec phase is cut into at most one task per program, each
-    a contiguous run of row tiles that the kernel streams through one software pipeline."""
+    """Rows per tile of each matvec and attention splits, for one batch bucket. A matvec phase is cut into at most
+    one task per program, each a contiguous run of row tiles that the kernel streams through one pipeline."""
 
-    bn_mv: int = 16  # rows per tile of QKV, O, gate/up, down (16: the smallest tensor-core dot)
-    bn_lm: int = 64  # rows per tile of the LM head (one partial argmax per tile)
-    attn_splits: int = 1  # splits of the cached positions per (row, kv head)
+    rows: dict[Op, int] = field(default_factory=lambda: {Op.QKV: 16, Op.OPROJ: 16, Op.GATEUP: 16, Op.DOWN: 16,
+                                                         Op.LMHEAD: 64})
+    attn_splits: int = 1  # splits of the cached positions per (row, kv head), at most
 
 
-def default_tiling(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16, bn_mv: int = 16,
-                   bn_lm: int = 64) -> Tiling:
+def attention_splits(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16) -> int:
     """Enough attention splits to give every program one (at long contexts; short ones use fewer)."""
-    splits = max(1, min(max_splits, round(num_programs / (batch * dims.num_kv_heads))))
-    return Tiling(bn_mv=bn_mv, bn_lm=bn_lm, attn_splits=splits)
+    return max(1, min(max_splits, round(num_programs / (batch * dims.num_kv_heads))))
 
 
 @dataclass
 class Schedule:
-    tasks: torch.Tensor  # int64 [num_tasks, NUM_FIELDS], grouped by program
+    tasks: torch.Tensor  # int64 [num_tasks, RECORD_LEN], grouped by program
     starts: torch.Tensor  # int32 [num_programs + 1]: program p runs tasks[starts[p]:starts[p+1]]
     num_programs: int
-    num_counters: int
+    layout: Layout
     num_lm_parts: int  # LM-head tasks, each leaving one (max, argmax) partial per row
     tiling: Tiling
     batch: int
 
     def describe(self) -> str:
         ops = self.tasks[:, F_OP].tolist()
-        counts = {OP_NAMES[o]: ops.count(o) for o in range(len(OP_NAMES))}
+        counts = {o.name: ops.count(int(o)) for o in Op}
         per_prog = (self.starts[1:] - self.starts[:-1]).tolist()
         return f"batch {self.batch}, {self.num_programs} programs, {len(ops)} tasks {counts}, " \
                f"tasks per program {min(per_prog)}..{max(per_prog)}"
-
-
-def counter_index(dims: ModelDims, layer: int, phase: int) -> int:
-    return layer * PHASES_PER_LAYER + phase
-
-
-def num_counters(dims: ModelDims, batch: int) -> int:
-    return dims.num_layers * PHASES_PER_LAYER + 2 + dims.num_layers * batch * dims.num_kv_heads
 
 
 def split_rows(rows: int, bn: int, parts: int) -> list[tuple[int, int]]:
@@ -134,91 +265,90 @@ def split_rows(rows: int, bn: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def build_schedule(dims: ModelDims, batch: int, num_programs: int,
-                   weight_regions: dict[str, tuple[int, int]] | None = None, elem_bytes: int = 2,
-                   tiling: Tiling | None = None, prefetch_bytes: int = 64 << 10) -> Schedule:
+# weight matrices of each matvec: (region names, rows of the matrix, its row length) for the prefetch hints
+def _matrices(dims: ModelDims) -> dict[Op, tuple[tuple[str, ...], int, int]]:
+    return {Op.QKV: (("qkv",), dims.qkv_rows, dims.hidden), Op.OPROJ: (("o",), dims.hidden, dims.q_size),
+            Op.GATEUP: (("gate", "up"), dims.ffn, dims.hidden), Op.DOWN: (("down",), dims.hidden, dims.ffn),
+            Op.LMHEAD: (("lm_head",), dims.vocab, dims.hidden)}
+
+
+def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tiling,
+                   weight_regions: dict[str, tuple[int, int, int]] | None = None,
+                   prefetch_bytes: int = 64 << 10) -> Schedule:
     """The task lists of one decode step for a batch bucket.
 
-    weight_regions: name → (address, bytes per layer) of the packed weights "qkv", "o", "gate", "up", "down",
-    and (address, 0) of "lm_head"; used only for the L2 prefetch hints (the first `prefetch_bytes` of each task's
-    rows), never for correctness (None: no hints).
+    weight_regions: name → (address, bytes per layer, bytes per element) of the packed weights "qkv", "o", "gate",
+    "up", "down", "lm_head"; used only for the L2 prefetch hints (the first `prefetch_bytes` of each task's rows),
+    never for correctness (None: no hints).
     """
-    t = tiling or default_tiling(dims, batch, num_programs)
-    L, H, V, P = dims.num_layers, dims.hidden, dims.vocab, num_programs
-    c_embed = L * PHASES_PER_LAYER
-    c_lm = c_embed + 1
-    c_arrive0 = c_embed + 2
+    L, P = dims.num_layers, num_programs
+    cnt = Layout(L, batch, dims.num_kv_heads)
+    mats = _matrices(dims)
 
-    def region(name: str, layer: int, row0: int, rows: int, row_len: int, total_rows: int) -> tuple[int, int]:
+    def regions(op: Op, layer: int, row0: int, rows: int) -> tuple[Region, Region]:
+        names, total, row_len = mats[op]
         if weight_regions is None:
-            return 0, 0
-        addr, per_layer = weight_regions[name]
-        rows = max(0, min(rows, total_rows - row0))
-        nbytes = min(rows * row_len * elem_bytes, prefetch_bytes) // 16 * 16
-        return addr + layer * per_layer + row0 * row_len * elem_bytes, nbytes
+            return NO_REGION, NO_REGION
+        out = []
+        for name in names:
+            addr, per_layer, elem = weight_regions[name]
+            n = max(0, min(rows, total - row0))
+            nbytes = min(n * row_len * elem, prefetch_bytes) // 16 * 16
+            out.append(Region(addr + layer * per_layer + row0 * row_len * elem, nbytes))
+        return (out[0], out[1] if len(out) > 1 else NO_REGION)
 
-    def task(op: int, layer: int, a0: int = 0, a1: int = 0, a2: int = 0, wait: int = -1, target: int = 0,
-             done: int = -1, pf0: tuple[int, int] = (0, 0), pf1: tuple[int, int] = (0, 0)) -> list[int]:
-        return [op, layer, a0, a1, a2, wait, target, done, pf0[0], pf0[1], pf1[0], pf1[1]]
+    def tile_rows(op: Op) -> int:  # QKV's tiles are two runs of tiling.rows each (rotation pairs: see Matvec)
+        return 2 * tiling.rows[op] if op is Op.QKV else tiling.rows[op]
 
-    bn = t.bn_mv
-    qkv_runs, o_runs = split_rows(dims.qkv_rows, bn, P), split_rows(H, bn, P)
-    gu_runs, down_runs = split_rows(dims.ffn, bn, P), split_rows(H, bn, P)
-    lm_runs = split_rows(V, t.bn_lm, P)
-    embed_runs = split_rows(H, EMBED_COLS, P)
-    phases: list[list[list[int]]] = [[task(EMBED, 0, c0, n, done=c_embed) for c0, n in embed_runs]]
+    runs = {op: split_rows(mats[op][1], tile_rows(op), P) for op in mats}
+    embed_runs = split_rows(dims.hidden, EMBED_COLS, P)
+
+    def matvecs(op: Op, layer: int, wait: int, target: int, done: int, ssq: int) -> list[Task]:
+        bn = tile_rows(op)
+        return [Matvec(op=op, layer=layer, wait=wait, target=target, done=done, row0=r0, tiles=n, part=i, ssq=ssq,
+                       prefetch=regions(op, layer, r0, n * bn))
+                for i, (r0, n) in enumerate(runs[op])]
+
+    phases: list[list[Task]] = [[Embed(col0=c0, tiles=n, done=cnt.embed, ssq=cnt.attn_norm(0))
+                                 for c0, n in embed_runs]]
     for layer in range(L):
-        c = [counter_index(dims, layer, p) for p in range(PHASES_PER_LAYER)]
-        wait, target = (c_embed, len(embed_runs)) if layer == 0 else \
-            (counter_index(dims, layer - 1, 4), len(down_runs))
+        def c(op: Op) -> int:
+            return cnt.phase(layer, op)  # noqa: B023
+
+        wait, target = (cnt.embed, len(embed_runs)) if layer == 0 else \
+            (cnt.phase(layer - 1, Op.DOWN), len(runs[Op.DOWN]))
+        phases.append(matvecs(Op.QKV, layer, wait, target, c(Op.QKV), cnt.attn_norm(layer)))
         phases.append([
-            task(QKV, layer, r0, n, wait=wait, target=target, done=c[0],
-                 pf0=region("qkv", layer, r0, n * bn, H, dims.qkv_rows))
-            for r0, n in qkv_runs
+            Attention(layer=layer, wait=c(Op.QKV), target=len(runs[Op.QKV]), done=c(Op.ATTN), row=b, kv_head=g,
+                      split=s, arrive=cnt.arrive(layer, b, g))
+            for b in range(batch) for g in range(dims.num_kv_heads) for s in range(tiling.attn_splits)
         ])
-        phases.append([
-            task(ATTN, layer, b, g, s, wait=c[0], target=len(qkv_runs), done=c[1])
-            for b in range(batch) for g in range(dims.num_kv_heads) for s in range(t.attn_splits)
-        ])
-        phases.append([
-            task(OPROJ, layer, r0, n, wait=c[1], target=batch * dims.num_kv_heads, done=c[2],
-                 pf0=region("o", layer, r0, n * bn, dims.q_size, H))
-            for r0, n in o_runs
-        ])
-        phases.append([
-            task(GATEUP, layer, r0, n, wait=c[2], target=len(o_runs), done=c[3],
-                 pf0=region("gate", layer, r0, n * bn, H, dims.ffn), pf1=region("up", layer, r0, n * bn, H, dims.ffn))
-            for r0, n in gu_runs
-        ])
-        phases.append([
-            task(DOWN, layer, r0, n, wait=c[3], target=len(gu_runs), done=c[4],
-                 pf0=region("down", layer, r0, n * bn, dims.ffn, H))
-            for r0, n in down_runs
-        ])
-    phases.append([
-        task(LMHEAD, 0, r0, n, i, wait=counter_index(dims, L - 1, 4), target=len(down_runs), done=c_lm,
-             pf0=region("lm_head", 0, r0, n * t.bn_lm, H, V))
-        for i, (r0, n) in enumerate(lm_runs)
-    ])
-    phases.append([task(ARGMAX, 0, a0=c_arrive0, wait=c_lm, target=len(lm_runs))])
+        phases.append(matvecs(Op.OPROJ, layer, c(Op.ATTN), batch * dims.num_kv_heads, c(Op.OPROJ),
+                              cnt.mlp_norm(layer)))
+        phases.append(matvecs(Op.GATEUP, layer, c(Op.OPROJ), len(runs[Op.OPROJ]), c(Op.GATEUP), cnt.mlp_norm(layer)))
+        phases.append(matvecs(Op.DOWN, layer, c(Op.GATEUP), len(runs[Op.GATEUP]), c(Op.DOWN),
+                              cnt.attn_norm(layer + 1)))
+    phases.append(matvecs(Op.LMHEAD, 0, cnt.phase(L - 1, Op.DOWN), len(runs[Op.DOWN]), cnt.lm_head,
+                          cnt.attn_norm(L)))
+    phases.append([Argmax(wait=cnt.lm_head, target=len(runs[Op.LMHEAD]), parts=len(runs[Op.LMHEAD]),
+                          counters=cnt.counters)])
 
     # Deal each phase's tasks round-robin, starting where the last phase stopped, so the counts even out.
-    per_prog: list[list[list[int]]] = [[] for _ in range(P)]
+    per_prog: list[list[Task]] = [[] for _ in range(P)]
     nxt = 0
     for ph in phases:
         for tk in ph:
             per_prog[nxt].append(tk)
             nxt = (nxt + 1) % P
-    rows = [tk for prog in per_prog for tk in prog]
     starts = [0]
     for prog in per_prog:
         starts.append(starts[-1] + len(prog))
     return Schedule(
-        tasks=torch.tensor(rows, dtype=torch.int64),
+        tasks=torch.tensor([tk.encode() for prog in per_prog for tk in prog], dtype=torch.int64),
         starts=torch.tensor(starts, dtype=torch.int32),
         num_programs=P,
-        num_counters=num_counters(dims, batch),
-        num_lm_parts=len(lm_runs),
-        tiling=t,
+        layout=cnt,
+        num_lm_parts=len(runs[Op.LMHEAD]),
+        tiling=tiling,
         batch=batch,
     )

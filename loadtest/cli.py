@@ -20,7 +20,7 @@ from loadtest.clients import ClientPool, Target, first_model
 from loadtest.record import RequestRecord
 from loadtest.report import plot, print_run, sweep_table, write_json
 from loadtest.runner import Load, run_load
-from loadtest.stats import summarize
+from loadtest.stats import by_turn, summarize
 from loadtest.sweep import find_max_rate
 from loadtest.workers import run_workers
 from loadtest.workload import Session, dataset_sessions, load_dataset, synthetic_sessions
@@ -29,10 +29,31 @@ from loadtest.workload import Session, dataset_sessions, load_dataset, synthetic
 # (hyperscalers higher). Pass your own with --gpu-hourly-usd.
 DEFAULT_GPU_HOURLY_USD = 2.50
 
+# What a scenario changes: the defaults of the work. `voice` is a voice agent's conversation as Pipecat and LiveKit
+# send it: a long system prompt, 8 turns of ~40-token messages, barge-in on 30% of the turns and preemptive starts
+# on 30%. Any of these can still be given explicitly.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "requests": {"turns": 1, "input_len": 32, "cancel_after_tokens": None, "cancel_share": 1.0, "system_len": 0,
+                 "preemptive_share": 0.0},
+    "voice": {"turns": 8, "input_len": 40, "cancel_after_tokens": 8, "cancel_share": 0.3, "system_len": 1500,
+              "preemptive_share": 0.3},
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where there is none or the scenario sets it (the help says so)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _by_scenario(name: str) -> str:
+    return ", ".join(f"{s}: {'off' if d[name] is None else d[name]}" for s, d in SCENARIOS.items())
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="parley-loadtest", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="parley-loadtest", formatter_class=_HelpFormatter,
         description="Load-test an OpenAI-compatible server: per-request latencies measured at the client, "
                     "SLA attainment (first N tokens within M ms), goodput, and USD per 1M output tokens.")
     g = p.add_argument_group("server")
@@ -67,7 +88,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sweep-bisect", type=int, default=3, help="bisection steps after the doubling")
     g.add_argument("--sla-target", type=float, default=0.99, help="share of requests that must meet the SLA")
     g = p.add_argument_group("work")
-    g.add_argument("--input-len", type=int, default=32, help="synthetic prompt tokens (one-token words)")
+    g.add_argument("--scenario", choices=tuple(SCENARIOS), default="requests",
+                   help="the defaults of the work: `requests` (independent prompts) or `voice` (voice-agent "
+                        "conversations: system prompt, turns, barge-in, preemptive starts)")
+    g.add_argument("--input-len", type=int,
+                   help=f"synthetic prompt (user message) tokens, one-token words ({_by_scenario('input_len')})")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens, sent with ignore_eos=true")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="leave ignore_eos out (for servers that refuse the field; lengths are then not exact)")
@@ -76,11 +101,25 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", help="JSONL: one {\"prompt\": str} | {\"messages\": [...]} | {\"turns\": [...]} "
                                      "a line, optional \"max_tokens\"")
     g.add_argument("--shuffle", action="store_true", help="shuffle the dataset's rows")
-    g.add_argument("--turns", type=int, default=1,
-                   help="synthetic voice sessions of K turns, each extending the conversation")
-    g.add_argument("--cancel-after-tokens", type=int, help="barge in after K tokens (close the stream / "
-                                                           "response.cancel)")
-    g.add_argument("--cancel-share", type=float, default=1.0, help="share of turns barged in on")
+    g.add_argument("--turns", type=int,
+                   help=f"synthetic sessions of K turns, each extending the conversation ({_by_scenario('turns')})")
+    g.add_argument("--cancel-after-tokens", type=int,
+                   help="barge in after K tokens (close the stream / response.cancel, then "
+                        f"conversation.item.truncate) ({_by_scenario('cancel_after_tokens')})")
+    g.add_argument("--cancel-share", type=float,
+                   help=f"share of turns barged in on ({_by_scenario('cancel_share')})")
+    g.add_argument("--system-len", type=int,
+                   help=f"tokens of a synthetic system prompt, 0 for none ({_by_scenario('system_len')})")
+    g.add_argument("--system-per-session", action="store_true",
+                   help="a system prompt of its own for each session, instead of one for all (one agent's)")
+    g.add_argument("--preemptive-share", type=float,
+                   help="share of turns whose reply is first started on partial transcripts, as LiveKit's "
+                        "preemptive_generation and Pipecat's eager end-of-turn do "
+                        f"({_by_scenario('preemptive_share')})")
+    g.add_argument("--preemptive-max", type=int, default=2, help="preemptive starts on such a turn: 1 to this many")
+    g.add_argument("--preemptive-after-tokens", type=int, default=4, help="cancel a preemptive start after K tokens")
+    g.add_argument("--think-s", type=float, default=0.0,
+                   help="seconds between a reply's end and the session's next turn (the caller listens, speaks)")
     g = p.add_argument_group("SLA and cost")
     g.add_argument("--sla-tokens", type=int, default=64, help="N: the SLA is on the time to the Nth token")
     g.add_argument("--sla-ms", type=float, default=100.0, help="deadline for the Nth token, ms")
@@ -100,7 +139,9 @@ def sessions_from(args: argparse.Namespace) -> tuple[Iterator[Session], int]:
     if args.dataset:
         rows = load_dataset(args.dataset, args.output_len)
         return dataset_sessions(rows, args.shuffle, args.seed), max(len(r) for r in rows)
-    return synthetic_sessions(args.input_len, args.output_len, args.len_spread, args.turns, args.seed), args.turns
+    return synthetic_sessions(args.input_len, args.output_len, args.len_spread, args.turns, args.seed,
+                              args.system_len, args.system_per_session, args.preemptive_share,
+                              args.preemptive_max), args.turns
 
 
 def load_from(args: argparse.Namespace) -> Load:
@@ -108,7 +149,8 @@ def load_from(args: argparse.Namespace) -> Load:
     conc = args.concurrency if args.concurrency or args.rate or args.sweep else args.workers
     return Load(rate=args.rate, burstiness=args.burstiness, concurrency=conc, num_sessions=num,
                 duration_s=args.duration, cancel_after=args.cancel_after_tokens, cancel_share=args.cancel_share,
-                sla_tokens=args.sla_tokens, sla_ms=args.sla_ms, seed=args.seed)
+                preemptive_after=args.preemptive_after_tokens, think_s=args.think_s, sla_tokens=args.sla_tokens,
+                sla_ms=args.sla_ms, seed=args.seed)
 
 
 async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -134,23 +176,25 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 task = progress.add_task(f"rate {rate if rate is not None else '∞'}", total=total)
                 counts = dict.fromkeys(("ok", "rejected", "error", "cancelled"), 0)
 
-                def on_record(r: RequestRecord) -> None:
+                def on_record(r: RequestRecord) -> None:  # the bar counts replies; preemptive starts come on top
                     counts[r.outcome] += 1
-                    progress.update(task, advance=1, description=f"rate {rate if rate is not None else '∞'} "
-                                    f"ok {counts['ok']} rej {counts['rejected']} err {counts['error']} "
-                                    f"cancel {counts['cancelled']}")
+                    progress.update(task, advance=r.kind != "preemptive",
+                                    description=f"rate {rate if rate is not None else '∞'} ok {counts['ok']} "
+                                    f"rej {counts['rejected']} err {counts['error']} cancel {counts['cancelled']}")
 
                 lag: list[float] = []
                 warmup = args.warmup if not runs else 0
                 if args.workers > 1:  # fresh prompts for each sweep point: another seed
                     make = partial(sessions_from, argparse.Namespace(**vars(args) | {"seed": args.seed + len(runs)}))
                     recs, lag = await run_workers(args.workers, target, make, replace(load, rate=rate), warmup,
-                                                  lambda outcome: on_record(RequestRecord(0, 0, outcome=outcome)))
+                                                  lambda outcome, kind: on_record(RequestRecord(
+                                                      0, 0, kind=kind, outcome=outcome)))
                 else:
                     recs = await run_load(pool, target, sessions, replace(load, rate=rate), warmup=warmup,
                                           on_record=on_record, loop_lag_ms=lag)
                 progress.update(task, completed=progress.tasks[task].total or len(recs), visible=False)
-                summary = summarize(recs, args.gpu_hourly_usd, args.gpus, lag)
+                summary = summarize(recs, args.gpu_hourly_usd, args.gpus, lag) | {
+                    "by_turn": by_turn(recs, args.sla_tokens)}
                 runs.append({"rate": rate, "concurrency": load.concurrency, "model": target.model,
                              "endpoint": target.endpoint, "summary": summary, "requests": recs})
                 return summary
@@ -184,12 +228,19 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    for name, default in SCENARIOS[args.scenario].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("rate", "burstiness", "concurrency", "num_requests", "duration", "timeout", "turns", "gpus", "workers",
-                 "cancel_after_tokens", "sla_tokens", "sla_ms", "input_len", "output_len"):
+                 "cancel_after_tokens", "sla_tokens", "sla_ms", "input_len", "output_len", "preemptive_max",
+                 "preemptive_after_tokens"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    if not (0 <= args.cancel_share <= 1 and 0 <= args.len_spread < 1 and 0 < args.sla_target <= 1):
-        p.error("--cancel-share and --sla-target are in [0, 1], --len-spread in [0, 1)")
+    if args.system_len < 0 or args.think_s < 0:
+        p.error("--system-len and --think-s must be >= 0")
+    if not (0 <= args.cancel_share <= 1 and 0 <= args.preemptive_share <= 1 and 0 <= args.len_spread < 1
+            and 0 < args.sla_target <= 1):
+        p.error("--cancel-share, --preemptive-share and --sla-target are in [0, 1], --len-spread in [0, 1)")
     if args.concurrency and args.workers > args.concurrency:
         p.error("--workers must not exceed --concurrency")
     console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=140)  # logs: wide

@@ -145,6 +145,7 @@ async def _read_sse(resp: httpx.Response, rec: RequestRecord, t0: float, cancel_
         usage = chunk.get("usage")
         if usage:
             rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             usage_tokens = usage.get("completion_tokens")
         if cancel_after is not None and len(rec.token_times_s) >= cancel_after:
             rec.outcome = "cancelled"  # leaving the `async with` unread closes the connection
@@ -161,23 +162,32 @@ def ws_url(url: str) -> str:
 
 class RealtimeSession:
     """One WebSocket, one conversation: each turn is a response.create whose input is the turn's new
-    messages (the server keeps the conversation, so a turn prefills only what is new)."""
+    messages (the server keeps the conversation, so a turn prefills only what is new). The system prompt is the
+    session's `instructions`. After a barge-in the client tells the server how much of the reply was heard
+    (conversation.item.truncate), so that the conversation keeps only that, as a voice client does."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, instructions: str | None = None) -> None:
         self.target = target
+        self.instructions = instructions
         self.ws: ClientConnection | None = None
 
     async def open(self, rec: RequestRecord) -> bool:
-        """Connect and wait for session.created. False (and `rec` says why) when refused or failed."""
+        """Connect, wait for session.created and set the instructions. False (and `rec` says why, and the socket
+        is closed again) when refused or failed."""
         t0 = time.perf_counter()
+        opened = False
         try:
             self.ws = await connect(ws_url(self.target.url), additional_headers=self.target.headers,
                                     max_size=None, open_timeout=self.target.timeout_s)
             event = json.loads(await self.ws.recv())
+            if event.get("type") != "error" and self.instructions is not None:
+                await self.ws.send(json.dumps({"type": "session.update",
+                                               "session": {"instructions": self.instructions}}))
+                event = await self._next_event("session.updated")
             if event.get("type") == "error":
                 self._error(rec, event.get("error") or {})
-                return False
-            return True
+            else:
+                opened = True
         except InvalidStatus as e:
             rec.status = e.response.status_code
             if rec.status == 429:
@@ -185,16 +195,18 @@ class RealtimeSession:
                 rec.retry_after_s = retry_after(e.response.headers.get("retry-after"))
             else:
                 rec.error = f"WebSocket refused: HTTP {rec.status}"
-            return False
         except Exception as e:  # any failure to connect is this turn's error, not the run's
             rec.error = f"{type(e).__name__}: {e}"
-            return False
         finally:
             rec.end_s = rec.start_s + time.perf_counter() - t0
+        if not opened:
+            await self.close()
+        return opened
 
     async def close(self) -> None:
-        if self.ws is not None:
-            await self.ws.close()
+        ws, self.ws = self.ws, None
+        if ws is not None:
+            await ws.close()
 
     @staticmethod
     def _error(rec: RequestRecord, err: dict[str, Any]) -> None:
@@ -205,16 +217,41 @@ class RealtimeSession:
         else:
             rec.outcome, rec.error = "error", json.dumps(err)[:300]
 
+    async def _next_event(self, kind: str) -> dict[str, Any]:
+        """The next event of type `kind`, or the next error that is not a late cancel's."""
+        assert self.ws is not None
+        async for raw in self.ws:
+            event = json.loads(raw)
+            if event.get("type") == kind or (event.get("type") == "error" and not _late_cancel(event)):
+                return event
+        raise ConnectionError("the server closed the WebSocket")
+
+    async def truncate(self, item_id: str, text_end: int, rec: RequestRecord) -> None:
+        """conversation.item.truncate: the reply `item_id` was heard up to `text_end` characters."""
+        assert self.ws is not None
+        await self.ws.send(json.dumps({"type": "conversation.item.truncate", "item_id": item_id,
+                                       "content_index": 0, "text_end": text_end}))
+        event = await self._next_event("conversation.item.truncated")
+        if event.get("type") == "error":
+            rec.outcome, rec.error = "error", "truncate: " + json.dumps(event.get("error"))[:300]
+
     async def turn(self, messages: list[Message], max_tokens: int, rec: RequestRecord,
-                   cancel_after: int | None = None) -> RequestRecord:
+                   cancel_after: int | None = None, out_of_band: bool = False) -> RequestRecord:
+        """One response. `cancel_after`: barge in (response.cancel) after that many deltas; the conversation then
+        keeps what had arrived by then. `out_of_band`: a preemptive start, which must not join the conversation
+        (OpenAI's `conversation: "none"`)."""
         assert self.ws is not None
         rid = f"resp_{uuid.uuid4().hex[:16]}"
         response = {"id": rid, "input": messages, "max_tokens": max_tokens, **eos(self.target),
                     **self.target.extra_body}
+        if out_of_band:
+            response["conversation"] = "none"
         t0 = time.perf_counter()
         cancel_t: float | None = None
         usage_tokens: int | None = None
         parts: list[str] = []
+        heard: str | None = None  # the text that had arrived when the client barged in
+        item_id = rid
         try:
             await self.ws.send(json.dumps({"type": "response.create", "response": response}))
             rec.status = 101
@@ -227,13 +264,16 @@ class RealtimeSession:
                     rec.token_times_s.append(time.perf_counter() - t0)
                     parts.append(event["delta"])
                     if cancel_after is not None and cancel_t is None and len(rec.token_times_s) >= cancel_after:
-                        cancel_t = time.perf_counter()
+                        cancel_t, heard = time.perf_counter(), "".join(parts)
                         await self.ws.send(json.dumps({"type": "response.cancel", "response_id": rid}))
                 elif kind == "response.done":
                     resp = event.get("response") or {}
                     usage = resp.get("usage") or {}
                     rec.prompt_tokens = usage.get("input_tokens", usage.get("prompt_tokens"))
+                    rec.cached_tokens = usage.get("cached_tokens",
+                                                  (usage.get("input_token_details") or {}).get("cached_tokens"))
                     usage_tokens = usage.get("output_tokens", usage.get("completion_tokens"))
+                    item_id = next((o["id"] for o in resp.get("output") or [] if o.get("id")), rid)
                     rec.server_timings = resp.get("timings")
                     status = resp.get("status", "completed")
                     if cancel_t is not None:
@@ -246,16 +286,24 @@ class RealtimeSession:
                         self._error(rec, resp.get("status_details") or resp.get("error") or {"status": status})
                     break
                 elif kind == "error":
-                    err = event.get("error") or {}
-                    if err.get("event_type") == "response.cancel" or err.get("code") == "response_cancel_not_active":
+                    if _late_cancel(event):
                         continue  # a cancel that came after its response ended (a race, not this turn's fault)
-                    self._error(rec, err)
+                    self._error(rec, event.get("error") or {})
                     break
             else:
                 rec.error = "the server closed the WebSocket mid-response"
+            rec.end_s = rec.start_s + time.perf_counter() - t0
+            if heard is not None and not out_of_band and rec.outcome in ("ok", "cancelled"):
+                await self.truncate(item_id, len(heard), rec)
         except Exception as e:  # a dropped socket is this turn's error, not the run's
             rec.outcome, rec.error = "error", f"{type(e).__name__}: {e}"
-        rec.text = "".join(parts)
+            rec.end_s = rec.start_s + time.perf_counter() - t0
+        rec.text = heard if heard is not None else "".join(parts)
         rec.output_tokens = usage_tokens if usage_tokens is not None else len(rec.token_times_s)
-        rec.end_s = rec.start_s + time.perf_counter() - t0
         return rec
+
+
+def _late_cancel(event: dict[str, Any]) -> bool:
+    """The server's answer to a response.cancel that reached it after the response had ended."""
+    err = event.get("error") or {}
+    return err.get("event_type") == "response.cancel" or err.get("code") == "response_cancel_not_active"

@@ -6,12 +6,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 OUTCOMES = ("ok", "rejected", "error", "cancelled")
+# What the client meant a request to be: a turn's reply, a turn's reply it barged in on, or a reply started early on
+# a partial transcript and cancelled (LiveKit's preemptive_generation, Pipecat's eager end-of-turn).
+KINDS = ("turn", "barge-in", "preemptive")
 
 
 @dataclass
 class RequestRecord:
     session: int
     turn: int
+    endpoint: str = ""  # completions | chat | realtime
+    kind: str = "turn"  # one of KINDS
     start_s: float = 0.0  # when it was sent, seconds since the run began
     end_s: float = 0.0  # when it ended (last byte, rejection, error, or the stream closed on a cancel)
     outcome: str = "error"  # one of OUTCOMES
@@ -19,11 +24,12 @@ class RequestRecord:
     error: str | None = None
     retry_after_s: float | None = None  # from a 429's Retry-After header or an error event's retry_after_ms
     prompt_tokens: int | None = None  # from the server's usage, where it sends one
+    cached_tokens: int | None = None  # of those, how many came from the server's KV cache (usage, where sent)
     output_tokens: int = 0  # usage.completion_tokens where sent, else the count of token-carrying chunks
     token_times_s: list[float] = field(default_factory=list)  # arrival of each token chunk, since sent
     cancel_ms: float | None = None  # realtime: response.cancel sent → response.done received
     server_timings: dict[str, Any] | None = None  # realtime: the server's own `timings` in response.done
-    text: str = ""
+    text: str = ""  # the reply as heard: on a barge-in, what arrived before the client cancelled
     # Derived by finish():
     ttft_ms: float | None = None
     ttfn_ms: float | None = None  # time to the Nth token (to the last one when fewer arrived)

@@ -76,12 +76,30 @@ def sweep_table(points: Sequence[tuple[float, Summary]], best: float | None, tar
     return t
 
 
+def turns_table(rows: Sequence[dict[str, Any]], sla_tokens: int) -> Table:
+    """stats.by_turn's rows: one line per turn index."""
+    t = Table(title="By turn: replies (turns and barge-ins), then their preemptive starts (ms)")
+    for col in ("turn", "replies", "barged", "admitted", "prompt tok", "cached tok", "TTFT p50", "TTFT p99",
+                f"TTF{sla_tokens} p50", f"TTF{sla_tokens} p99", "SLA adm.", "early (adm.)", "cancel p99"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["turn"]), str(r["requests"]), str(r["barge_ins"]), _pct(r["admitted_share"], 1),
+                  _f(r["prompt_tokens"], "{:.0f}"), _f(r["cached_tokens"], "{:.0f}"), _f(r["ttft_ms_p50"]),
+                  _f(r["ttft_ms_p99"]), _f(r[f"ttf{sla_tokens}_ms_p50"]), _f(r[f"ttf{sla_tokens}_ms_p99"]),
+                  _pct(r["sla_attainment_admitted"], 1),
+                  f"{r['preemptive']} ({_pct(r['preemptive_admitted_share'], 0)})", _f(r["cancel_ms_p99"], "{:.2f}"))
+    return t
+
+
 CLIENT_LAG_WARN_MS = 5.0
 
 
 def print_run(console: Console, s: Summary, sla_tokens: int, sla_ms: float) -> None:
     console.print(latency_table(s, sla_tokens))
     console.print(totals_table(s, sla_tokens, sla_ms))
+    turns = s.get("by_turn") or []
+    if len(turns) > 1 or any(r["preemptive"] or r["barge_ins"] for r in turns):
+        console.print(turns_table(turns, sla_tokens))
     lag = s["client_loop_lag_ms"]["p99"]
     if lag is not None and lag > CLIENT_LAG_WARN_MS:
         console.print(f"[yellow]The client's event loop lagged {lag:.1f} ms (p99): its latencies include that. "

@@ -23,6 +23,8 @@ class Load:
     duration_s: float | None = None  # arrivals stop after this many seconds
     cancel_after: int | None = None  # barge in after this many tokens...
     cancel_share: float = 0.0  # ...on this share of turns
+    preemptive_after: int = 4  # a preemptive start is cancelled after this many tokens
+    think_s: float = 0.0  # between a reply's end and the next turn: the caller listens, then speaks
     sla_tokens: int = 64
     sla_ms: float = 100.0
     seed: int = 0
@@ -34,33 +36,48 @@ OnRecord = Callable[[RequestRecord], None]
 
 async def run_session(pool: ClientPool, target: Target, session: Session, load: Load, t0: float,
                       on_record: OnRecord) -> list[RequestRecord]:
-    """All turns of one session; it stops at its first rejected or failed turn (as a caller would hang up)."""
+    """All turns of one session: each turn's preemptive starts (cancelled after a few tokens; whatever becomes of
+    them, the turn goes on), then its reply. It stops at the first rejected or failed reply (as a caller would hang
+    up). Over HTTP every request carries the whole conversation, as heard (a barged-in reply cut where the client
+    stopped reading); over the realtime WebSocket only the turn's new messages."""
     records: list[RequestRecord] = []
-    conversation: list[Message] = []
-    rt = RealtimeSession(target) if target.endpoint == "realtime" else None
+    conversation: list[Message] = [{"role": "system", "content": session.system}] if session.system else []
+    rt = RealtimeSession(target, session.system) if target.endpoint == "realtime" else None
     client = pool.take() if rt is None else None
+
+    async def request(k: int, kind: str, messages: list[Message], max_tokens: int,
+                      cancel_after: int | None) -> RequestRecord:
+        rec = RequestRecord(session=session.index, turn=k, endpoint=target.endpoint, kind=kind,
+                            start_s=time.perf_counter() - t0)
+        try:
+            async with asyncio.timeout(target.timeout_s):
+                if client is not None:
+                    await http_turn(client, target, conversation + messages, max_tokens, rec, cancel_after)
+                elif rt.ws is not None or await rt.open(rec):
+                    rec.start_s = time.perf_counter() - t0  # TTFT counts from response.create, not connect
+                    await rt.turn(messages, max_tokens, rec, cancel_after, out_of_band=kind == "preemptive")
+        except Exception as e:  # a timeout or a malformed reply fails this request, not the run
+            rec.outcome, rec.error = "error", f"{type(e).__name__}: {e}"
+            rec.end_s = time.perf_counter() - t0
+        records.append(finish(rec, load.sla_tokens, load.sla_ms))
+        on_record(rec)
+        return rec
+
     try:
         for k, turn in enumerate(session.turns):
-            rec = RequestRecord(session=session.index, turn=k, start_s=time.perf_counter() - t0)
-            cancel = should_cancel(load.seed, session.index, k, load.cancel_share)
-            cancel_after = load.cancel_after if cancel and load.cancel_after is not None \
-                and load.cancel_after < turn.max_tokens else None
-            conversation += turn.messages
-            try:
-                async with asyncio.timeout(target.timeout_s):
-                    if client is not None:
-                        await http_turn(client, target, conversation, turn.max_tokens, rec, cancel_after)
-                    elif k > 0 or await rt.open(rec):
-                        rec.start_s = time.perf_counter() - t0  # TTFT counts from response.create, not connect
-                        await rt.turn(turn.messages, turn.max_tokens, rec, cancel_after)
-            except Exception as e:  # a timeout or a malformed reply fails this turn, not the run
-                rec.outcome, rec.error = "error", f"{type(e).__name__}: {e}"
-                rec.end_s = time.perf_counter() - t0
-            records.append(finish(rec, load.sla_tokens, load.sla_ms))
-            on_record(rec)
+            if k and load.think_s:
+                await asyncio.sleep(load.think_s)
+            for partial in turn.preemptive:
+                await request(k, "preemptive", partial, turn.max_tokens, load.preemptive_after)
+                if rt is not None and rt.ws is None:
+                    return records  # the socket was refused: the caller is gone
+            barge_in = load.cancel_after is not None and load.cancel_after < turn.max_tokens \
+                and should_cancel(load.seed, session.index, k, load.cancel_share)
+            rec = await request(k, "barge-in" if barge_in else "turn", turn.messages, turn.max_tokens,
+                                load.cancel_after if barge_in else None)
             if rec.outcome not in ("ok", "cancelled"):
                 break
-            conversation.append({"role": "assistant", "content": rec.text})
+            conversation += [*turn.messages, {"role": "assistant", "content": rec.text}]
     finally:
         if client is not None:
             pool.give(client)

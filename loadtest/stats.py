@@ -88,3 +88,43 @@ def summarize(records: Sequence[RequestRecord], gpu_hourly_usd: float = 2.5, gpu
         "usd_per_1m_output_tokens": usd_per_million_tokens(tok_s, gpu_hourly_usd, gpus),
         "usd_per_1m_good_tokens": usd_per_million_tokens(good_tok_s, gpu_hourly_usd, gpus),
     }
+
+
+def conversation_figures(records: Sequence[RequestRecord], sla_tokens: int = 64) -> dict[str, Any]:
+    """The figures of a group of conversation requests (one turn index, or a whole run): those of the replies
+    (turns and barge-ins), then those of the preemptive starts. TTFT over every admitted reply; the time to token N
+    over the replies not barged in; prompt and cached tokens as the server's usage says (an HTTP stream the client
+    closed early never gets its usage chunk)."""
+    replies = [r for r in records if r.kind != "preemptive"]
+    early = [r for r in records if r.kind == "preemptive"]
+    admitted = [r for r in replies if r.outcome != "rejected"]
+    streamed = [r for r in replies if r.outcome in ("ok", "cancelled")]
+    usage = [r for r in replies if r.prompt_tokens is not None and r.cached_tokens is not None]
+    prompt = [r.prompt_tokens for r in replies if r.prompt_tokens is not None]
+    ttft = describe([r.ttft_ms for r in streamed if r.ttft_ms is not None])
+    ttfn = describe([r.ttfn_ms for r in streamed if r.kind == "turn" and r.ttfn_ms is not None])
+    cancel = describe([r.cancel_ms for r in records if r.cancel_ms is not None])
+    early_ttft = describe([r.ttft_ms for r in early if r.outcome in ("ok", "cancelled") and r.ttft_ms is not None])
+    return {
+        "requests": len(replies),
+        "barge_ins": sum(r.kind == "barge-in" for r in replies),
+        "rejected": len(replies) - len(admitted),
+        "errors": sum(r.outcome == "error" for r in replies),
+        "prompt_tokens": _ratio(sum(prompt), len(prompt)),
+        "cached_tokens": _ratio(sum(r.cached_tokens for r in usage), len(usage)),
+        "cached_share": _ratio(sum(r.cached_tokens for r in usage), sum(r.prompt_tokens for r in usage)),
+        "ttft_ms_p50": ttft["p50"], "ttft_ms_p99": ttft["p99"],
+        f"ttf{sla_tokens}_ms_p50": ttfn["p50"], f"ttf{sla_tokens}_ms_p99": ttfn["p99"],
+        "admitted_share": _ratio(len(admitted), len(replies)),
+        "sla_attainment_admitted": _ratio(sum(r.sla_met for r in admitted), len(admitted)),
+        "preemptive": len(early),
+        "preemptive_admitted_share": _ratio(sum(r.outcome != "rejected" for r in early), len(early)),
+        "preemptive_ttft_ms_p50": early_ttft["p50"],
+        "cancel_ms_p50": cancel["p50"], "cancel_ms_p99": cancel["p99"],
+    }
+
+
+def by_turn(records: Sequence[RequestRecord], sla_tokens: int = 64) -> list[dict[str, Any]]:
+    """conversation_figures per turn index, `turn` counted from 1."""
+    turns = sorted({r.turn for r in records})
+    return [{"turn": k + 1, **conversation_figures([r for r in records if r.turn == k], sla_tokens)} for k in turns]

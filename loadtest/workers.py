@@ -51,7 +51,7 @@ async def _work(target: Target, make_sessions: MakeSessions, load: Load, warmup:
         lag: list[float] = []
         watcher = asyncio.create_task(watch_loop_lag(lag))
         records = await run_phase(pool, target, sessions, mine,
-                                  lambda r: out.put(("record", r.outcome, None)), t0=start.value)
+                                  lambda r: out.put(("record", r.outcome, r.kind)), t0=start.value)
         watcher.cancel()
     return records, lag
 
@@ -66,8 +66,10 @@ def _worker(target: Target, make_sessions: MakeSessions, load: Load, warmup: int
 
 
 async def run_workers(n: int, target: Target, make_sessions: MakeSessions, load: Load, warmup: int = 0,
-                      on_outcome: Callable[[str], None] = lambda o: None) -> tuple[list[RequestRecord], list[float]]:
-    """Run the load in n processes; return all records (start_s/end_s on one clock) and every loop-lag sample."""
+                      on_outcome: Callable[[str, str], None] = lambda outcome, kind: None,
+                      ) -> tuple[list[RequestRecord], list[float]]:
+    """Run the load in n processes; return all records (start_s/end_s on one clock) and every loop-lag sample.
+    `on_outcome(outcome, kind)` as each request ends."""
     ctx = mp.get_context("spawn")
     sync, start, out = ctx.Barrier(n), ctx.Value("d", 0.0), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(target, make_sessions, load, warmup, w, n, sync, start, out),
@@ -86,7 +88,7 @@ async def run_workers(n: int, target: Target, make_sessions: MakeSessions, load:
                     raise RuntimeError("a loadtest worker died") from None
                 continue
             if kind == "record":
-                on_outcome(a)
+                on_outcome(a, b)
             elif kind == "failed":
                 raise RuntimeError(f"a loadtest worker failed:\n{a}")
             else:

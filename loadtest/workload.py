@@ -1,7 +1,9 @@
 """What the load is made of: sessions of turns (synthetic or from a JSONL file) and their arrival times.
 
-A session is one voice conversation: K turns, each adding messages to the conversation and asking for a reply.
-A single request is a session of one turn. Arrivals, `--num-requests` and `--warmup` count sessions.
+A session is one voice conversation: an optional system prompt, then K turns, each adding messages to the
+conversation and asking for a reply; a turn may first start replies on partial transcripts of its message
+(preemptive starts). A single request is a session of one turn. Arrivals, `--num-requests` and `--warmup` count
+sessions.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Common English words that are ONE token each, with or without a leading space, in the BPE vocabularies of
@@ -32,12 +34,16 @@ Message = dict[str, str]
 class Turn:
     messages: list[Message]  # appended to the conversation before this turn's reply
     max_tokens: int
+    # Replies started early, each on the messages as a partial transcript had them then (growing), and cancelled
+    # once the transcript moved on: what LiveKit's preemptive_generation and Pipecat's eager end-of-turn send.
+    preemptive: list[list[Message]] = field(default_factory=list)
 
 
 @dataclass
 class Session:
     index: int
     turns: list[Turn]
+    system: str | None = None  # the system prompt (realtime: the session's instructions)
 
 
 def synthetic_text(n_tokens: int, rng: random.Random) -> str:
@@ -51,16 +57,37 @@ def spread_len(n: int, spread: float, rng: random.Random) -> int:
     return max(1, round(rng.uniform(n * (1 - spread), n * (1 + spread))))
 
 
-def synthetic_sessions(input_len: int, output_len: int, spread: float = 0.0, turns: int = 1,
-                       seed: int = 0) -> Iterator[Session]:
-    """Endless sessions of `turns` turns; each turn a user message of about `input_len` tokens."""
+def synthetic_sessions(input_len: int, output_len: int, spread: float = 0.0, turns: int = 1, seed: int = 0,
+                       system_len: int = 0, system_per_session: bool = False, preemptive_share: float = 0.0,
+                       preemptive_max: int = 2) -> Iterator[Session]:
+    """Endless sessions of `turns` turns; each turn a user message of about `input_len` tokens. With `system_len`,
+    a system prompt of that many tokens: one for every session (one voice agent's callers share it), or one per
+    session. On a `preemptive_share` of turns (a seeded draw), 1 to `preemptive_max` preemptive starts."""
     rng = random.Random(seed)
+    early = random.Random(f"{seed}:preemptive")  # its own draws: the same seed gives the same messages either way
+
+    def system(i: int) -> str | None:
+        if not system_len:
+            return None
+        return synthetic_text(system_len, random.Random(f"{seed}:system:{i if system_per_session else 'all'}"))
+
     for i in itertools.count():
-        yield Session(i, [
-            Turn([{"role": "user", "content": synthetic_text(spread_len(input_len, spread, rng), rng)}],
-                 spread_len(output_len, spread, rng))
-            for _ in range(turns)
-        ])
+        session_turns = []
+        for _ in range(turns):
+            text = synthetic_text(spread_len(input_len, spread, rng), rng)
+            starts = early.randint(1, preemptive_max) if early.random() < preemptive_share else 0
+            partial = [[{"role": "user", "content": t}] for t in partial_transcripts(text, starts, early)]
+            session_turns.append(Turn([{"role": "user", "content": text}], spread_len(output_len, spread, rng),
+                                      partial))
+        yield Session(i, session_turns, system(i))
+
+
+def partial_transcripts(text: str, count: int, rng: random.Random) -> list[str]:
+    """`count` growing cuts of `text` (whole words, from half of it to all but its last word), as a speech
+    recognizer's interim transcripts show the message before the user has finished it."""
+    words = text.split(" ")
+    cuts = range(max(1, len(words) // 2), len(words))
+    return [" ".join(words[:n]) for n in sorted(rng.sample(cuts, min(count, len(cuts))))]
 
 
 def parse_dataset_line(row: dict, output_len: int) -> list[Turn]:

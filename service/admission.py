@@ -18,7 +18,7 @@ import math
 import threading
 import time
 
-from service.engine.engine import Engine, Rejected
+from service.engine.admission import Rejected
 from service.engine.request import Request, State
 from service.latency_model import LatencyModel
 
@@ -76,8 +76,8 @@ class AdmissionController:
                     self.idle_prediction_s() * 1e3, self.sla_tokens)
         self.best_effort = False
 
-    # -- the Engine's admission hooks ---------------------------------------------------------------------
-    def check(self, req: Request, engine: Engine) -> None:
+    # -- the Engine's admission hooks (service.engine.admission.Admission) ----------------------------------
+    def check(self, req: Request) -> None:
         req.deadline = req.arrival + self.sla_s
         now = time.perf_counter()
         with self._lock:
@@ -91,7 +91,6 @@ class AdmissionController:
                 t_nth = self._decide(req, active, now, stretch)
                 self._predicted[req.id] = (now - req.arrival) + (t_nth - now) / stretch
             self._active[req.id] = req
-        engine.metrics.sla_headroom.set(self.headroom(now))
 
     def _decide(self, req: Request, active: list[Request], now: float, stretch: float) -> float:
         """Play the engine's next moves forward: slots free as running requests end, waiting ones (FIFO, the
@@ -109,20 +108,20 @@ class AdmissionController:
             prefill_done = max(prefill_done, start) + lat.prefill(_to_prefill(r)) * stretch
             if start <= now:
                 prefills_now = prefill_done - now
-            t_nth = prefill_done + (_sla_index(r, self.sla_tokens) - 1) * step
+            t_nth = prefill_done + (r.sla_token_index - 1) * step
             if r.deadline is not None and t_nth > r.deadline:
                 own = r is req
                 if own and not active and self._probe(req, t_nth, now):
                     break
                 raise Rejected(
                     ("sla_unmeetable" if len(active) == 0 else "overloaded") if own else "overloaded",
-                    f"the server cannot deliver {_sla_index(req, self.sla_tokens)} tokens within "
+                    f"the server cannot deliver {req.sla_token_index} tokens within "
                     f"{self.sla_s * 1e3:.0f} ms now" + (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if own else
                                                          ": admitting it would make a queued request late"),
                     self.retry_after_s(active, now))
             heapq.heappush(free_at, prefill_done + (r.params.max_tokens - 1) * step)
         for r in running:
-            left = _left_to_nth(r, self.sla_tokens)
+            left = _left_to_nth(r)
             if left and r.deadline is not None and now + prefills_now + left * step > r.deadline:
                 raise Rejected("overloaded", "admitting this request would make a running one miss its SLA",
                                self.retry_after_s(active, now))
@@ -184,8 +183,8 @@ class AdmissionController:
         with self._lock:
             active = [r for r in self._active.values() if r.state is not State.FINISHED]
         step = self.latency.step(max(1, len(active)))
-        slack = [r.deadline - (now + _left_to_nth(r, self.sla_tokens) * step) for r in active
-                 if r.deadline is not None and _left_to_nth(r, self.sla_tokens) > 0]
+        slack = [r.deadline - (now + _left_to_nth(r) * step) for r in active
+                 if r.deadline is not None and _left_to_nth(r) > 0]
         return min(slack, default=self.sla_s)
 
 
@@ -197,13 +196,5 @@ def _remaining(r: Request) -> int:
     return max(0, r.params.max_tokens - len(r.output_ids))
 
 
-def _sla_index(r: Request, sla_tokens: int) -> int:
-    return min(sla_tokens, r.params.max_tokens)
-
-
-def _left_to_nth(r: Request, sla_tokens: int) -> int:
-    return max(0, _sla_index(r, sla_tokens) - len(r.output_ids))
-
-
-def retry_after_header(seconds: float) -> str:
-    return str(max(1, math.ceil(seconds)))
+def _left_to_nth(r: Request) -> int:
+    return max(0, r.sla_token_index - len(r.output_ids))

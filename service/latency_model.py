@@ -8,6 +8,7 @@ admission predicts with what the server does now, not what it did at boot.
 from __future__ import annotations
 
 import bisect
+import logging
 import random
 import statistics
 import threading
@@ -16,8 +17,11 @@ from typing import Any
 
 from service.backends.decoder import Decoder
 
+log = logging.getLogger("parley")
+
 EWMA = 0.1  # weight of one new observation
 OUTLIER = 3.0  # one observed step counts as at most this many predicted ones
+CALIBRATION_TRIES = 3
 
 
 class LatencyModel:
@@ -63,6 +67,23 @@ class LatencyModel:
             if predicted > 0:
                 ratio = seconds / predicted
                 self._prefill[nearest] *= (1 - EWMA) + EWMA * ratio
+
+    def fastest(self, other: LatencyModel) -> LatencyModel:
+        """Each point's faster time of the two models' (the points of this one)."""
+        with other._lock:
+            steps, prefills = dict(other._step), dict(other._prefill)
+        with self._lock:
+            return LatencyModel({b: min(s, steps.get(b, s)) for b, s in self._step.items()},
+                                {n: min(s, prefills.get(n, s)) for n, s in self._prefill.items()}, self.max_batch)
+
+    def disturbed(self) -> bool:
+        """A longer prefill measured faster than a shorter one, a bigger batch's step faster than a smaller one's (by
+        more than noise), or slower than proportionally: the work is the same each time, so a sample was stalled."""
+        with self._lock:
+            pre, steps = list(self._prefill.items()), list(self._step.items())
+        if any(s2 < s1 for (_, s1), (_, s2) in zip(pre, pre[1:])):
+            return True
+        return any(s2 < s1 / 1.2 or s2 > s1 * (b2 / b1) * 1.5 for (b1, s1), (b2, s2) in zip(steps, steps[1:]))
 
     def snapshot(self) -> dict[str, Any]:
         """What operators read at GET /v1/latency_model."""
@@ -140,6 +161,19 @@ def calibrate(decoder: Decoder, reps: int = 2) -> LatencyModel:
             times.append(time.perf_counter() - t0)
         step_s[b] = statistics.median(times[1:])
     return LatencyModel(step_s, prefill_s, slots)
+
+
+def calibrate_robustly(decoder: Decoder) -> LatencyModel:
+    """calibrate(), and again (at most CALIBRATION_TRIES in all, keeping each point's fastest time) while its numbers
+    contradict themselves. On a busy host one stalled sample can be a hundred times too slow; a latency model that
+    predicts everything too slow refuses everything, and then never observes the steps that would correct it."""
+    lat = calibrate(decoder)
+    for _ in range(CALIBRATION_TRIES - 1):
+        if not lat.disturbed():
+            break
+        log.warning("the latency calibration looks disturbed (a busy host?): %s; measuring again", lat.snapshot())
+        lat = lat.fastest(calibrate(decoder))
+    return lat
 
 
 def _sync(decoder: Decoder) -> None:

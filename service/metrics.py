@@ -25,8 +25,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     def __init__(self, sla_tokens: int = 64, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.info = Gauge("parley_info", "The model, backend and device this server runs (value 1)",
-                          ["model", "backend", "device"], registry=r)
+        self.info = Gauge("parley_info", "The model, backend, device and weight format this server runs (value 1)",
+                          ["model", "backend", "device", "weights"], registry=r)
         self.time_to_first_token = Histogram(
             "parley_time_to_first_token_seconds", "Arrival to first generated token", buckets=LATENCY_BUCKETS,
             registry=r)
@@ -61,6 +61,9 @@ class Metrics:
             "parley_prefilled_tokens", "Prompt tokens actually prefilled (the rest came from a session's cache)",
             registry=r)
         self.generation_tokens = Counter("parley_generation_tokens", "Tokens generated", registry=r)
+        self.prefill_slow_path = Counter(
+            "parley_prefill_slow_path", "Prefills on a GPU that could not replay a captured graph (eager: slow)",
+            registry=r)
         self.running = Gauge("parley_requests_running", "Requests holding a KV slot and decoding", registry=r)
         self.waiting = Gauge("parley_requests_waiting", "Admitted requests waiting for a slot", registry=r)
         self.kv_slots_free = Gauge("parley_kv_slots_free", "KV-cache slots free", registry=r)

@@ -16,11 +16,13 @@ from service.backends import make_decoder, resolve_backend
 from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
 from service.config import ServeConfig
-from service.engine.engine import Admission, Engine
+from service.engine.admission import AdmitAll
+from service.engine.engine import Engine
 from service.engine.request import SamplingParams
-from service.latency_model import LatencyModel, calibrate
+from service.latency_model import LatencyModel, calibrate_robustly
 from service.metrics import Metrics
 from service.model.loader import Model, load_model
+from service.model.tokenizer import Tokenizer
 
 log = logging.getLogger("parley")
 
@@ -45,7 +47,8 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     model = load_model(cfg.model, device=device, dtype=dtype)
     log.info("loaded %s (%s) in %.1f s", cfg.model, model.config.name, time.perf_counter() - t0)
     max_context = min(cfg.max_context, model.config.max_position_embeddings)
-    decoder = make_decoder(backend, model.config, model.weights, cfg.max_batch, max_context, device)
+    decoder = make_decoder(backend, model.config, model.weights, cfg.max_batch, max_context, device,
+                           weight_format=cfg.weights, batch_invariant=cfg.batch_invariant)
     faults = None
     if cfg.step_delay_ms or cfg.fail_step or cfg.hang_step:
         # The delay applies from the start (calibration must see it); --fail-step/--hang-step count the steps of
@@ -57,14 +60,14 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     log.info("latency model measured in %.1f s: %s", time.perf_counter() - t0, latency.snapshot())
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, decoder.max_slots,
                                     strict=cfg.strict_sla, margin=cfg.sla_margin)
+    warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens)
     metrics = Metrics(cfg.sla_tokens)
-    metrics.info.labels(model=cfg.model, backend=backend, device=device).set(1)
+    metrics.info.labels(model=cfg.model, backend=backend, device=device, weights=cfg.weights).set(1)
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
                     admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
                     max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s)
     engine.start()
-    warm_up(engine)
     if faults is not None:
         faults.steps, faults.armed = 0, True
     return Runtime(cfg, model, engine, backend, device, model_id=cfg.model, latency=latency, admission=admission)
@@ -81,39 +84,17 @@ def settle_process(rt: Runtime) -> Runtime:
     return rt
 
 
-CALIBRATION_TRIES = 3
 SWITCH_INTERVAL_S = 0.0005
 
 
-def calibrate_robustly(decoder: Decoder) -> LatencyModel:
-    """calibrate(), and again (at most CALIBRATION_TRIES in all, keeping each point's fastest time) while its numbers
-    contradict themselves. On a busy host one stalled sample can be a hundred times too slow; a latency model that
-    predicts everything too slow refuses everything, and then never observes the steps that would correct it."""
-    lat = calibrate(decoder)
-    for _ in range(CALIBRATION_TRIES - 1):
-        if not _disturbed(lat):
-            break
-        log.warning("the latency calibration looks disturbed (a busy host?): %s; measuring again", lat.snapshot())
-        again = calibrate(decoder)
-        lat = LatencyModel({b: min(s, again._step.get(b, s)) for b, s in lat._step.items()},
-                           {n: min(s, again._prefill.get(n, s)) for n, s in lat._prefill.items()}, lat.max_batch)
-    return lat
-
-
-def _disturbed(lat: LatencyModel) -> bool:
-    """A longer prefill measured faster than a shorter one, a bigger batch's step faster than a smaller one's (by
-    more than noise), or slower than proportionally: the work is the same each time, so a sample was stalled."""
-    pre, steps = sorted(lat._prefill.items()), sorted(lat._step.items())
-    if any(s2 < s1 for (_, s1), (_, s2) in zip(pre, pre[1:])):
-        return True
-    return any(s2 < s1 / 1.2 or s2 > s1 * (b2 / b1) * 1.5 for (b1, s1), (b2, s2) in zip(steps, steps[1:]))
-
-
-def warm_up(engine: Engine) -> None:
-    """Short requests through the whole path, so the first user pays no compilation or allocation. It bypasses
-    admission: a strict SLA that no request can meet (a CPU) must refuse users, not stop the server starting."""
-    admission, engine.admission = engine.admission, Admission(engine.sla_s)
-    metrics, engine.metrics = engine.metrics, Metrics(engine.sla_tokens)  # users' metrics start at zero
+def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: int) -> None:
+    """Short requests through the whole path (an engine of their own on the same decoder, run before the users'),
+    so the first user pays no compilation or allocation. They are admitted whatever the SLA (a strict SLA that no
+    request can meet, on a CPU, must refuse users, not stop the server starting) and counted in no user's metrics
+    and no latency model."""
+    engine = Engine(decoder, tokenizer, admission=AdmitAll(sla_ms / 1e3), metrics=Metrics(sla_tokens),
+                    sla_ms=sla_ms, sla_tokens=sla_tokens)
+    engine.start()
     try:
         # greedy, then sampled with and without truncation: each path has kernels of its own to load
         for params in (SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
@@ -122,7 +103,7 @@ def warm_up(engine: Engine) -> None:
             for _ in engine.generate([1, 2, 3, 4], params):
                 pass
     finally:
-        engine.admission, engine.metrics = admission, metrics
+        engine.stop()
 
 
 class GcWatch:

@@ -1,11 +1,19 @@
-"""Shared fixtures: the embedded GGUF model (ours and the transformers oracle), each loaded once per session."""
+"""Shared fixtures: the embedded GGUF model (ours and the transformers oracle), each loaded once per session, and
+`shared_server`, one `parley serve` of it on loopback for every module that talks to a live server."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from service.model.loader import default_model_path, load_model
+from tests.server_support import Server, served, start_server
+
+SHARED_SERVER_SLOTS = 4
+SHARED_SERVER_CONTEXT = 1024
+SHARED_SERVER_WAITING = 4  # a burst of 16 finds the queue full (tests/test_loadtest_parley.py); nothing else waits
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +46,18 @@ def hf_model(gguf_path):
 def hf_tokenizer(gguf_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded SmolLM2-135M on the CPU: 4 slots, 1024 tokens of context, 4 waiting at most."""
+    try:
+        server = start_server(tmp_path_factory.mktemp("shared_server") / "parley.log",
+                              "--max-batch", str(SHARED_SERVER_SLOTS), "--max-context", str(SHARED_SERVER_CONTEXT),
+                              "--max-waiting", str(SHARED_SERVER_WAITING))
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield from served(server)
 
 
 def pytest_collection_modifyitems(config, items):

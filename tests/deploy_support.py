@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,8 +190,3 @@ def defined_series_names() -> set[str]:
             names.add(family.name)
     return names
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

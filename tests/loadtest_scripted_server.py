@@ -1,8 +1,12 @@
 """A scripted OpenAI-style server whose token timings are known, for the loadtest tests.
 
 Each request's last user message may hold directives `key=value`: ttft=<ms> (default 5), itl=<ms> (default 0.5),
-status=<429|500> (answer that instead), usage=<n> (report n completion tokens whatever was streamed). Token i
-(0-based) is sent at ttft + i × itl ms after the request arrived; every chunk carries one token " t".
+status=<429|500> (answer that instead), usage=<n> (report n completion tokens whatever was streamed); a `script`
+field of the body (realtime: of `response`) holds more, which win. Token i (0-based) is sent at ttft + i × itl ms
+after the request arrived; every chunk carries one token " t". A prompt's tokens are its words: over HTTP,
+`cached_tokens` is the prefix it shares with the previous request's prompt; on the WebSocket, the session's
+instructions and conversation so far (replies as truncated by conversation.item.truncate; a `conversation: "none"`
+response adds nothing to it).
 Run as a script it binds 127.0.0.1 on a free port and prints the port on its first line.
 """
 
@@ -27,19 +31,26 @@ STATS: dict[str, Any] = {}
 
 def reset() -> None:
     STATS.update(requests=0, completed=0, disconnects=0, ws_sessions=0, ws_cancels=0, message_counts=[],
-                 ws_inputs=[], bodies=[])
+                 ws_inputs=[], bodies=[], cached=[], last_prompt=[], ws_events=[])
 
 
 reset()
 
 
-def directives(text: str) -> dict[str, float]:
+def directives(text: str, script: str | None = None) -> dict[str, float]:
     out = {"ttft": 5.0, "itl": 0.5}
-    for word in text.split():
+    for word in f"{text} {script or ''}".split():
         k, _, v = word.partition("=")
         if v:
             out[k] = float(v)
     return out
+
+
+def shared_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def last_user(messages: list[dict[str, str]]) -> str:
@@ -76,16 +87,19 @@ async def complete(request: Request) -> Any:
     text = last_user(body["messages"]) if chat else body["prompt"]
     if chat:
         STATS["message_counts"].append(len(body["messages"]))
-    d = directives(text)
+    d = directives(text, body.get("script"))
     if d.get("status") == 429:
         return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status_code=429,
                             headers={"Retry-After": "0.5", "x-should-retry": "false"})
     if "status" in d:
         return JSONResponse({"error": {"message": "scripted failure"}}, status_code=int(d["status"]))
     n = int(body["max_tokens"])
-    prompt_tokens = sum(len(m["content"].split()) for m in body["messages"]) if chat else len(text.split())
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": int(d.get("usage", n)),
-             "total_tokens": prompt_tokens + int(d.get("usage", n))}
+    words = [w for m in body["messages"] for w in m["content"].split()] if chat else text.split()
+    cached = shared_prefix(STATS["last_prompt"], words)
+    STATS["last_prompt"] = words
+    STATS["cached"].append(cached)
+    usage = {"prompt_tokens": len(words), "completion_tokens": int(d.get("usage", n)),
+             "total_tokens": len(words) + int(d.get("usage", n)), "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def stream():
         done = False
@@ -114,9 +128,13 @@ async def realtime(ws: WebSocket) -> None:
     STATS["ws_sessions"] += 1
     await ws.send_json({"type": "session.created", "session": {"id": "sess_1"}})
     running: dict[str, asyncio.Task] = {}
+    instructions: list[str] = []
+    conversation: list[str] = []  # contents, in order
+    replies: dict[str, int] = {}  # assistant item id → its place in the conversation
 
-    async def respond(rid: str, d: dict[str, float], n: int, prompt_tokens: int) -> None:
+    async def respond(rid: str, d: dict[str, float], n: int, inputs: list[str], in_band: bool) -> None:
         sent = 0
+        context = len(" ".join(instructions + conversation).split())
         try:
             await ws.send_json({"type": "response.created", "response": {"id": rid}})
             async for _ in ticks(d, n):
@@ -125,25 +143,38 @@ async def realtime(ws: WebSocket) -> None:
             status = "completed"
         except asyncio.CancelledError:
             status = "cancelled"
-        usage = {"input_tokens": prompt_tokens, "output_tokens": int(d.get("usage", sent))}
-        await ws.send_json({"type": "response.done", "response": {"id": rid, "status": status, "usage": usage}})
+        item_id = f"item_{rid}"
+        if in_band:
+            conversation.extend(inputs)
+            replies[item_id] = len(conversation)
+            conversation.append(" t" * sent)
+        usage = {"input_tokens": context + len(" ".join(inputs).split()), "output_tokens": int(d.get("usage", sent)),
+                 "cached_tokens": context}
+        output = [{"id": item_id, "type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": " t" * sent}]}]
+        await ws.send_json({"type": "response.done", "response": {"id": rid, "status": status, "usage": usage,
+                                                                   "output": output}})
         running.pop(rid, None)
 
     try:
         while True:
             event = await ws.receive_json()
-            if event["type"] == "response.create":
+            STATS["ws_events"].append(event)
+            if event["type"] == "session.update":
+                instructions[:] = [event["session"]["instructions"]]
+                await ws.send_json({"type": "session.updated", "session": event["session"]})
+            elif event["type"] == "response.create":
                 r = event["response"]
                 messages = r["input"] if isinstance(r["input"], list) else [{"role": "user", "content": r["input"]}]
                 STATS["ws_inputs"].append(messages)
-                d = directives(last_user(messages))
+                d = directives(last_user(messages), r.get("script"))
                 if d.get("status") == 429:
                     await ws.send_json({"type": "error", "error": {"type": "rate_limit_error", "code":
                                         "rate_limit_exceeded", "message": "overloaded", "retry_after_ms": 500}})
                     continue
                 rid = r.get("id") or f"resp_{len(STATS['ws_inputs'])}"
-                prompt_tokens = sum(len(m["content"].split()) for m in messages)
-                running[rid] = asyncio.create_task(respond(rid, d, int(r["max_tokens"]), prompt_tokens))
+                running[rid] = asyncio.create_task(respond(rid, d, int(r["max_tokens"]), [m["content"] for m in
+                                                   messages], r.get("conversation") != "none"))
             elif event["type"] == "response.cancel":
                 STATS["ws_cancels"] += 1
                 task = running.get(event["response_id"])
@@ -153,6 +184,15 @@ async def realtime(ws: WebSocket) -> None:
                     await ws.send_json({"type": "error", "error": {
                         "type": "invalid_request_error", "code": "response_cancel_not_active",
                         "message": "no response in progress", "event_type": "response.cancel"}})
+            elif event["type"] == "conversation.item.truncate":
+                where = replies.get(event["item_id"])
+                if where is None:
+                    await ws.send_json({"type": "error", "error": {
+                        "type": "invalid_request_error", "code": "item_not_found", "message": "no such item"}})
+                    continue
+                conversation[where] = conversation[where][:event["text_end"]]
+                await ws.send_json({"type": "conversation.item.truncated", "item_id": event["item_id"],
+                                    "content_index": 0, "text_end": event["text_end"]})
     except WebSocketDisconnect:
         for task in running.values():
             task.cancel()

@@ -4,27 +4,38 @@ fast 429s in OpenAI's shape that the SDK will not retry; the latency model is re
 import asyncio
 import json
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
 import websockets
 
-from tests.server_fixture import metrics, requests_total, start_server, stop_server, wait_idle
+from tests.server_support import recv_event, scrape_metrics, served, sse_data, tiny_server, wait_idle
 
 SLOTS, STEP_MS, SLA_MS, SLA_TOKENS, MAX_TOKENS = 4, 20, 1500, 16, 64
 
 
 @pytest.fixture(scope="module")
-def slowed(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("adm") / "parley.log", "--model", "synthetic:tiny",
-                          "--max-batch", str(SLOTS), "--max-context", "512", "--step-delay-ms", str(STEP_MS),
-                          "--sla-ms", str(SLA_MS), "--sla-tokens", str(SLA_TOKENS))
-    yield server
-    stop_server(server)
+def slowed_server(tmp_path_factory):
+    """The tiny model with every decode step slowed by STEP_MS, and an SLA it can keep for a few at a time."""
+    yield from served(tiny_server(tmp_path_factory.mktemp("adm") / "parley.log", "--max-batch", str(SLOTS),
+                                  "--max-context", "512", "--step-delay-ms", str(STEP_MS), "--sla-ms", str(SLA_MS),
+                                  "--sla-tokens", str(SLA_TOKENS)))
 
 
-def test_latency_model_is_readable_and_saw_the_delay(slowed):
-    body = httpx.get(f"{slowed.base}/v1/latency_model", timeout=10).json()
+@contextmanager
+def every_slot_held(base: str) -> Iterator[None]:
+    """For the block: SLOTS + 2 long streams open, so every slot is busy and two wait."""
+    with ExitStack() as streams:
+        for _ in range(SLOTS + 2):
+            streams.enter_context(httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={
+                "model": "synthetic:tiny", "prompt": "hold", "max_tokens": 200, "stream": True, "ignore_eos": True}))
+        yield
+
+
+def test_latency_model_is_readable_and_saw_the_delay(slowed_server):
+    body = httpx.get(f"{slowed_server.base}/v1/latency_model", timeout=10).json()
     assert set(body["decode_step_ms"]) >= {"1", "2", "4"}
     assert body["decode_step_ms"]["1"] >= STEP_MS
     assert body["prefill_ms"] and body["sla_ms"] == SLA_MS and body["sla_tokens"] == SLA_TOKENS
@@ -42,20 +53,20 @@ async def stream_one(client, base, i):
                     "body": r.json()}
         stamps = []
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
+            if (data := sse_data(line)) not in (None, "[DONE]"):
+                chunk = json.loads(data)
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     stamps.append(time.perf_counter() - t0)
         return {"status": 200, "stamps": stamps}
 
 
-def test_burst_splits_into_on_time_streams_and_fast_429s(slowed):
-    before = metrics(slowed.base)
+def test_burst_splits_into_on_time_streams_and_fast_429s(slowed_server):
+    before = scrape_metrics(slowed_server.base)
 
     async def burst():
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            return await asyncio.gather(*(stream_one(client, slowed.base, i) for i in range(24)))
+            return await asyncio.gather(*(stream_one(client, slowed_server.base, i) for i in range(24)))
 
     results = asyncio.run(burst())
     ok = [r for r in results if r["status"] == 200]
@@ -72,50 +83,33 @@ def test_burst_splits_into_on_time_streams_and_fast_429s(slowed):
         err = r["body"]["error"]
         assert err["type"] == "overloaded" and err["code"] == "overloaded" and err["message"]
         assert r["seconds"] < 0.5  # no prefill spent (generous: the client shares two busy cores)
-    after = wait_idle(slowed.base, slots=SLOTS)
-    assert requests_total(after, "rejected") - requests_total(before, "rejected") == len(shed)
-    assert after["parley_sla_violations_total"] == before.get("parley_sla_violations_total", 0)
+    after = wait_idle(slowed_server.base)
+    assert after.requests("rejected") - before.requests("rejected") == len(shed)
+    assert after["parley_sla_violations_total"] == before["parley_sla_violations_total"]
 
 
-def test_openai_sdk_does_not_retry_a_shed_request(slowed):
+def test_openai_sdk_does_not_retry_a_shed_request(slowed_server):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{slowed.base}/v1", api_key="x", max_retries=3)
-    hold = [httpx.stream("POST", f"{slowed.base}/v1/completions", timeout=60,
-                         json={"model": "synthetic:tiny", "prompt": "hold", "max_tokens": 200, "stream": True,
-                               "ignore_eos": True}) for _ in range(SLOTS + 2)]
-    opened = [h.__enter__() for h in hold]
-    try:
-        before = requests_total(metrics(slowed.base), "rejected")
+    client = openai.OpenAI(base_url=f"{slowed_server.base}/v1", api_key="x", max_retries=3)
+    with every_slot_held(slowed_server.base):
+        before = scrape_metrics(slowed_server.base).requests("rejected")
         t0 = time.perf_counter()
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model="synthetic:tiny", prompt="hi", max_tokens=MAX_TOKENS)
         assert time.perf_counter() - t0 < 0.5  # not three retries with back-off
-        assert requests_total(metrics(slowed.base), "rejected") - before == 1
-    finally:
-        for h, r in zip(hold, opened):
-            r.close()
-            h.__exit__(None, None, None)
-    wait_idle(slowed.base, slots=SLOTS)
+        assert scrape_metrics(slowed_server.base).requests("rejected") - before == 1
+    wait_idle(slowed_server.base)
 
 
-def test_realtime_refusal_is_an_error_event_with_retry_after(slowed):
-    hold = [httpx.stream("POST", f"{slowed.base}/v1/completions", timeout=60,
-                         json={"model": "synthetic:tiny", "prompt": "hold", "max_tokens": 200, "stream": True,
-                               "ignore_eos": True}) for _ in range(SLOTS + 2)]
-    opened = [h.__enter__() for h in hold]
-
+def test_realtime_refusal_is_an_error_event_with_retry_after(slowed_server):
     async def turn():
-        async with websockets.connect(slowed.ws) as ws:
-            assert json.loads(await ws.recv())["type"] == "session.created"
+        async with websockets.connect(slowed_server.ws) as ws:
+            assert (await recv_event(ws))["type"] == "session.created"
             await ws.send(json.dumps({"type": "response.create", "response": {"input": "hi", "max_tokens": 32}}))
-            return json.loads(await asyncio.wait_for(ws.recv(), 10))
+            return await recv_event(ws, timeout_s=10)
 
-    try:
+    with every_slot_held(slowed_server.base):
         event = asyncio.run(turn())
-    finally:
-        for h, r in zip(hold, opened):
-            r.close()
-            h.__exit__(None, None, None)
     assert event["type"] == "error"
     assert event["error"]["type"] == "overloaded" and event["error"]["retry_after_ms"] > 0
-    wait_idle(slowed.base, slots=SLOTS)
+    wait_idle(slowed_server.base)

@@ -8,22 +8,30 @@ import asyncio
 import json
 import signal
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.server_fixture import start_server, stop_server
+from tests.server_support import (
+    health_status,
+    poll,
+    recv_event,
+    scrape_metrics,
+    sse_data,
+    sse_events,
+    stop_server,
+    tiny_server,
+)
 
 pytestmark = pytest.mark.slow
 
-TINY = ("--model", "synthetic:tiny", "--max-batch", "2", "--max-context", "512")
+SMALL = ("--max-batch", "2", "--max-context", "512")
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path) -> None:
-    server = start_server(tmp_path / "drain.log", *TINY, "--step-delay-ms", "40")
+    server = tiny_server(tmp_path / "drain.log", *SMALL, "--step-delay-ms", "40")
     try:
         body = {"prompt": "hello", "max_tokens": 50, "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -32,22 +40,18 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path) -> None:
             assert r.status_code == 200
             lines = r.iter_lines()
             for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
+                if (data := sse_data(line)) is not None:
+                    events.append(data)
                     break
             server.proc.send_signal(signal.SIGTERM)
             # draining (our stream is still running, so the port is open): /health and new requests get 503
-            deadline = time.monotonic() + 10
-            while httpx.get(f"{server.base}/health", timeout=10).status_code != 503:
-                assert time.monotonic() < deadline, "/health still 200 after SIGTERM"
-                time.sleep(0.02)
+            poll(lambda: health_status(server.base, timeout_s=10), lambda status: status == 503, 10,
+                 "/health 503 after SIGTERM", every_s=0.02)
             refused = httpx.post(f"{server.base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["code"] == "draining"
             assert int(refused.headers["retry-after"]) >= 1
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
+            events += sse_events(lines)
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
         assert usage["completion_tokens"] == 50  # every token, none cut by the shutdown
@@ -64,7 +68,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path) -> None:
 
 def test_refusal_is_a_429_that_clients_do_not_retry(tmp_path) -> None:
     # --strict-sla with slow steps: no request can have its 64th token within 200 ms, so every one is refused
-    server = start_server(tmp_path / "strict.log", *TINY, "--strict-sla", "--sla-ms", "200", "--step-delay-ms", "40")
+    server = tiny_server(tmp_path / "strict.log", *SMALL, "--strict-sla", "--sla-ms", "200", "--step-delay-ms", "40")
     try:
         r = httpx.post(f"{server.base}/v1/completions", json={"prompt": "hello", "max_tokens": 64}, timeout=60)
         assert r.status_code == 429, r.text
@@ -74,26 +78,22 @@ def test_refusal_is_a_429_that_clients_do_not_retry(tmp_path) -> None:
         assert r.headers["x-should-retry"] == "false"
 
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", timeout=60)  # default retries
-        before = httpx.get(f"{server.base}/metrics", timeout=30).text.count("\n")
         with pytest.raises(openai.RateLimitError) as e:
             client.chat.completions.create(model="synthetic:tiny", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=64, stream=True)
         assert e.value.status_code == 429
-        assert before  # /metrics answers while refusing
 
         async def ws_refusal() -> dict:
             async with connect(server.ws) as ws:
-                assert json.loads(await ws.recv())["type"] == "session.created"
+                assert (await recv_event(ws))["type"] == "session.created"
                 await ws.send(json.dumps({"type": "response.create", "response": {"input": "hi", "max_tokens": 64}}))
-                return json.loads(await asyncio.wait_for(ws.recv(), 60))
+                return await recv_event(ws, timeout_s=60)
 
         event = asyncio.run(ws_refusal())
         assert event["type"] == "error" and event["error"]["type"] == "overloaded"
         assert event["error"]["retry_after_ms"] >= 1
-        m = httpx.get(f"{server.base}/metrics", timeout=30).text
-        rejected = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
-                       if line.startswith("parley_requests_total{") and 'outcome="rejected"' in line)
-        assert rejected == 3  # the SDK tried once: x-should-retry: false
-        assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
+        # /metrics answers while refusing, and counts each refusal once: the SDK tried once (x-should-retry: false)
+        assert scrape_metrics(server.base).requests("rejected") == 3
+        assert health_status(server.base) == 200
     finally:
         assert stop_server(server) == 0

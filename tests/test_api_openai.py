@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixture import MAX_BATCH, Server, metrics, parley, requests_total, wait_idle  # noqa: F401
+from tests.server_support import Server, assert_openai_error, scrape_metrics, sse_data, sse_events, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def client(parley: Server) -> openai.OpenAI:  # noqa: F811
-    return openai.OpenAI(base_url=f"{parley.base}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(shared_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{shared_server.base}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,11 @@ def model_id(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def test_models_health_metrics(parley: Server, model_id: str) -> None:  # noqa: F811
+def test_models_health_metrics(shared_server: Server, model_id: str) -> None:
     assert model_id == "smollm2-135m-instruct"  # the --model value (the default)
-    r = httpx.get(f"{parley.base}/health", timeout=30)
+    r = httpx.get(f"{shared_server.base}/health", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
-    r = httpx.get(f"{parley.base}/metrics", timeout=30)
+    r = httpx.get(f"{shared_server.base}/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert "parley_kv_slots_total" in r.text
 
@@ -88,8 +88,8 @@ def test_sdk_non_streaming_matches_streaming(client: openai.OpenAI, model_id: st
     assert chat.usage is not None and chat.usage.prompt_tokens > 0
 
 
-def test_stop_sequence_and_token_prompt(client: openai.OpenAI, model_id: str, parley: Server) -> None:  # noqa: F811
-    ids = httpx.post(f"{parley.base}/v1/completions", timeout=120, json={
+def test_stop_sequence_and_token_prompt(client: openai.OpenAI, model_id: str, shared_server: Server) -> None:
+    ids = httpx.post(f"{shared_server.base}/v1/completions", timeout=120, json={
         "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}).json()
     text = ids["choices"][0]["text"]
     cut = text.strip()[:3]  # a stop string that the greedy output contains
@@ -102,26 +102,21 @@ def test_stop_sequence_and_token_prompt(client: openai.OpenAI, model_id: str, pa
     assert r.usage is not None and r.usage.prompt_tokens == 3
 
 
-def _sse_events(raw: str) -> list[str]:
-    assert raw.endswith("\n\n"), "every SSE event ends with a blank line"
-    events = raw[:-2].split("\n\n")
-    for e in events:
-        assert e.startswith("data: ") and "\n" not in e, f"not one `data:` line: {e!r}"
-    return [e[len("data: "):] for e in events]
-
-
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_raw_sse_framing(parley: Server, endpoint: str) -> None:  # noqa: F811
+def test_raw_sse_framing(shared_server: Server, endpoint: str) -> None:
     body: dict = {"max_tokens": 6, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         path, body["messages"] = "/v1/chat/completions", MESSAGES
     else:
         path, body["prompt"] = "/v1/completions", PROMPT
-    with httpx.stream("POST", parley.base + path, json=body, timeout=120) as r:
+    with httpx.stream("POST", shared_server.base + path, json=body, timeout=120) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
-    events = _sse_events(raw)
+    assert raw.endswith("\n\n"), "every SSE event ends with a blank line"
+    for e in raw[:-2].split("\n\n"):
+        assert e.startswith("data: ") and "\n" not in e, f"not one `data:` line: {e!r}"
+    events = sse_events(raw)
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     chunks = [json.loads(e) for e in events[:-1]]
     obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
@@ -143,18 +138,18 @@ def test_raw_sse_framing(parley: Server, endpoint: str) -> None:  # noqa: F811
         assert content[0]["choices"][0]["delta"]["role"] == "assistant"
 
 
-def test_dropped_stream_frees_its_slot(parley: Server) -> None:  # noqa: F811
-    wait_idle(parley.base)
-    before = requests_total(metrics(parley.base), "cancelled")
+def test_dropped_stream_frees_its_slot(shared_server: Server) -> None:
+    wait_idle(shared_server.base)
+    before = scrape_metrics(shared_server.base).requests("cancelled")
     body = {"prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{parley.base}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{shared_server.base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("data: "):
+            if sse_data(line) is not None:
                 break  # one chunk, then hang up (a barge-in)
     t0 = time.monotonic()
-    after = wait_idle(parley.base, MAX_BATCH, timeout_s=15)
-    assert requests_total(after, "cancelled") == before + 1
+    after = wait_idle(shared_server.base, timeout_s=15)
+    assert after.requests("cancelled") == before + 1
     assert time.monotonic() - t0 < 15
 
 
@@ -197,21 +192,18 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,path,kwargs,status,code,param", BAD, ids=[b[0] for b in BAD])
-def test_documented_errors(parley: Server, name: str, path: str, kwargs: dict, status: int, code: str,  # noqa: F811
+def test_documented_errors(shared_server: Server, name: str, path: str, kwargs: dict, status: int, code: str,
                            param: str | None) -> None:
-    r = httpx.post(parley.base + path, timeout=60, **kwargs)
+    r = httpx.post(shared_server.base + path, timeout=60, **kwargs)
     assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == code and err["param"] == param and err["message"]
-    assert err["type"] == "invalid_request_error"
+    assert_openai_error(r.json(), code, param, type="invalid_request_error")
 
 
-def test_healthy_after_errors_and_unknown_fields_ignored(parley: Server, client: openai.OpenAI,  # noqa: F811
+def test_healthy_after_errors_and_unknown_fields_ignored(shared_server: Server, client: openai.OpenAI,
                                                          model_id: str) -> None:
-    assert httpx.get(f"{parley.base}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{shared_server.base}/health", timeout=30).status_code == 200
     # what OpenAI clients send along: zero penalties, a user, fields Parley has never heard of
-    r = httpx.post(f"{parley.base}/v1/chat/completions", timeout=120, json={
+    r = httpx.post(f"{shared_server.base}/v1/chat/completions", timeout=120, json={
         "model": model_id, "messages": MESSAGES, "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0,
         "user": "u1", "parallel_tool_calls": False, "metadata": {"a": "b"}, "some_future_field": 1})
     assert r.status_code == 200, r.text

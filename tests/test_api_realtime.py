@@ -11,15 +11,9 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from tests.server_fixture import Server, metrics, parley, requests_total, wait_idle  # noqa: F401
+from tests.server_support import Server, recv_event, scrape_metrics, wait_idle
 
 pytestmark = pytest.mark.slow
-
-TIMEOUT_S = 120.0
-
-
-async def recv(ws: ClientConnection) -> dict[str, Any]:
-    return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
 
 
 async def send(ws: ClientConnection, event: dict[str, Any]) -> None:
@@ -30,7 +24,7 @@ async def until_done(ws: ClientConnection) -> tuple[list[dict[str, Any]], dict[s
     """Events up to response.done: (the events before it, response.done's `response`)."""
     events = []
     while True:
-        e = await recv(ws)
+        e = await recv_event(ws)
         if e["type"] == "response.done":
             return events, e["response"]
         assert e["type"] != "error", e
@@ -41,15 +35,15 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_session_and_one_turn(parley: Server) -> None:  # noqa: F811
+def test_session_and_one_turn(shared_server: Server) -> None:
     async def go() -> None:
-        async with connect(parley.ws) as ws:
-            created = await recv(ws)
+        async with connect(shared_server.ws) as ws:
+            created = await recv_event(ws)
             assert created["type"] == "session.created"
             assert created["session"]["id"] and created["session"]["model"] == "smollm2-135m-instruct"
             await send(ws, {"type": "session.update", "session": {"instructions": "Answer briefly.",
                                                                   "temperature": 0, "max_tokens": 12}})
-            updated = await recv(ws)
+            updated = await recv_event(ws)
             assert updated["type"] == "session.updated"
             assert updated["session"]["instructions"] == "Answer briefly." and updated["session"]["max_tokens"] == 12
             await send(ws, {"type": "response.create", "response": {
@@ -75,38 +69,38 @@ def test_session_and_one_turn(parley: Server) -> None:  # noqa: F811
     run(go())
 
 
-def test_cancel_is_quick_and_frees_the_slot(parley: Server) -> None:  # noqa: F811
+def test_cancel_is_quick_and_frees_the_slot(shared_server: Server) -> None:
     async def go() -> tuple[float, dict[str, Any]]:
-        async with connect(parley.ws) as ws:
-            await recv(ws)
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)
             await send(ws, {"type": "response.create", "response": {
                 "id": "long", "input": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 600,
                 "ignore_eos": True}})
-            assert (await recv(ws))["type"] == "response.created"
-            while (await recv(ws))["type"] != "response.output_text.delta":
+            assert (await recv_event(ws))["type"] == "response.created"
+            while (await recv_event(ws))["type"] != "response.output_text.delta":
                 pass
             t0 = time.monotonic()
             await send(ws, {"type": "response.cancel", "response_id": "long"})
             _, done = await until_done(ws)
             return time.monotonic() - t0, done
 
-    wait_idle(parley.base)
-    before = requests_total(metrics(parley.base), "cancelled")
+    wait_idle(shared_server.base)
+    before = scrape_metrics(shared_server.base).requests("cancelled")
     elapsed, done = run(go())
     assert done["status"] == "cancelled" and done["id"] == "long"
     assert done["usage"]["completion_tokens"] < 600
     assert elapsed < 5.0  # one decode step on a busy CPU, with plenty of slack
-    after = wait_idle(parley.base, timeout_s=15)
-    assert requests_total(after, "cancelled") == before + 1
+    after = wait_idle(shared_server.base, timeout_s=15)
+    assert after.requests("cancelled") == before + 1
 
 
-def test_multi_turn_reuses_the_kv_cache(parley: Server) -> None:  # noqa: F811
+def test_multi_turn_reuses_the_kv_cache(shared_server: Server) -> None:
     async def go() -> list[dict[str, Any]]:
-        async with connect(parley.ws) as ws:
-            await recv(ws)
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)
             await send(ws, {"type": "session.update", "session": {
                 "instructions": "You are a helpful voice assistant. Keep answers short.", "temperature": 0}})
-            await recv(ws)
+            await recv_event(ws)
             done = []
             for text in ("Hi! My name is Ada. What is the capital of France?", "And what is the capital of Italy?"):
                 await send(ws, {"type": "response.create", "response": {
@@ -125,12 +119,12 @@ def test_multi_turn_reuses_the_kv_cache(parley: Server) -> None:  # noqa: F811
     assert u2["prompt_tokens"] - u2["cached_tokens"] < 40
 
 
-def test_sentence_chunking(parley: Server) -> None:  # noqa: F811
+def test_sentence_chunking(shared_server: Server) -> None:
     async def go() -> tuple[list[str], dict[str, Any]]:
-        async with connect(parley.ws) as ws:
-            await recv(ws)
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)
             await send(ws, {"type": "session.update", "session": {"chunking": "sentence", "temperature": 0}})
-            await recv(ws)
+            await recv_event(ws)
             await send(ws, {"type": "response.create", "response": {
                 "input": [{"role": "user", "content": "Describe a sunny day in three sentences."}],
                 "max_tokens": 60}})
@@ -143,31 +137,31 @@ def test_sentence_chunking(parley: Server) -> None:  # noqa: F811
         assert d[-1] in ".!?;:,\n", f"a chunk that ends mid-clause: {d!r}"
 
 
-def test_dropped_socket_cancels_and_frees_the_slot(parley: Server) -> None:  # noqa: F811
+def test_dropped_socket_cancels_and_frees_the_slot(shared_server: Server) -> None:
     async def go() -> None:
-        async with connect(parley.ws) as ws:
-            await recv(ws)
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)
             await send(ws, {"type": "response.create", "response": {"input": "Count to a thousand:",
                                                                     "max_tokens": 800, "ignore_eos": True}})
-            while (await recv(ws))["type"] != "response.output_text.delta":
+            while (await recv_event(ws))["type"] != "response.output_text.delta":
                 pass
         # leaving the block closes the socket mid-response
 
-    wait_idle(parley.base)
-    before = requests_total(metrics(parley.base), "cancelled")
+    wait_idle(shared_server.base)
+    before = scrape_metrics(shared_server.base).requests("cancelled")
     run(go())
-    after = wait_idle(parley.base, timeout_s=15)
-    assert requests_total(after, "cancelled") == before + 1
+    after = wait_idle(shared_server.base, timeout_s=15)
+    assert after.requests("cancelled") == before + 1
 
 
-def test_errors_keep_the_socket_open(parley: Server) -> None:  # noqa: F811
+def test_errors_keep_the_socket_open(shared_server: Server) -> None:
     async def go() -> None:
-        async with connect(parley.ws) as ws:
-            await recv(ws)
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)
 
             async def expect_error(raw: str | bytes, code: str, param: str | None = None) -> dict[str, Any]:
                 await ws.send(raw)
-                e = await recv(ws)
+                e = await recv_event(ws)
                 assert e["type"] == "error", e
                 assert e["error"]["code"] == code, e
                 assert e["error"]["type"] == "invalid_request_error" and e["error"]["message"]
@@ -195,10 +189,10 @@ def test_errors_keep_the_socket_open(parley: Server) -> None:  # noqa: F811
             # one response at a time
             await send(ws, {"type": "response.create", "response": {"id": "a", "input": "Once upon a time",
                                                                     "max_tokens": 200, "ignore_eos": True}})
-            assert (await recv(ws))["type"] == "response.created"
+            assert (await recv_event(ws))["type"] == "response.created"
             await ws.send(json.dumps({"type": "response.create", "response": {"input": "again"}}))
             while True:
-                e = await recv(ws)
+                e = await recv_event(ws)
                 if e["type"] == "error":
                     assert e["error"]["code"] == "conversation_already_has_active_response"
                     break

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_support import GRAFANA_DIR, PROMETHEUS_DIR, ROOT, free_port
+
+from tests.deploy_support import GRAFANA_DIR, PROMETHEUS_DIR, ROOT
+from tests.server_support import free_port
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import yaml
-from deploy_support import DASHBOARDS_DIR, GRAFANA_DIR, dashboards, iter_panels
+
+from tests.deploy_support import DASHBOARDS_DIR, GRAFANA_DIR, dashboards, iter_panels
 
 DS_UID = "prometheus"
 

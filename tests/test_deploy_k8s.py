@@ -6,7 +6,8 @@ and the deployment keeps the promises of deploy/README.md (GPU, probes, drain, a
 from __future__ import annotations
 
 import pytest
-from deploy_support import K8S_DIR, defined_series_names, k8s_documents, metric_names_in
+
+from tests.deploy_support import K8S_DIR, defined_series_names, k8s_documents, metric_names_in
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")
 BUILTIN = {"Deployment", "Service", "Ingress", "PodDisruptionBudget", "HorizontalPodAutoscaler"}

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from deploy_support import PROMETHEUS_DIR, all_exprs, free_port, recording_rule_names
 
-from tests.server_fixture import start_server, stop_server
+from tests.deploy_support import PROMETHEUS_DIR, all_exprs, recording_rule_names
+from tests.server_support import Server, free_port, poll, scrape_metrics, served, start_server, stop_process
 
 PROMETHEUS = shutil.which("prometheus")
 SERVER_START_TIMEOUT_S = 420  # model load and the calibration sweep on a 2-core CI machine
@@ -42,34 +42,24 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def parley(tmp_path_factory):
+def scraped_server(tmp_path_factory) -> Iterator[Server]:
+    """The embedded model, SLA at the 8th token and a GPU price, so that every panel has something to show."""
     # A short context keeps the start-up calibration sweep short (no 1,024-token prefill on the CPU).
-    server = start_server(tmp_path_factory.mktemp("parley") / "parley.log", "--device", "cpu", "--max-batch", "2",
-                          "--max-context", "256", "--sla-tokens", str(SLA_TOKENS), "--gpu-hourly-usd", "2.5",
-                          timeout_s=SERVER_START_TIMEOUT_S)
-    yield {"base": server.base, "port": server.port, "log": server.log}
-    stop_server(server)
+    yield from served(start_server(tmp_path_factory.mktemp("scraped") / "parley.log", "--device", "cpu",
+                                   "--max-batch", "2", "--max-context", "256", "--sla-tokens", str(SLA_TOKENS),
+                                   "--gpu-hourly-usd", "2.5", timeout_s=SERVER_START_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
-def prometheus(parley, tmp_path_factory):
+def prometheus(scraped_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
         "rule_files": [str(PROMETHEUS_DIR / "alerts.yml")],
-        "scrape_configs": [{"job_name": "parley", "static_configs": [{"targets": [f"127.0.0.1:{parley['port']}"]}]}],
+        "scrape_configs": [{"job_name": "parley",
+                            "static_configs": [{"targets": [f"127.0.0.1:{scraped_server.port}"]}]}],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = tmp / "prometheus.log"
@@ -78,23 +68,24 @@ def prometheus(parley, tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     api = f"http://127.0.0.1:{port}/api/v1"
+
+    def scraped_up() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"prometheus exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            r = httpx.get(f"{api}/query", params={"query": 'up{job="parley"} == 1'}, timeout=2)
+            return r.status_code == 200 and bool(r.json()["data"]["result"])
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"prometheus exited with {proc.returncode}:\n{_tail(log)}")
-            try:
-                r = httpx.get(f"{api}/query", params={"query": 'up{job="parley"} == 1'}, timeout=2)
-                if r.status_code == 200 and r.json()["data"]["result"]:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"prometheus did not scrape parley within 60 s:\n{_tail(log)}")
-            time.sleep(0.5)
+        try:
+            poll(scraped_up, bool, 60, "prometheus scraped parley", every_s=0.5)
+        except AssertionError as e:
+            pytest.fail(f"{e}\n{_tail(log)}")
         yield {"api": api, "log": log}
     finally:
-        _stop(proc)
+        stop_process(proc, timeout_s=30)
 
 
 def _query(api: str, q: str) -> list[dict]:
@@ -108,11 +99,20 @@ def _values(result: list[dict]) -> list[float]:
     return [float(s["value"][1]) for s in result]
 
 
+def _scraped_value(api: str, query: str) -> float | None:
+    """The value of a one-series query, as Prometheus has it now; None while it has no sample."""
+    values = _values(_query(api, query))
+    return values[0] if values else None
+
+
 @pytest.fixture(scope="module")
-def traffic(parley, prometheus):
-    """A few completions, two of them at once (a decode batch of two), scraped a few times afterwards."""
-    time.sleep(2.5)  # a zero sample before the traffic, so that rate() sees it all
-    base = parley["base"]
+def traffic(scraped_server, prometheus):
+    """A few completions, two of them at once (a decode batch of two), once Prometheus has a sample from before
+    them (so that rate() sees them all), and until Prometheus has scraped what they counted."""
+    api = prometheus["api"]
+    poll(lambda: _scraped_value(api, "sum(parley_generation_tokens_total)"), lambda v: v is not None, 30,
+         "a sample of parley_generation_tokens_total before the traffic", every_s=0.5)
+    base = scraped_server.base
     models = httpx.get(f"{base}/v1/models", timeout=10).json()
     model = models["data"][0]["id"]
     statuses: list[int] = []
@@ -130,8 +130,12 @@ def traffic(parley, prometheus):
             t.start()
         for t in pair:
             t.join()
-    assert statuses.count(200) >= 3, f"statuses {statuses}:\n{_tail(parley['log'])}"
-    time.sleep(3.5)  # three scrapes and rule evaluations
+    assert statuses.count(200) >= 3, f"statuses {statuses}:\n{scraped_server.log_tail()}"
+    served = scrape_metrics(base)
+    for name in ("parley_generation_tokens_total", "parley_sla_checked_total"):
+        poll(lambda name=name: _scraped_value(api, f"sum({name})"),
+             lambda v, name=name: v is not None and v >= served[name], 30,
+             f"Prometheus has scraped {name} after the traffic", every_s=0.5)
     return statuses
 
 

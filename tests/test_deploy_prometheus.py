@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 import yaml
-from deploy_support import PROMETHEUS_DIR, all_exprs, defined_series_names, metric_names_in
+
+from tests.deploy_support import PROMETHEUS_DIR, all_exprs, defined_series_names, metric_names_in
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")

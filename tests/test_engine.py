@@ -1,16 +1,21 @@
 """The engine on the CPU: continuous batching, sampling parameters, stop sequences, cancellation, sessions, faults."""
 
+import logging
 import queue
 import threading
 import time
 
 import pytest
+import torch
 
+from service.backends.decoder import DecodeOutput
 from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.engine.engine import Engine
 from service.engine.output import TextOutput
-from service.engine.request import Delta, SamplingParams
+from service.engine.request import Delta, Request, SamplingParams
+from service.engine.sampler import Sampler, SamplingError
+from service.engine.slow_steps import SlowSteps
 from service.model.loader import load_model
 from service.model.synthetic import byte_tokenizer
 
@@ -255,11 +260,12 @@ def overlap(request):
     return request.param
 
 
-def make_overlap_engine(model, overlap, eos=(), slots=4, ctx=256):
+def make_overlap_engine(model, overlap, eos=(), slots=4, ctx=256, start=True):
     dec = ReferenceDecoder(model.config, model.weights, max_slots=slots, max_context=ctx)
     eng = Engine(dec, model.tokenizer, eos_token_ids=eos, sla_tokens=8)
     eng.overlap = overlap  # a GPU engine runs a step ahead; the CPU can run the same logic, for this test
-    eng.start()
+    if start:
+        eng.start()
     return eng
 
 
@@ -295,21 +301,33 @@ def test_running_a_step_ahead_changes_no_token(tiny, overlap):
         eng.stop()
 
 
-def test_sampling_on_the_device_follows_the_same_truncation(tiny):
-    """sample_on_device draws only tokens that sample() could draw (top-k, top-p), greedy rows stay greedy, and an
-    engine running ahead with unseeded sampling streams the tokens it chose."""
-    from service.engine.request import Request
-    from service.engine.sampling import sample_on_device
+class HostDecoder:
+    """What a Sampler asks of a decoder that draws nothing inside its step."""
 
-    torch = pytest.importorskip("torch")
+    draws_tokens = False
+
+
+def request(tiny, params, prompt=(1,)):
+    return Request(list(prompt), params, lambda d: None, TextOutput(tiny.tokenizer.detokenizer()))
+
+
+def step_tokens(logits, reqs, ahead):
+    """A decode step's tokens as the Sampler chooses them, every row read."""
+    tokens = Sampler(HostDecoder()).step(DecodeOutput(logits, logits.argmax(-1)), reqs, ahead=ahead)
+    tokens.read()
+    return [tokens.token(i) for i in range(len(reqs))]
+
+
+def test_sampling_on_the_device_follows_the_same_truncation(tiny):
+    """Chosen on the device (running ahead), a step draws only tokens that the host could draw (top-k, top-p),
+    greedy rows stay greedy, and an engine running ahead with unseeded sampling streams the tokens it chose."""
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3),
               SamplingParams(temperature=0.8, top_p=0.5)]
-    reqs = [Request([1], p, lambda d: None, TextOutput(tiny.tokenizer.detokenizer())) for p in params]
+    reqs = [request(tiny, p) for p in params]
     seen = [set(), set(), set()]
     for _ in range(300):
-        out = sample_on_device(logits, logits.argmax(-1), reqs)
-        for i, t in enumerate(out.tolist()):
+        for i, t in enumerate(step_tokens(logits, reqs, ahead=True)):
             seen[i].add(t)
     assert seen[0] == {int(logits[0].argmax())}
     assert seen[1] <= set(torch.topk(logits[1], 3).indices.tolist()) and len(seen[1]) > 1
@@ -328,13 +346,9 @@ def test_sampling_on_the_device_follows_the_same_truncation(tiny):
 
 def test_untruncated_sampling_on_the_device_draws_by_the_softmax(tiny):
     """With no top-k/top-p (the fast path), the draw frequencies follow softmax(logits / T)."""
-    from service.engine.request import Request
-    from service.engine.sampling import sample_on_device
-
-    torch = pytest.importorskip("torch")
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
-    req = Request([1], SamplingParams(temperature=0.7), lambda d: None, TextOutput(tiny.tokenizer.detokenizer()))
-    out = sample_on_device(logits, logits.argmax(-1), [req] * 4000)
+    req = request(tiny, SamplingParams(temperature=0.7))
+    out = torch.tensor(step_tokens(logits, [req] * 4000, ahead=True))
     freq = torch.bincount(out, minlength=4).float() / 4000
     torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.03, rtol=0)
 
@@ -345,6 +359,7 @@ class DrawingDecoder:
     hand sampled requests to the decoder."""
 
     draws_tokens = True
+    slow_prefills = 0
 
     def __init__(self, inner: ReferenceDecoder) -> None:
         self.inner, self.drawn = inner, 0
@@ -355,8 +370,6 @@ class DrawingDecoder:
         return self.inner.prefill(slot, token_ids, start_pos)
 
     def draw(self, logits, draws, positions):
-        import torch
-
         out = []
         for row, d, pos in zip(logits, draws, positions):
             g = torch.Generator().manual_seed((d.seed * 1_000_003 + pos) % 2**63)
@@ -366,9 +379,6 @@ class DrawingDecoder:
         return torch.tensor(out)
 
     def decode(self, slots, token_ids, positions, draws=None):
-
-        from service.backends.decoder import DecodeOutput
-
         out = self.inner.decode(slots, token_ids, positions)
         if draws is None:
             return out
@@ -410,5 +420,131 @@ def test_sampled_requests_draw_inside_the_decode_step(tiny, overlap):
         a = [t for d in eng.generate([3, 1, 4], free) for t in d.token_ids]
         b = [t for d in eng.generate([3, 1, 4], free) for t in d.token_ids]
         assert len(a) == len(b) == 16 and a != b
+    finally:
+        eng.stop()
+
+
+def test_a_failed_sampling_raises_for_its_request_alone(tiny):
+    """A row whose sampling fails (NaN logits, sampled with a seed: on the host) raises SamplingError carrying its
+    request, after the step was read; the rows beside it get their tokens, and so does the first token of another
+    request. The engine fails that request alone (tests/test_reliability_faults.py)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits[1] = float("nan")
+    reqs = [request(tiny, SamplingParams(temperature=0.0)),
+            request(tiny, SamplingParams(temperature=1.0, seed=3)),
+            request(tiny, SamplingParams(temperature=1.0, top_p=0.9, seed=4))]
+    sampler = Sampler(HostDecoder())
+    tokens = sampler.step(DecodeOutput(logits, logits.argmax(-1)), reqs, ahead=False)
+    tokens.read()
+    assert tokens.token(0) == int(logits[0].argmax())
+    with pytest.raises(SamplingError) as e:
+        tokens.token(1)
+    assert e.value.request is reqs[1]
+    assert 0 <= tokens.token(2) < 50
+    with pytest.raises(SamplingError) as e:
+        sampler.first(logits[1], reqs[1])
+    assert e.value.request is reqs[1]
+    assert sampler.first(logits[2], reqs[2]) in range(50)
+
+
+class OnlyTokens:
+    """A constraint (what a grammar plugs in) that allows a few tokens; it can be made to break on its Nth mask."""
+
+    def __init__(self, allowed, break_at=0):
+        self.allowed, self.break_at = sorted(allowed), break_at
+        self.masked, self.accepted = 0, []
+
+    def mask(self, logits):
+        self.masked += 1
+        if self.masked == self.break_at:
+            raise RuntimeError("the grammar broke")
+        out = torch.full_like(logits, float("-inf"))
+        out[self.allowed] = logits[self.allowed]
+        return out
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
+def submit_all(eng, jobs):
+    """Submit (prompt, params, constraint) jobs to an engine not started yet, so each constraint is on its request
+    before its prefill; start the engine and collect every request's deltas."""
+    qs = []
+    for prompt, params, constraint in jobs:
+        q = queue.SimpleQueue()
+        eng.submit(prompt, params, q.put).constraint = constraint
+        qs.append(q)
+    eng.start()
+    return [collect(q) for q in qs]
+
+
+def test_a_constraint_masks_every_choice(tiny, overlap):
+    """A constrained request chooses every token, the first one included, among what its constraint allows, and
+    tells the constraint each one; beside it, running ahead or not, the other requests get the tokens they get
+    alone."""
+    base = make_overlap_engine(tiny, False)
+    try:
+        alone = [t for d in base.generate([9, 9, 9], GREEDY) for t in d.token_ids]
+    finally:
+        base.stop()
+    eng = make_overlap_engine(tiny, overlap, start=False)
+    only = OnlyTokens({7, 42, 300})
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    try:
+        got = submit_all(eng, [([5, 6], sampled, only), ([9, 9, 9], GREEDY, None)])
+    finally:
+        eng.stop()
+    constrained = [t for d in got[0] for t in d.token_ids]
+    assert len(constrained) == 12 and set(constrained) <= {7, 42, 300}
+    assert only.accepted == constrained
+    assert [t for d in got[1] for t in d.token_ids] == alone
+
+
+def test_a_sampling_failure_in_a_step_fails_only_its_request(tiny, overlap):
+    eng = make_overlap_engine(tiny, overlap, start=False)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    try:
+        broken, greedy, fine = submit_all(eng, [([5, 6], sampled, OnlyTokens(range(100), break_at=3)),
+                                                ([9, 9, 9], GREEDY, None), ([1, 2], sampled, None)])
+        assert broken[-1].finish_reason == "error" and "sampling failed: the grammar broke" in broken[-1].error
+        assert broken[-1].usage.completion_tokens == 2
+        assert greedy[-1].finish_reason == fine[-1].finish_reason == "length"
+        assert greedy[-1].usage.completion_tokens == fine[-1].usage.completion_tokens == 12
+        assert eng.healthy() and wait_until(lambda: eng.stats.free_slots == 4 and eng.stats.running == 0)
+    finally:
+        eng.stop()
+
+
+def test_slow_steps_are_logged_at_most_once_a_minute(caplog):
+    """On a CPU every step is slow: the first is logged, then at most one line a minute, saying how many slow
+    steps there were since the last line; fast steps are not counted."""
+    now = [1000.0]
+    slow = SlowSteps(clock=lambda: now[0])
+
+    def steps(n, seconds):
+        for _ in range(n):
+            slow.observe(3, seconds)
+            now[0] += seconds
+
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        steps(100, 0.2)  # 20 s of slow steps
+        steps(50, 0.01)
+        assert [r.getMessage() for r in caplog.records] == [
+            "a decode step of 3 took 200 ms (1 steps over 50 ms since the last report)"]
+        now[0] = 1059.9
+        steps(1, 0.2)  # still within the minute of the first line
+        steps(1, 0.2)  # past it: one more line, counting the 100 unreported before it
+        steps(10, 0.2)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2 and "(101 steps over 50 ms since the last report)" in lines[1]
+
+
+def test_timings_say_which_token_they_time(tiny):
+    """The last delta's timings: time to token N, with N the engine's SLA token (8 here), for a request that
+    reached it."""
+    eng = make_engine(tiny)
+    try:
+        t = list(eng.generate([4, 5, 6], GREEDY))[-1].timings
+        assert t.n == 8 and 0 < t.ttft_ms <= t.ttfn_ms <= t.e2e_ms
     finally:
         eng.stop()

@@ -15,8 +15,7 @@ from service.backends.reference import ReferenceDecoder
 from service.model.config import ModelError
 from service.model.hf_checkpoint import config_from_hf
 from service.model.loader import load_model
-from service.model.synthetic import SHAPES, byte_tokenizer, load_synthetic
-from service.model.tokenizer import _byte_level_alphabet
+from service.model.synthetic import SHAPES, byte_level_alphabet, byte_tokenizer, load_synthetic
 
 transformers = pytest.importorskip("transformers")
 
@@ -207,7 +206,7 @@ def _write_gguf(path, hf, arch, rope_factors=None):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "llama":
         w.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
-    alphabet = {b: c for c, b in _byte_level_alphabet().items()}
+    alphabet = {b: c for c, b in byte_level_alphabet().items()}
     tokens = [alphabet[b] for b in range(256)] + ["<|im_start|>", "<|im_end|>"]
     tokens += [f"<unused{i}>" for i in range(cfg.vocab_size - len(tokens))]
     w.add_tokenizer_model("gpt2")

@@ -1,46 +1,32 @@
-"""parley-loadtest against the REAL Parley server on loopback (the embedded default model, on the CPU):
-every request completes with the right token count over completions, chat and realtime, and the report's
-figures agree with its records."""
+"""parley-loadtest against the REAL Parley server on loopback (conftest.py's shared server: the embedded default
+model on the CPU, 4 slots, 4 waiting at most): every request completes with the right token count over completions,
+chat and realtime, a burst finds the queue full, and the report's figures agree with its records."""
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.cli import main
-from tests.server_fixture import start_server, stop_server
+from tests.loadtest_checks import check_consistent
+from tests.server_support import Server
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loadtest_checks import check_consistent  # noqa: E402
-
-STARTUP_S = 180  # ~25 s on an idle 2-core machine (model load + calibration); far more on a busy one
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def parley(tmp_path_factory):
-    # --max-waiting 4: a burst of 16 finds the queue full (the short loads, 2 in flight, never do).
-    server = start_server(tmp_path_factory.mktemp("parley") / "server.log", "--max-batch", "4", "--max-waiting", "4",
-                          timeout_s=STARTUP_S)
-    yield server.base
-    stop_server(server)
-
-
-def run(tmp_path, url: str, *args: str) -> dict:
+def run(tmp_path, server: Server, *args: str) -> dict:
     out = tmp_path / "parley.json"
-    assert main(["--url", url, "--quiet", "--warmup", "1", "--json", str(out), "--input-len", "16",
+    assert main(["--url", server.base, "--quiet", "--warmup", "1", "--json", str(out), "--input-len", "16",
                  "--output-len", "8", "--timeout", "60", *args]) == 0
     return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat", "realtime"])
-def test_short_load(tmp_path, parley, endpoint):
-    doc = run(tmp_path, parley, "--endpoint", endpoint, "--num-requests", "6", "--concurrency", "2")
+def test_short_load(tmp_path, shared_server: Server, endpoint):
+    doc = run(tmp_path, shared_server, "--endpoint", endpoint, "--num-requests", "6", "--concurrency", "2")
     [r] = doc["runs"]
     s, recs = r["summary"], r["requests"]
-    listed = httpx.get(f"{parley}/v1/models").json()["data"][0]["id"]
+    listed = httpx.get(f"{shared_server.base}/v1/models").json()["data"][0]["id"]
     assert doc["config"]["model"] == listed
     assert len(recs) == 6 and s["ok"] == 6 and s["rejected"] == s["errors"] == 0, [x["error"] for x in recs]
     for x in recs:
@@ -52,19 +38,21 @@ def test_short_load(tmp_path, parley, endpoint):
     check_consistent(doc)
 
 
-def test_realtime_session_and_barge_in(tmp_path, parley):
-    doc = run(tmp_path, parley, "--endpoint", "realtime", "--turns", "3", "--num-requests", "2", "--concurrency", "2")
+def test_realtime_session_and_barge_in(tmp_path, shared_server: Server):
+    doc = run(tmp_path, shared_server, "--endpoint", "realtime", "--turns", "3", "--num-requests", "2",
+              "--concurrency", "2")
     recs = doc["runs"][0]["requests"]
     assert [x["outcome"] for x in recs] == ["ok"] * 6 and all(x["output_tokens"] == 8 for x in recs)
-    doc = run(tmp_path, parley, "--endpoint", "realtime", "--num-requests", "2", "--output-len", "64",
+    doc = run(tmp_path, shared_server, "--endpoint", "realtime", "--num-requests", "2", "--output-len", "64",
               "--cancel-after-tokens", "2")
     for x in doc["runs"][0]["requests"]:
         assert x["outcome"] == "cancelled" and 2 <= x["output_tokens"] < 64 and x["cancel_ms"] is not None
     check_consistent(doc)
 
 
-def test_burst_is_shed_with_429(tmp_path, parley):
-    doc = run(tmp_path, parley, "--warmup", "0", "--num-requests", "16", "--concurrency", "16", "--output-len", "2")
+def test_burst_is_shed_with_429(tmp_path, shared_server: Server):
+    doc = run(tmp_path, shared_server, "--warmup", "0", "--num-requests", "16", "--concurrency", "16",
+              "--output-len", "2")
     s, recs = doc["runs"][0]["summary"], doc["runs"][0]["requests"]
     assert s["ok"] + s["rejected"] == 16 and s["errors"] == 0, [x["error"] for x in recs]
     assert s["rejected"] >= 1 and s["reject_ms"]["n"] == s["rejected"]

@@ -5,7 +5,6 @@ cost, barge-in, multi-turn sessions, arrivals, sweep, JSON and plot."""
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -13,9 +12,8 @@ import pytest
 
 from loadtest.cli import main
 from loadtest.workload import arrival_gaps, should_cancel
-
-sys.path.insert(0, str(Path(__file__).parent))
-from loadtest_checks import check_consistent  # noqa: E402
+from tests.loadtest_checks import check_consistent
+from tests.server_support import poll
 
 SERVER = Path(__file__).with_name("loadtest_scripted_server.py")
 FAST = "ttft=4 itl=0.4"  # token 64 at 29.2 ms
@@ -24,17 +22,20 @@ SLACK_MS = 40.0  # client + server overhead allowed (on the median) on a busy 2-
 
 
 @pytest.fixture(scope="module")
-def server():
+def scripted_server():
+    """tests/loadtest_scripted_server.py in a subprocess; its URL once it answers."""
     proc = subprocess.Popen([sys.executable, str(SERVER)], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
         url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
+
+        def answers() -> bool:
             try:
-                httpx.get(f"{url}/v1/models", timeout=1.0).raise_for_status()
-                break
+                return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200
             except httpx.HTTPError:
-                time.sleep(0.05)
+                return False
+
+        poll(answers, bool, 30, "the scripted server answers", every_s=0.05)
         yield url
     finally:
         proc.terminate()
@@ -42,9 +43,10 @@ def server():
 
 
 @pytest.fixture
-def url(server):
-    httpx.post(f"{server}/stats").raise_for_status()  # reset the server's counters
-    return server
+def url(scripted_server):
+    """The scripted server's URL, its counters reset."""
+    httpx.post(f"{scripted_server}/stats").raise_for_status()
+    return scripted_server
 
 
 def stats(url: str) -> dict:
@@ -133,11 +135,8 @@ def test_barge_in(tmp_path, url, endpoint):
         assert s["cancel_ms"]["n"] == 4
     else:
         assert all(r["output_tokens"] == 5 for r in recs)
-        for _ in range(100):  # the server notices the closed streams
-            if stats(url)["disconnects"] == 4:
-                break
-            time.sleep(0.02)
-        assert stats(url)["disconnects"] == 4
+        # the server notices the closed streams
+        poll(lambda: stats(url)["disconnects"], lambda n: n == 4, 5, "4 disconnects seen", every_s=0.02)
 
 
 def test_realtime_cancel_race(tmp_path, url):

@@ -24,8 +24,17 @@ from collections.abc import Iterator
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.reliability_support import health_status, rss_mb, tiny_server, wait_idle
-from tests.server_fixture import Server, metrics, requests_total, stop_server
+from tests.server_support import (
+    Server,
+    health_status,
+    recv_event,
+    rss_mb,
+    scrape_metrics,
+    served,
+    sse_data,
+    tiny_server,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +47,11 @@ LONG_PROMPT = "lorem ipsum dolor sit amet " * 14  # ~380 byte tokens: a prefill 
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def storm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # A lax SLA: this test is about streams that go away, not about shedding (every request is admitted).
-    server = tiny_server(tmp_path_factory.mktemp("storm") / "parley.log", "--max-batch", str(SLOTS),
-                         "--max-context", "512", "--sla-ms", "600000", "--max-waiting", "512", "--step-delay-ms", "1")
-    try:
-        yield server
-    finally:
-        assert stop_server(server) == 0, server.log_tail()
+    yield from served(tiny_server(tmp_path_factory.mktemp("storm") / "parley.log", "--max-batch", str(SLOTS),
+                                  "--max-context", "512", "--sla-ms", "600000", "--max-waiting", "512",
+                                  "--step-delay-ms", "1"))
 
 
 def http_request(port: int, path: str, body: dict) -> bytes:
@@ -80,17 +86,17 @@ async def sse_stream(port: int, rng: random.Random, outcome: Counter[str]) -> No
             writer.write(request)
             await writer.drain()
             k = rng.randint(1, 12) if mode == "after_k" else 10**9
-            seen = 0
+            seen, data = 0, None
             while seen < k:
                 line = await asyncio.wait_for(reader.readline(), IO_TIMEOUT_S)
                 if not line:
                     break
-                if line.startswith(b"data: "):
+                if (data := sse_data(line.decode(errors="replace").rstrip("\r\n"))) is not None:
                     seen += 1
-                    if line.startswith(b"data: [DONE]"):
+                    if data == "[DONE]":
                         break
             if mode == "to_the_end":
-                assert seen > 0 and line.startswith(b"data: [DONE]"), (mode, line)
+                assert seen > 0 and data == "[DONE]", (mode, line)
         outcome[mode] += 1
     finally:
         if rng.random() < 0.5:
@@ -103,7 +109,7 @@ async def ws_stream(port: int, rng: random.Random, outcome: Counter[str]) -> Non
     mode = rng.choices(["before_first_byte", "after_k", "cancel_then_drop", "to_the_end"],
                        weights=[25, 45, 15, 15])[0]
     async with connect(f"ws://127.0.0.1:{port}/v1/realtime", open_timeout=IO_TIMEOUT_S) as ws:
-        created = json.loads(await asyncio.wait_for(ws.recv(), IO_TIMEOUT_S))
+        created = await recv_event(ws, IO_TIMEOUT_S)
         assert created["type"] == "session.created"
         for turn in range(rng.randint(1, 2)):  # a second turn reuses the session's slot
             await ws.send(json.dumps({"type": "response.create", "response": {
@@ -114,7 +120,7 @@ async def ws_stream(port: int, rng: random.Random, outcome: Counter[str]) -> Non
             k = rng.randint(1, 10) if mode in ("after_k", "cancel_then_drop") else 10**9
             seen = 0
             while seen < k:
-                e = json.loads(await asyncio.wait_for(ws.recv(), IO_TIMEOUT_S))
+                e = await recv_event(ws, IO_TIMEOUT_S)
                 seen += 1
                 if e["type"] in ("response.done", "error"):
                     break
@@ -147,25 +153,25 @@ async def storm(port: int, n: int, seed: int) -> Counter[str]:
     return outcome
 
 
-def test_a_disconnect_storm_leaves_nothing_behind(srv: Server) -> None:
-    pid = srv.proc.pid
-    warm = asyncio.run(storm(srv.port, WARMUP, seed=1))
+def test_a_disconnect_storm_leaves_nothing_behind(storm_server: Server) -> None:
+    pid = storm_server.proc.pid
+    warm = asyncio.run(storm(storm_server.port, WARMUP, seed=1))
     assert sum(warm.values()) == WARMUP
-    wait_idle(srv.base, SLOTS, timeout_s=60)
+    wait_idle(storm_server.base, timeout_s=60)
     rss_before = rss_mb(pid)
 
-    outcome = asyncio.run(storm(srv.port, STORM, seed=2))
+    outcome = asyncio.run(storm(storm_server.port, STORM, seed=2))
     assert sum(outcome.values()) == STORM, outcome
-    m = wait_idle(srv.base, SLOTS, timeout_s=60)  # running 0, waiting 0, free == total
+    m = wait_idle(storm_server.base, timeout_s=60)  # running 0, waiting 0, free == total
     rss_after = rss_mb(pid)
     print(f"\nstorm: {dict(outcome)}; RSS {rss_before:.1f} -> {rss_after:.1f} MiB "
-          f"({rss_after - rss_before:+.1f}); completed {requests_total(m, 'completed'):.0f}, "
-          f"cancelled {requests_total(m, 'cancelled'):.0f}")
-    assert requests_total(m, "failed") == 0
-    assert requests_total(m, "cancelled") > STORM / 4  # most drops really cancelled a running generation
+          f"({rss_after - rss_before:+.1f}); completed {m.requests('completed'):.0f}, "
+          f"cancelled {m.requests('cancelled'):.0f}")
+    assert m.requests("failed") == 0
+    assert m.requests("cancelled") > STORM / 4  # most drops really cancelled a running generation
     assert rss_after - rss_before < RSS_GROWTH_MB, (rss_before, rss_after)
-    assert health_status(srv.base) == 200
-    log = srv.log.read_text(errors="replace")
-    assert "Traceback" not in log and " ERROR " not in log, srv.log_tail(60)
-    m2 = metrics(srv.base)
+    assert health_status(storm_server.base) == 200
+    log = storm_server.log.read_text(errors="replace")
+    assert "Traceback" not in log and " ERROR " not in log, storm_server.log_tail(60)
+    m2 = scrape_metrics(storm_server.base)
     assert m2["parley_kv_slots_free"] == m2["parley_kv_slots_total"] == SLOTS

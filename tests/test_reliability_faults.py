@@ -18,15 +18,23 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 
 from service.backends.decoder import DecodeOutput
 from service.backends.reference import ReferenceDecoder
 from service.engine.engine import Engine
 from service.engine.request import Delta, SamplingParams
 from service.model.loader import load_model
-from tests.reliability_support import assert_openai_error, health_status, tiny_server, wait_idle
-from tests.server_fixture import metrics, requests_total, stop_server
+from tests.server_support import (
+    assert_openai_error,
+    health_status,
+    poll,
+    recv_event,
+    sse_events,
+    stop_server,
+    tiny_server,
+    wait_idle,
+)
 
 LAX = ("--sla-ms", "600000")  # admission is not the point here: no 429 from a busy host
 
@@ -34,16 +42,6 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 60.0
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
-
-
-async def recv(ws: ClientConnection) -> dict[str, Any]:
-    return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
-
-
-def sse_data(text: str | list[str]) -> list[str]:
-    """The `data:` payloads of an SSE body (or of its lines)."""
-    lines = text.splitlines() if isinstance(text, str) else text
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
 
 
 # -- a failing decode step ----------------------------------------------------------------------------------------
@@ -67,23 +65,23 @@ def test_a_failing_step_fails_its_requests_in_each_protocol_and_the_engine_goes_
 
                     async def realtime() -> list[dict[str, Any]]:
                         async with connect(server.ws) as ws:
-                            await recv(ws)
+                            await recv_event(ws)
                             await ws.send(json.dumps({"type": "response.create", "response": {"input": "three",
                                                                                                **LONG}}))
-                            events = [await recv(ws)]
+                            events = [await recv_event(ws)]
                             while events[-1]["type"] != "response.done":
-                                events.append(await recv(ws))
+                                events.append(await recv_event(ws))
                             # the socket goes on: the next response completes
                             await ws.send(json.dumps({"type": "response.create", "response": {
                                 "input": "four", "max_tokens": 3, "ignore_eos": True}}))
-                            while (e := await recv(ws))["type"] != "response.done":
+                            while (e := await recv_event(ws))["type"] != "response.done":
                                 pass
                             assert e["response"]["status"] == "completed", e
                             return events
 
                     chat_task, ws_task = asyncio.create_task(chat()), asyncio.create_task(realtime())
                     rest = [line async for line in lines]
-                    return sse_data([first, *rest]), await chat_task, await ws_task
+                    return sse_events([first, *rest]), await chat_task, await ws_task
 
         events, chat, ws_events = asyncio.run(go())
 
@@ -106,8 +104,8 @@ def test_a_failing_step_fails_its_requests_in_each_protocol_and_the_engine_goes_
                        timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert health_status(server.base) == 200
-        m = wait_idle(server.base, 4)
-        assert requests_total(m, "failed") == 3
+        m = wait_idle(server.base)
+        assert m.requests("failed") == 3
     finally:
         assert stop_server(server) == 0, server.log_tail()
 
@@ -124,6 +122,7 @@ class NaNLogitsDecoder:
         self.inner, self.poisoned = inner, set[int]()
         self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
         self.device, self.name, self.draws_tokens = inner.device, inner.name, False
+        self.slow_prefills = 0
 
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         (self.poisoned.add if token_ids[0] == POISON else self.poisoned.discard)(slot)
@@ -160,10 +159,8 @@ def test_a_sampling_error_fails_only_its_request() -> None:
         assert good.finish_reason == "length" and good.usage is not None and good.usage.completion_tokens == 12
         assert good_greedy.finish_reason == "length"
         assert eng.healthy()
-        deadline = time.monotonic() + 10
-        while eng.stats.free_slots != 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert eng.stats.free_slots == 4 and eng.stats.running == 0
+        poll(lambda: eng.stats.free_slots, lambda free: free == 4, 10, "every slot free", every_s=0.01)
+        assert eng.stats.running == 0
     finally:
         eng.stop()
 
@@ -184,12 +181,9 @@ def test_a_wedged_engine_turns_health_503(tmp_path) -> None:
             try:
                 assert r.status_code == 200
                 t0 = time.monotonic()
-                while True:
-                    h = client.get("/health", timeout=5)  # the event loop is free: /health answers at once
-                    if h.status_code == 503:
-                        break
-                    assert time.monotonic() - t0 < wedge_s + 15, "/health still 200 with a wedged engine"
-                    time.sleep(0.1)
+                # the event loop is free: /health answers at once, 503 once the step has hung for wedge_s
+                h = poll(lambda: client.get("/health", timeout=5), lambda h: h.status_code == 503, wedge_s + 15,
+                         "/health 503 with a wedged engine")
                 assert h.json() == {"status": "engine unhealthy"} and h.headers["retry-after"]
                 assert time.monotonic() - t0 >= wedge_s - 0.5  # not before the timeout
                 # new work is refused at once, not queued behind the wedge
@@ -215,7 +209,7 @@ def test_sigterm_drains_every_kind_of_request_in_flight(tmp_path) -> None:
         async def go() -> tuple[list[str], httpx.Response, dict[str, Any], int]:
             async with httpx.AsyncClient(base_url=server.base, timeout=TIMEOUT_S) as client:
                 async with connect(server.ws) as ws:
-                    await recv(ws)
+                    await recv_event(ws)
                     await ws.send(json.dumps({"type": "response.create", "response": {"input": "ws", **body}}))
                     chat = asyncio.create_task(client.post("/v1/chat/completions", json={
                         "messages": [{"role": "user", "content": "chat"}], **body}))
@@ -225,9 +219,9 @@ def test_sigterm_drains_every_kind_of_request_in_flight(tmp_path) -> None:
                         first = await anext(lines)
                         server.proc.send_signal(signal.SIGTERM)
                         rest = [line async for line in lines]
-                    while (e := await recv(ws))["type"] != "response.done":
+                    while (e := await recv_event(ws))["type"] != "response.done":
                         pass
-                    return sse_data([first, *rest]), await chat, e["response"], 0
+                    return sse_events([first, *rest]), await chat, e["response"], 0
 
         events, chat, ws_done, _ = asyncio.run(go())
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
@@ -247,11 +241,11 @@ def test_metrics_and_health_stay_quick_while_requests_fail(tmp_path) -> None:
     try:
         r = httpx.post(f"{server.base}/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True},
                        timeout=TIMEOUT_S)
-        events = sse_data(r.text)
+        events = sse_events(r.text)
         assert r.status_code == 200 and events[-1] == "[DONE]"
         assert_openai_error(json.loads(events[-2]), code="engine_error")
-        m = wait_idle(server.base, 2)
-        assert requests_total(m, "failed") == 1 and metrics(server.base)["parley_kv_slots_free"] == 2
+        m = wait_idle(server.base)
+        assert m.requests("failed") == 1 and m["parley_kv_slots_free"] == 2
         assert health_status(server.base) == 200
     finally:
         assert stop_server(server) == 0

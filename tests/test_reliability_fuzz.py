@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.reliability_support import health_status, tiny_server, wait_idle
-from tests.server_fixture import ROOT, Server, stop_server
+from tests.server_support import ROOT, Server, health_status, served, tiny_server, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +30,14 @@ MAX_EXAMPLES = 50
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = tiny_server(tmp_path_factory.mktemp("fuzz") / "parley.log", "--max-batch", str(SLOTS),
-                         "--max-context", "256", "--sla-ms", "600000")  # more requests reach the engine
-    try:
-        yield server
-    finally:
-        assert stop_server(server) == 0, server.log_tail()
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # a lax SLA: more requests reach the engine
+    yield from served(tiny_server(tmp_path_factory.mktemp("fuzz") / "parley.log", "--max-batch", str(SLOTS),
+                                  "--max-context", "256", "--sla-ms", "600000"))
 
 
-def test_the_schema_describes_the_request_bodies(srv: Server) -> None:
-    schema = httpx.get(f"{srv.base}/openapi.json", timeout=30).json()
+def test_the_schema_describes_the_request_bodies(fuzz_server: Server) -> None:
+    schema = httpx.get(f"{fuzz_server.base}/openapi.json", timeout=30).json()
     components = schema["components"]["schemas"]
     for path, model, fields in (("/v1/completions", "CompletionRequest", {"prompt", "max_tokens", "temperature"}),
                                 ("/v1/chat/completions", "ChatCompletionRequest", {"messages", "max_tokens"})):
@@ -61,11 +57,11 @@ def test_the_schema_describes_the_request_bodies(srv: Server) -> None:
 
 @pytest.mark.parametrize("mode,stream", [("all", False), ("all", True), ("positive", True)],
                          ids=["as-generated", "streaming", "valid-streaming"])
-def test_fuzzing_never_gets_a_5xx(srv: Server, tmp_path: Path, mode: str, stream: bool) -> None:
+def test_fuzzing_never_gets_a_5xx(fuzz_server: Server, tmp_path: Path, mode: str, stream: bool) -> None:
     cli = Path(sys.executable).with_name("schemathesis")
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "PARLEY_FUZZ_STREAM": str(int(stream)),
            "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
-    cmd = [str(cli), "run", f"{srv.base}/openapi.json", "--checks", "not_a_server_error",
+    cmd = [str(cli), "run", f"{fuzz_server.base}/openapi.json", "--checks", "not_a_server_error",
            "--mode", mode, "--max-examples", str(MAX_EXAMPLES), "--workers", "1", "--seed", "8",
            "--request-timeout", "60",
            "--generation-database", "none", "--suppress-health-check", "all", "--no-color",
@@ -78,8 +74,9 @@ def test_fuzzing_never_gets_a_5xx(srv: Server, tmp_path: Path, mode: str, stream
     out = run.stdout + run.stderr
     summary = out[out.rfind("SUMMARY"):] if "SUMMARY" in out else out[-3000:]
     print(summary)
-    assert run.returncode == 0, f"schemathesis found failures:\n{out[-12000:]}\n--- server log:\n{srv.log_tail(60)}"
+    assert run.returncode == 0, (f"schemathesis found failures:\n{out[-12000:]}\n"
+                                 f"--- server log:\n{fuzz_server.log_tail(60)}")
     assert "Tested: 7" in out or "Tested:" in out, out[-3000:]
-    assert "Traceback" not in srv.log.read_text(errors="replace"), srv.log_tail(80)
-    assert health_status(srv.base) == 200
-    wait_idle(srv.base, SLOTS, timeout_s=60)
+    assert "Traceback" not in fuzz_server.log.read_text(errors="replace"), fuzz_server.log_tail(80)
+    assert health_status(fuzz_server.base) == 200
+    wait_idle(fuzz_server.base, timeout_s=60)

@@ -20,8 +20,16 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.reliability_support import assert_openai_error, health_status, tiny_server, wait_idle
-from tests.server_fixture import Server, stop_server
+from tests.server_support import (
+    Server,
+    assert_openai_error,
+    health_status,
+    recv_event,
+    served,
+    sse_events,
+    tiny_server,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +42,10 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def input_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # A lax SLA: admission is not the point here, and a 429 from a busy host would hide what the input gets.
-    server = tiny_server(tmp_path_factory.mktemp("input") / "parley.log", "--max-batch", str(SLOTS),
-                         "--max-context", str(CTX), "--sla-ms", "600000")
-    try:
-        yield server
-    finally:
-        assert stop_server(server) == 0, server.log_tail()
+    yield from served(tiny_server(tmp_path_factory.mktemp("input") / "parley.log", "--max-batch", str(SLOTS),
+                                  "--max-context", str(CTX), "--sla-ms", "600000"))
 
 
 def raw(body: bytes, **headers: str) -> dict[str, Any]:
@@ -164,9 +168,9 @@ HTTP_BAD: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]
 
 
 @pytest.mark.parametrize("name,method,path,kwargs,status,code,param", HTTP_BAD, ids=[b[0] for b in HTTP_BAD])
-def test_bad_http_input(srv: Server, name: str, method: str, path: str, kwargs: dict[str, Any], status: int,
+def test_bad_http_input(input_server: Server, name: str, method: str, path: str, kwargs: dict[str, Any], status: int,
                         code: str | None, param: str | None) -> None:
-    r = httpx.request(method, srv.base + path, timeout=TIMEOUT_S, **kwargs)
+    r = httpx.request(method, input_server.base + path, timeout=TIMEOUT_S, **kwargs)
     assert r.status_code == status, f"{name}: {r.status_code} {r.text[:500]}"
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = assert_openai_error(r.json(), code, param)
@@ -193,22 +197,22 @@ HTTP_ODD_BUT_VALID: list[tuple[str, str, dict[str, Any]]] = [
 
 @pytest.mark.parametrize("name,path,body", HTTP_ODD_BUT_VALID, ids=[b[0] for b in HTTP_ODD_BUT_VALID])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_odd_but_valid_input_is_served(srv: Server, name: str, path: str, body: dict[str, Any], stream: bool
+def test_odd_but_valid_input_is_served(input_server: Server, name: str, path: str, body: dict[str, Any], stream: bool
                                        ) -> None:
-    r = httpx.post(srv.base + path, json={**body, "stream": stream}, timeout=TIMEOUT_S)
+    r = httpx.post(input_server.base + path, json={**body, "stream": stream}, timeout=TIMEOUT_S)
     assert r.status_code == 200, f"{name}: {r.status_code} {r.text[:500]}"
     if stream:
-        events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+        events = sse_events(r.text)
         assert events[-1] == "[DONE]"
         assert not any('"error"' in e for e in events), events
     else:
         assert r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_healthy_and_idle_after_the_http_tables(srv: Server) -> None:
-    assert health_status(srv.base) == 200
-    wait_idle(srv.base, SLOTS)
-    r = httpx.post(f"{srv.base}/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+def test_healthy_and_idle_after_the_http_tables(input_server: Server) -> None:
+    assert health_status(input_server.base) == 200
+    wait_idle(input_server.base)
+    r = httpx.post(f"{input_server.base}/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True},
                    timeout=TIMEOUT_S)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
@@ -268,27 +272,23 @@ WS_BAD: list[tuple[str, str | bytes, str, str | None]] = [
 ]
 
 
-async def _recv(ws: ClientConnection) -> dict[str, Any]:
-    return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
-
-
 async def _one_response(ws: ClientConnection, max_tokens: int = 3) -> dict[str, Any]:
     await ws.send(ev("response.create", response={"input": "hello", "max_tokens": max_tokens, "ignore_eos": True}))
     while True:
-        e = await _recv(ws)
+        e = await recv_event(ws, TIMEOUT_S)
         assert e["type"] != "error", e
         if e["type"] == "response.done":
             return e["response"]
 
 
-def test_bad_realtime_events_keep_the_socket_open(srv: Server) -> None:
+def test_bad_realtime_events_keep_the_socket_open(input_server: Server) -> None:
     async def go() -> list[str]:
         failures: list[str] = []
-        async with connect(srv.ws, max_size=None) as ws:
-            assert (await _recv(ws))["type"] == "session.created"
+        async with connect(input_server.ws, max_size=None) as ws:
+            assert (await recv_event(ws, TIMEOUT_S))["type"] == "session.created"
             for name, frame, code, param in WS_BAD:
                 await ws.send(frame)
-                e = await _recv(ws)
+                e = await recv_event(ws, TIMEOUT_S)
                 try:
                     assert e["type"] == "error", e
                     err = e["error"]
@@ -301,28 +301,28 @@ def test_bad_realtime_events_keep_the_socket_open(srv: Server) -> None:
                     failures.append(f"{name}: {ex}")
             # the socket still works: a session update and a response
             await ws.send(ev("session.update", session={"temperature": 0, "max_tokens": 3}))
-            assert (await _recv(ws))["type"] == "session.updated"
+            assert (await recv_event(ws, TIMEOUT_S))["type"] == "session.updated"
             done = await _one_response(ws)
             assert done["status"] == "completed" and done["usage"]["completion_tokens"] == 3
         return failures
 
     failures = asyncio.run(go())
     assert not failures, "\n".join(failures)
-    assert health_status(srv.base) == 200
+    assert health_status(input_server.base) == 200
 
 
-def test_realtime_unknown_model_in_the_url_and_a_frame_past_the_limit(srv: Server) -> None:
+def test_realtime_unknown_model_in_the_url_and_a_frame_past_the_limit(input_server: Server) -> None:
     async def go() -> int | None:
-        async with connect(srv.ws + "?model=gpt-9") as ws:
-            assert (await _recv(ws))["type"] == "session.created"
-            e = await _recv(ws)
+        async with connect(input_server.ws + "?model=gpt-9") as ws:
+            assert (await recv_event(ws, TIMEOUT_S))["type"] == "session.created"
+            e = await recv_event(ws, TIMEOUT_S)
             assert e["type"] == "error" and e["error"]["code"] == "model_not_found", e
             assert e["error"]["param"] == "model"
             done = await _one_response(ws)  # the session serves the one model it has
             assert done["status"] == "completed"
         # a frame past what the WebSocket layer takes at all (4 MiB): closed with 1009, the server unharmed
-        async with connect(srv.ws, max_size=None) as ws:
-            await _recv(ws)
+        async with connect(input_server.ws, max_size=None) as ws:
+            await recv_event(ws, TIMEOUT_S)
             await ws.send("x" * (5 << 20))
             try:
                 await asyncio.wait_for(ws.recv(), TIMEOUT_S)
@@ -331,5 +331,5 @@ def test_realtime_unknown_model_in_the_url_and_a_frame_past_the_limit(srv: Serve
             return None
 
     assert asyncio.run(go()) == 1009
-    assert health_status(srv.base) == 200
-    wait_idle(srv.base, SLOTS)
+    assert health_status(input_server.base) == 200
+    wait_idle(input_server.base)

@@ -24,8 +24,15 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.reliability_support import health_status, tiny_server, wait_idle
-from tests.server_fixture import Server, metrics, requests_total, stop_server
+from tests.server_support import (
+    Server,
+    health_status,
+    scrape_metrics,
+    served,
+    sse_data,
+    tiny_server,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +48,10 @@ REJECT_P99_MS = 100.0
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = tiny_server(tmp_path_factory.mktemp("overload") / "parley.log", "--max-batch", str(MAX_BATCH),
-                         "--max-context", "256", "--step-delay-ms", str(STEP_MS), "--sla-tokens", str(TOKENS),
-                         "--sla-ms", str(SERVER_SLA_MS))
-    try:
-        yield server
-    finally:
-        assert stop_server(server) == 0, server.log_tail()
+def overload_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from served(tiny_server(tmp_path_factory.mktemp("overload") / "parley.log", "--max-batch", str(MAX_BATCH),
+                                  "--max-context", "256", "--step-delay-ms", str(STEP_MS), "--sla-tokens", str(TOKENS),
+                                  "--sla-ms", str(SERVER_SLA_MS)))
 
 
 @dataclass
@@ -79,11 +82,13 @@ async def one_request(client: httpx.AsyncClient, i: int, res: Results) -> None:
                     return
                 finish, done, t_last = None, False, None
                 async for line in r.aiter_lines():
-                    if line.startswith("data: [DONE]"):
+                    if (data := sse_data(line)) is None:
+                        continue
+                    if data == "[DONE]":
                         done = True
-                    elif line.startswith("data: ") and '"finish_reason":"length"' in line:
+                    elif '"finish_reason":"length"' in data:
                         finish, t_last = "length", time.perf_counter()
-                    elif line.startswith("data: ") and '"error"' in line:
+                    elif '"error"' in data:
                         res.errors["stream error"] += 1
                         return
                 if not (done and finish == "length" and t_last is not None):
@@ -138,24 +143,24 @@ def p(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def test_five_times_capacity_for_a_minute(srv: Server) -> None:
+def test_five_times_capacity_for_a_minute(overload_server: Server) -> None:
     # idle: the time to the 16th token, to see that the SLA fits the slowed server
-    idle = asyncio.run(_idle_times(srv.base))
+    idle = asyncio.run(_idle_times(overload_server.base))
     assert statistics.median(idle) < SLA_MS / 2, idle
 
-    before = metrics(srv.base)
-    poller = HealthPoller(srv.base)
+    before = scrape_metrics(overload_server.base)
+    poller = HealthPoller(overload_server.base)
     poller.start()
     t0 = time.monotonic()
-    res = asyncio.run(drive(srv.base))
+    res = asyncio.run(drive(overload_server.base))
     elapsed = time.monotonic() - t0
     poller.stop.set()
     poller.join(15)
-    m = wait_idle(srv.base, MAX_BATCH, timeout_s=60)
+    m = wait_idle(overload_server.base, timeout_s=60)
 
     answered = len(res.completed_ms) + len(res.rejected_ms)
     health_ms = [ms for _, ms in poller.samples]
-    violations = m.get("parley_sla_violations_total", 0) - before.get("parley_sla_violations_total", 0)
+    violations = m["parley_sla_violations_total"] - before["parley_sla_violations_total"]
     report = (f"\noverload: {res.sent} sent in {elapsed:.0f} s ({res.sent / DURATION_S:.1f}/s, capacity "
               f"~{CAPACITY_RPS:.1f}/s): {len(res.completed_ms)} completed, {len(res.rejected_ms)} refused (429), "
               f"errors {dict(res.errors)}\n"
@@ -179,10 +184,10 @@ def test_five_times_capacity_for_a_minute(srv: Server) -> None:
     assert health_ms and all(s == 200 for s, _ in poller.samples), report
     assert max(health_ms) < HEALTH_MAX_MS, report
     # the server counts the same: no failures, and every request it saw accounted for
-    assert requests_total(m, "failed") - requests_total(before, "failed") == 0
-    assert requests_total(m, "rejected") - requests_total(before, "rejected") == len(res.rejected_ms)
-    assert requests_total(m, "completed") - requests_total(before, "completed") == len(res.completed_ms)
-    assert health_status(srv.base) == 200
+    assert m.requests("failed") - before.requests("failed") == 0
+    assert m.requests("rejected") - before.requests("rejected") == len(res.rejected_ms)
+    assert m.requests("completed") - before.requests("completed") == len(res.completed_ms)
+    assert health_status(overload_server.base) == 200
 
 
 async def _idle_times(base: str, n: int = 5, tries: int = 30) -> list[float]:

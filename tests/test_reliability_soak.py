@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.server_fixture import ROOT
+from tests.server_support import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,20 @@
-"""Start-up concerns of service/runtime.py that no request shows: the garbage collector kept out of the way."""
+"""Start-up concerns of service/runtime.py that no request shows: the garbage collector kept out of the way, and the
+warm-up."""
 
 import gc
 
+import pytest
+
+from service.admission import AdmissionController
+from service.backends.faults import FaultInjectingDecoder
+from service.backends.reference import ReferenceDecoder
+from service.engine.admission import Rejected
+from service.engine.engine import Engine
+from service.engine.request import SamplingParams
+from service.latency_model import LatencyModel
 from service.metrics import Metrics
-from service.runtime import GcWatch
+from service.model.loader import load_model
+from service.runtime import GcWatch, warm_up
 
 
 def test_startup_heap_is_frozen_and_collections_are_timed():
@@ -24,3 +35,19 @@ def test_startup_heap_is_frozen_and_collections_are_timed():
     finally:
         gc.callbacks.remove(watch._callback)
         gc.unfreeze()
+
+
+def test_warm_up_runs_its_own_requests_whatever_the_sla():
+    """Warm-up runs greedy and sampled requests through a whole engine on the server's decoder before users come,
+    admitted whatever the SLA: a server whose strict SLA refuses every user still starts. Nothing of it reaches
+    the users' engine."""
+    model = load_model("synthetic:tiny")
+    decoder = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=2, max_context=64))
+    latency = LatencyModel({1: 1.0}, {16: 1.0}, max_batch=2)  # nothing meets 100 ms
+    users = Engine(decoder, model.tokenizer, admission=AdmissionController(latency, 0.1, 64, 2, strict=True))
+    with pytest.raises(Rejected):
+        users.submit([1, 2, 3], SamplingParams(max_tokens=4), lambda d: None)
+    warm_up(decoder, model.tokenizer, sla_ms=100.0, sla_tokens=64)
+    assert decoder.steps == 9  # three requests of four tokens: a prefill and three steps each
+    assert latency.observed_steps == latency.observed_prefills == 0
+    assert users.metrics.registry.get_sample_value("parley_generation_tokens_total") == 0

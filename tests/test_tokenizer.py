@@ -4,11 +4,14 @@ detokenizer over multi-byte text."""
 from __future__ import annotations
 
 import json
+import os
+import random
 
 import pytest
 
 import service.model.synthetic
-from service.model.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, _byte_level_alphabet
+from service.model.synthetic import byte_level_alphabet
+from service.model.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -87,7 +90,7 @@ def test_digits_split_individually(text, tokenizer, hf_tokenizer):
             assert piece == digits[0], (text, pieces)  # a digit is its own token: no space or letter glued on
     assert tokenizer.decode(ids) == text
     # every \p{N} (Arabic-Indic, full-width too) is its own pre-token, before byte-level BPE
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     words = [bytes(alphabet[c] for c in w).decode() for w, _ in tokenizer.hf.pre_tokenizer.pre_tokenize_str(text)]
     assert "".join(words) == text
     for w in words:
@@ -203,7 +206,7 @@ def _gpt2_like_tokenizer():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    alphabet = {b: c for c, b in _byte_level_alphabet().items()}
+    alphabet = {b: c for c, b in byte_level_alphabet().items()}
     hf = HFTokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -214,7 +217,7 @@ def _gpt2_like_tokenizer():
 
 def _byte_ids(tokenizer, data: bytes) -> list[int]:
     """One token per byte, through the byte-level alphabet: every multi-byte character split across tokens."""
-    alphabet = {b: c for c, b in _byte_level_alphabet().items()}
+    alphabet = {b: c for c, b in byte_level_alphabet().items()}
     ids = [tokenizer.hf.token_to_id(alphabet[b]) for b in data]
     assert None not in ids
     return ids
@@ -278,3 +281,27 @@ def test_detokenizer_ignores_special_and_out_of_range_ids(tokenizer):
     assert det.add(1) == "" and det.add(2) == ""
     assert det.add(10**9) == "" and det.add(-1) == ""
     assert det.flush() == ""
+
+
+def test_detokenizer_streams_what_the_library_decodes(tokenizer):
+    """Random id sequences, mixing special tokens, single-byte tokens that form invalid or unfinished UTF-8 and whole
+    words: the streamed text, flushed, is the library's decode of the same ids, special tokens left out."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    specials = [i for i, t in tokenizer.hf.get_added_tokens_decoder().items() if t.special]
+    alphabet = {b: c for c, b in byte_level_alphabet().items()}
+    bytes_ = [i for i in (tokenizer.hf.token_to_id(alphabet[b]) for b in range(256)) if i is not None]
+    for _ in range(300):
+        ids = [rng.choice([rng.randrange(tokenizer.vocab_size), rng.choice(specials), rng.choice(bytes_)])
+               for _ in range(rng.randint(1, 24))]
+        deltas, tail = _stream(tokenizer, ids)
+        assert "".join(deltas) + tail == tokenizer.decode(ids), ids
+
+
+def test_ids_past_the_vocabulary_read_as_extra_tokens():
+    """A model whose embedding is larger than its tokenizer's vocabulary (a synthetic one here: 258 tokens, 300
+    ids) may emit the ids past it: they stream as the tokenizer's extra_tokens, in order with the rest."""
+    tok = service.model.synthetic.byte_tokenizer(300)
+    assert tok.vocab_size == 258 and len(tok.extra_tokens) == 42
+    ids = [*tok.encode("h"), 258, *tok.encode("é"), 299, *tok.encode("i")]
+    deltas, tail = _stream(tok, ids)
+    assert "".join(deltas) + tail == f"h{tok.extra_tokens[0]}é{tok.extra_tokens[41]}i"

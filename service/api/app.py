@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api import completions, errors, realtime
 from service.api.errors import APIError
 from service.api.protocol import ModelCard, ModelList
-from service.api.state import ServerState
+from service.api.state import ServerState, server_state
 from service.metrics import CONTENT_TYPE
 from service.runtime import Runtime
 
@@ -68,15 +68,13 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.runtime is None:
-            raise APIError(503, "the model is still loading", code="not_ready")
-        return Response(state.runtime.engine.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state.loaded().engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/latency_model", response_model=None)
     async def latency_model() -> JSONResponse:
         """What admission predicts with: decode-step time per batch size and prefill time per prompt length,
         measured at start-up and corrected from every step since; and the SLA it enforces."""
-        rt = state.ready() if state.runtime is None else state.runtime
+        rt = state.loaded()
         adm = rt.admission
         return JSONResponse({**rt.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
                              "best_effort": adm.best_effort, "strict": adm.strict,
@@ -84,19 +82,18 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
                              "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
                              "backend": rt.backend, "device": rt.device})
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=state.loaded().model_id, created=state.created, max_model_len=state.max_context)
+
     @app.get("/v1/models", response_model=None)
     async def models() -> JSONResponse:
-        rt = state.ready() if state.runtime is None else state.runtime
-        card = ModelCard(id=rt.model_id, created=state.created, max_model_len=state.max_context)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str) -> JSONResponse:
-        rt = state.ready() if state.runtime is None else state.runtime
-        if model_id != rt.model_id:
-            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-        return JSONResponse(ModelCard(id=rt.model_id, created=state.created,
-                                      max_model_len=state.max_context).model_dump())
+        card = model_card()
+        state.check_model(model_id)
+        return JSONResponse(card.model_dump())
 
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
@@ -137,10 +134,6 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
 
 def _alternatives(prop: dict[str, Any]) -> list[dict[str, Any]]:
     return list(prop.get("anyOf", [])) or [prop]
-
-
-def server_state(app: FastAPI) -> ServerState:
-    return app.state.parley
 
 
 class BodyLimit:

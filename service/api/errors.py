@@ -2,7 +2,8 @@
 
 Every error the HTTP API answers goes through here: our own (APIError), FastAPI's validation errors (400 with
 `param` = the field), Starlette's HTTP errors (unknown routes, wrong methods, oversize bodies) and the engine's
-refusals (Rejected: 429 with Retry-After and `x-should-retry: false`, or 503 while draining).
+refusals (Rejected: 429 with Retry-After and `x-should-retry: false`, or 503 while draining) and generations that
+ended without their answer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.engine.engine import Rejected
+from service.engine.request import Delta, outcome_of
 
 log = logging.getLogger("parley.api")
 
@@ -65,6 +67,17 @@ def from_rejected(r: Rejected) -> APIError:
         headers["x-should-retry"] = "false"
         return APIError(429, r.message, code=r.reason, type="overloaded", headers=headers)
     return APIError(r.status, r.message, code=r.reason, headers=headers)
+
+
+def from_unfinished(last: Delta) -> APIError | None:
+    """A generation's last delta, when it ended without its answer: failed by the engine (500), or cancelled by the
+    server (503: a drain that ran out of time); None when it completed."""
+    outcome = outcome_of(last.finish_reason)
+    if outcome == "failed":
+        return APIError(500, f"generation failed: {last.error or 'engine error'}", code="engine_error")
+    if outcome == "cancelled":
+        return APIError(503, "the request was cancelled", code="cancelled")
+    return None
 
 
 def from_validation(exc: RequestValidationError) -> APIError:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.api.errors import APIError
+from service.api.protocol import SamplingFields
 from service.engine.request import SamplingParams
 from service.model.tokenizer import Tokenizer
 
@@ -75,9 +76,9 @@ def chat_max_tokens(requested: int | None, prompt_len: int, max_context: int) ->
     return max(1, min(DEFAULT_CHAT_MAX_TOKENS, max_context - prompt_len))
 
 
-def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, stop: tuple[str, ...],
-                    seed: int | None, ignore_eos: bool) -> SamplingParams:
-    if temperature < GREEDY_BELOW:
-        temperature = 0.0
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=max(0, top_k), seed=seed, stop=stop, ignore_eos=ignore_eos)
+def sampling_params(fields: SamplingFields, max_tokens: int) -> SamplingParams:
+    """The engine's parameters from what a request (or a realtime turn) asked for."""
+    temperature = 0.0 if fields.temperature < GREEDY_BELOW else fields.temperature
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=fields.top_p,
+                          top_k=max(0, fields.top_k), seed=fields.seed, stop=fields.stop_sequences,
+                          ignore_eos=fields.ignore_eos)

@@ -1,50 +1,39 @@
 """The OpenAI-compatible request and response models (pydantic), and the realtime WebSocket's event payloads.
 
 Requests ignore fields they do not know (OpenAI clients send many); fields Parley knows but does not support are
-accepted at their default value and refused otherwise, so that nothing a client asks for is silently dropped.
+accepted at the value that asks for nothing and refused otherwise (each endpoint's `unsupported` table), so that
+nothing a client asks for is silently dropped. The sampling fields are declared once (SamplingFields) for the HTTP
+bodies and the realtime session alike.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
+from pydantic_core import to_jsonable_python
+
+if TYPE_CHECKING:
+    from service.engine.request import Usage
 
 MAX_STOP = 4
-
-
-def only(value: Any) -> dict[str, Any]:
-    """A schema fragment: the one value (or null) a known but unsupported field accepts."""
-    return {"anyOf": [{"const": value}, {"type": "null"}]}
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-
-
-class Sampling(BaseModel):
-    """Fields both endpoints share."""
+class SamplingFields(BaseModel):
+    """The sampling fields, declared once for every endpoint: the HTTP bodies, the realtime session's settings and
+    each response.create's overrides."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # extension (vLLM): -1 or 0 = off
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
-    user: str | None = None
-    # Known but unsupported: accepted at their defaults only. The schema says so (validation is the validators').
-    n: int = Field(default=1, json_schema_extra=only(1))
-    presence_penalty: float | None = Field(default=None, json_schema_extra=only(0))
-    frequency_penalty: float | None = Field(default=None, json_schema_extra=only(0))
-    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
 
     @field_validator("stop")
     @classmethod
@@ -53,32 +42,74 @@ class Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported (one choice per request)")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported; send 0 or leave it out")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    @field_serializer("stop")
+    def _stop_list(self, v: str | list[str] | None) -> list[str]:
+        return list(self.stop_sequences)
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field Parley knows but does not support: the one value it accepts besides null (the value that asks for
+    nothing), and what a client sending another one is told."""
+
+    accepted: Any
+    message: str
+
+
+def _unsupported_in_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The schema of each unsupported field says what the table accepts: that one value, or null."""
+    for name, rule in getattr(model, "unsupported", {}).items():
+        prop = schema.get("properties", {}).get(name)
+        if prop is None:
+            continue
+        for key in ("anyOf", "type", "$ref", "items", "additionalProperties"):
+            prop.pop(key, None)
+        if rule.accepted is None:
+            prop["type"] = "null"
+        else:
+            prop["anyOf"] = [{"const": to_jsonable_python(rule.accepted)}, {"type": "null"}]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class OpenAIRequest(SamplingFields):
+    """What both HTTP endpoints take. Fields Parley knows but does not support are listed in `unsupported` (one
+    table per endpoint, checked by one validator): accepted at the value that asks for nothing, refused otherwise,
+    so that nothing a client asks for is silently dropped. Supporting one is removing its row."""
+
+    model_config = ConfigDict(json_schema_extra=_unsupported_in_schema)
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        "n": Unsupported(1, "only n=1 is supported (one choice per request)"),
+        "presence_penalty": Unsupported(0, "penalties are not supported; send 0 or leave it out"),
+        "frequency_penalty": Unsupported(0, "penalties are not supported; send 0 or leave it out"),
+        "logit_bias": Unsupported({}, "logit_bias is not supported"),
+    }
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _supported(cls, v: Any, info: ValidationInfo) -> Any:
+        rule = cls.unsupported.get(info.field_name or "")
+        if rule is not None and v is not None and v != rule.accepted:
+            raise ValueError(rule.message)
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -88,12 +119,20 @@ class Sampling(BaseModel):
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(OpenAIRequest):
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        **OpenAIRequest.unsupported,
+        "logprobs": Unsupported(None, "logprobs are not supported"),
+        "echo": Unsupported(False, "echo is not supported"),
+        "best_of": Unsupported(1, "best_of is not supported (only 1)"),
+        "suffix": Unsupported("", "suffix is not supported"),
+    }
+
     prompt: Prompt
-    logprobs: int | None = Field(default=None, json_schema_extra={"type": "null"})
-    echo: bool = Field(default=False, json_schema_extra=only(False))
-    best_of: int | None = Field(default=None, json_schema_extra=only(1))
-    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -107,34 +146,6 @@ class CompletionRequest(Sampling):
             if isinstance(v, list) and len(v) > 1 and all(isinstance(x, str | list) for x in v):
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("best_of is not supported (only 1)")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
         return v
 
     def prompt_input(self) -> str | list[int]:
@@ -194,41 +205,26 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": self.text()}
 
 
-class ChatCompletionRequest(Sampling):
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        **OpenAIRequest.unsupported,
+        "logprobs": Unsupported(False, "logprobs are not supported"),
+        "top_logprobs": Unsupported(0, "top_logprobs are not supported"),
+        "tools": Unsupported([], "tools are not supported"),
+        "response_format": Unsupported(ResponseFormat(), 'only response_format {"type": "text"} is supported'),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = Field(default=None, json_schema_extra=only(False))
-    top_logprobs: int | None = Field(default=None, json_schema_extra=only(0))
-    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("top_logprobs are not supported")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type", "text") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported")
-        return v
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -247,20 +243,14 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
     index: int = 0
-    text: str
     finish_reason: str | None = None
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+class CompletionChoice(Choice):
+    text: str
 
 
 class ChatMessageOut(BaseModel):
@@ -268,20 +258,27 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(Choice):
     message: ChatMessageOut
-    finish_reason: str | None = None
-    logprobs: None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class Completion(BaseModel):
+    """What both HTTP endpoints answer without `stream`; each names its object and the shape of its choices."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(Completion):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(Completion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class ModelCard(BaseModel):
@@ -311,27 +308,31 @@ class ErrorResponse(BaseModel):
 
 
 # -- the realtime WebSocket ------------------------------------------------------------------------------------
-class RealtimeSessionConfig(BaseModel):
-    """session.update's `session`: the defaults of every later response.create."""
+class RealtimeSessionConfig(SamplingFields):
+    """session.update's `session`: the settings every later response.create starts from (and, as its subclass
+    RealtimeResponseConfig, one response's overrides). A null leaves a setting that has no null of its own
+    (temperature, top_p, top_k, ignore_eos, chunking) as it is; where null means something (no instructions, no
+    seed, max_tokens up to the context, no stop), it sets that."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None  # if given, the served model's id
     instructions: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    ignore_eos: bool | None = None
-    chunking: Literal["none", "sentence"] | None = None
+    chunking: Literal["none", "sentence"] = "none"
 
-    @field_validator("stop")
+    @model_validator(mode="before")
     @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        return v
+    def _null_leaves_as_is(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+    def updated(self, changes: RealtimeSessionConfig) -> RealtimeSessionConfig:
+        """These settings, with what `changes` sets."""
+        return self.model_copy(update=changes.model_dump(include=SESSION_SETTINGS, exclude_unset=True))
+
+
+SESSION_SETTINGS = set(RealtimeSessionConfig.model_fields) - {"model"}
 
 
 class RealtimeResponseConfig(RealtimeSessionConfig):
@@ -339,9 +340,12 @@ class RealtimeResponseConfig(RealtimeSessionConfig):
 
     id: str | None = Field(default=None, min_length=1, max_length=128)
     input: str | list[ChatMessage]
+    # "none": an out-of-band response (OpenAI's name), e.g. a preemptive start on a partial transcript: it sees the
+    # conversation, and neither its input nor its reply joins it
+    conversation: Literal["auto", "none"] = "auto"
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+def usage_info(u: Usage) -> UsageInfo:
+    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                     total_tokens=u.prompt_tokens + u.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))

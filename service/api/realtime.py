@@ -1,13 +1,14 @@
 """/v1/realtime: one WebSocket per voice conversation, JSON events named after OpenAI's Realtime API.
 
-client → server: session.update, response.create, response.cancel
+client → server: session.update, response.create, response.cancel, conversation.item.truncate
 server → client: session.created, session.updated, response.created, response.output_text.delta, response.done,
-                 error (the socket stays open)
+                 conversation.item.truncated, error (the socket stays open)
 
 The socket owns one engine Session: every turn runs in the same KV slot, so a turn whose prompt extends the
 previous one (the conversation so far + new messages) prefills only what it adds. The server keeps the
 conversation: a turn's new messages and the assistant's reply join it when the turn completes (or, on barge-in,
-with the part of the reply that was sent).
+with the part of the reply that was sent; conversation.item.truncate then cuts it to what the caller heard:
+truncation.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
@@ -27,45 +28,19 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from service.api import prompts
 from service.api.chunking import SentenceChunker
-from service.api.errors import APIError, from_rejected, from_validation
-from service.api.protocol import RealtimeResponseConfig, RealtimeSessionConfig
-from service.api.state import ServerState
+from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
+from service.api.protocol import SESSION_SETTINGS, RealtimeResponseConfig, RealtimeSessionConfig
+from service.api.state import ServerState, server_state
 from service.api.streaming import EngineStream
+from service.api.truncation import ReplyItem, Truncate
 from service.engine.engine import Rejected
 from service.engine.kv_slots import Session
-from service.engine.request import Delta
+from service.engine.request import Delta, outcome_of
 
 log = logging.getLogger("parley.realtime")
 router = APIRouter()
 
 MAX_EVENT_CHARS = 1 << 20  # as the HTTP body limit; larger frames (up to the server's ws_max_size) get an error
-STATUS = {"stop": "completed", "length": "completed", "cancelled": "cancelled", "error": "failed"}
-
-
-@dataclass
-class Defaults:
-    """The session's settings, the defaults of each response.create."""
-
-    instructions: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False
-    chunking: str = "none"
-
-    def merged(self, cfg: RealtimeSessionConfig) -> Defaults:
-        out = Defaults(**self.__dict__)
-        for k, v in cfg.model_dump(exclude_unset=True).items():
-            if k in ("id", "input", "model"):
-                continue
-            if k == "stop":
-                v = [v] if isinstance(v, str) else list(v or [])
-            if v is not None or k in ("instructions", "seed", "max_tokens"):
-                setattr(out, k, v)
-        return out
 
 
 @dataclass
@@ -73,16 +48,8 @@ class ActiveResponse:
     id: str
     stream: EngineStream
     new_messages: list[dict[str, str]] | None
-    st: ServerState
     task: asyncio.Task[None] | None = None
-    _counted: bool = True
-
-    def end(self) -> None:
-        """Stop generating (if it still does) and stop counting it as in flight; idempotent."""
-        self.stream.cancel()
-        if self._counted:
-            self._counted = False
-            self.st.stream_ended()
+    prompt_tokens: int = 0
 
 
 @router.get("/v1/realtime", include_in_schema=False)
@@ -94,7 +61,7 @@ async def realtime_over_http() -> None:
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
-    st: ServerState = ws.app.state.parley
+    st = server_state(ws.app)
     await ws.accept()
     try:
         st.ready()
@@ -110,20 +77,20 @@ class RealtimeConnection:
         self.ws, self.st = ws, st
         self.engine = st.engine
         self.session: Session = self.engine.new_session()
-        self.defaults = Defaults()
+        self.settings = RealtimeSessionConfig()  # session.update changes them; each response.create starts there
         self.conversation: list[dict[str, str]] = []
         self.active: ActiveResponse | None = None
+        self.replies: dict[str, ReplyItem] = {}  # item id → a reply the client may truncate
         self._send_lock = asyncio.Lock()
 
     # -- the socket --------------------------------------------------------------------------------------
     async def run(self) -> None:
         try:
             await self.send({"type": "session.created", "session": self.session_info()})
-            model = self.ws.query_params.get("model")
-            if model and model != self.st.model_id:  # OpenAI's clients name the model in the URL
-                await self.error("invalid_request_error", "model_not_found",
-                                 f"the model {model!r} does not exist; this session serves {self.st.model_id!r}",
-                                 param="model")
+            try:
+                self.st.check_model(self.ws.query_params.get("model"))  # OpenAI's clients name it in the URL
+            except APIError as e:
+                await self.error(e.type, e.code, e.message, param=e.param)
             while True:
                 message = await self.ws.receive()
                 if message["type"] == "websocket.disconnect":
@@ -187,6 +154,8 @@ class RealtimeConnection:
                 await self.response_create(event, received)
             elif kind == "response.cancel":
                 await self.response_cancel(event)
+            elif kind == "conversation.item.truncate":
+                await self.item_truncate(event)
             else:
                 await self.error("invalid_request_error", "unknown_event_type", f"unknown event type {kind!r}",
                                  param="type", event_type=kind)
@@ -208,8 +177,8 @@ class RealtimeConnection:
 
     async def session_update(self, event: dict[str, Any]) -> None:
         cfg = RealtimeSessionConfig.model_validate(_object(event, "session"))
-        self.check_model(cfg.model, "session.model")
-        self.defaults = self.defaults.merged(cfg)
+        self.st.check_model(cfg.model, "session.model")
+        self.settings = self.settings.updated(cfg)
         await self.send({"type": "session.updated", "session": self.session_info()})
 
     async def response_create(self, event: dict[str, Any], received: float) -> None:
@@ -217,49 +186,38 @@ class RealtimeConnection:
             raise APIError(400, f"response {self.active.id} is still in progress: cancel it or wait for its "
                                 "response.done", code="conversation_already_has_active_response")
         cfg = RealtimeResponseConfig.model_validate(_object(event, "response"))
-        self.check_model(cfg.model, "response.model")
-        turn = self.defaults.merged(cfg)
+        self.st.check_model(cfg.model, "response.model")
+        turn = self.settings.updated(cfg)
         self.st.ready()  # 503-shaped error while draining
-        tok = self.st.tokenizer
+        tok, param = self.st.tokenizer, "response.input"
         new_messages: list[dict[str, str]] | None = None
         if isinstance(cfg.input, str):
-            ids = await prompts.encode_text(tok, cfg.input, param="response.input")
-            param = "response.input"
+            ids = await prompts.encode_text(tok, cfg.input, param=param)
         else:
             new_messages = [m.for_template() for m in cfg.input]
             system = [{"role": "system", "content": turn.instructions}] if turn.instructions else []
-            ids = await prompts.encode_messages(tok, system + self.conversation + new_messages,
-                                                param="response.input")
-            param = "response.input"
+            ids = await prompts.encode_messages(tok, system + self.conversation + new_messages, param=param)
         ctx = self.st.max_context
         max_tokens = prompts.chat_max_tokens(turn.max_tokens, len(ids), ctx)
         prompts.check_prompt(ids, self.st.vocab_size, ctx, max_tokens, param=param)
-        params = prompts.sampling_params(max_tokens, turn.temperature, turn.top_p, turn.top_k, tuple(turn.stop),
-                                         turn.seed, turn.ignore_eos)
         rid = cfg.id or f"resp_{uuid.uuid4().hex[:20]}"
         try:
-            stream = EngineStream(self.engine, ids, params, session=self.session, arrival=received)
+            stream = self.st.open_stream(ids, prompts.sampling_params(turn, max_tokens), received, param,
+                                         session=self.session)
         except Rejected as r:
             err = from_rejected(r)
             await self.error(err.type, err.code, err.message, event_type="response.create",
                              retry_after_ms=max(1, round(r.retry_after_s * 1000)), response_id=rid)
             return
-        except ValueError as e:
-            raise APIError(400, str(e), param=param, code="invalid_prompt") from e
-        self.st.stream_started()
-        active = self.active = ActiveResponse(rid, stream, new_messages, self.st)
+        joins = new_messages if cfg.conversation == "auto" else None  # out of band: the conversation stays as it is
+        active = self.active = ActiveResponse(rid, stream, joins, prompt_tokens=len(ids))
         try:
             await self.send({"type": "response.created", "response": {"id": rid, "status": "in_progress"}})
         except Exception:
-            active.end()
+            stream.close()
             self.active = None
             raise
         active.task = asyncio.create_task(self._respond(active, chunking=turn.chunking == "sentence"))
-
-    def check_model(self, model: str | None, param: str) -> None:
-        if model and model != self.st.model_id:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.st.model_id!r}",
-                           param=param, code="model_not_found")
 
     async def response_cancel(self, event: dict[str, Any]) -> None:
         rid = event.get("response_id")
@@ -272,16 +230,39 @@ class RealtimeConnection:
                            code="response_cancel_not_active")
         active.stream.cancel()  # the engine frees the slot before its next step; response.done follows
 
+    async def item_truncate(self, event: dict[str, Any]) -> None:
+        """The caller heard the reply only up to `text_end` characters: the conversation and the session's cached
+        K/V keep only that."""
+        cut = Truncate.parse(event)
+        if self.active is not None:
+            raise APIError(400, f"response {self.active.id} is still in progress: truncate after its response.done",
+                           code="response_in_progress")
+        reply = next((r for r in reversed(self.replies.values()) if cut.item_id in (r.id, r.response_id)), None)
+        if reply is None:
+            raise APIError(400, f"no assistant item {cut.item_id!r} to truncate", param="item_id",
+                           code="item_not_found")
+        if cut.text_end > len(reply.text):
+            raise APIError(400, f"text_end {cut.text_end} is beyond the {len(reply.text)} characters of the reply",
+                           param="text_end", code="text_end_out_of_range")
+        self.engine.truncate(self.session, reply.keep_tokens(cut.text_end))
+        reply.truncate(cut.text_end)
+        if reply.conversation_index is not None:
+            self.conversation[reply.conversation_index] = {"role": "assistant", "content": reply.text}
+        await self.send({"type": "conversation.item.truncated", "item_id": reply.id, "content_index": 0,
+                         "text_end": cut.text_end})
+
     # -- one response --------------------------------------------------------------------------------------
     async def _respond(self, active: ActiveResponse, chunking: bool) -> None:
         chunker = SentenceChunker() if chunking else None
         sent: list[str] = []
         last: Delta | None = None
+        reply = ReplyItem(active.id, active.prompt_tokens)
         try:
             async for d in active.stream:
                 last = d
                 if d.finish_reason in ("cancelled", "error"):
                     break
+                reply.add(d)
                 pieces = chunker.add(d.text) if chunker and d.text else ([d.text] if d.text else [])
                 if d.finish_reason is not None and chunker is not None:
                     pieces += chunker.flush()
@@ -290,17 +271,23 @@ class RealtimeConnection:
                     await self.send({"type": "response.output_text.delta", "response_id": active.id,
                                      "delta": piece})
             assert last is not None and last.finish_reason is not None
-            status = STATUS.get(last.finish_reason, "failed")
+            status = outcome_of(last.finish_reason)
             text = "".join(sent)
             if status != "failed" and active.new_messages is not None:
                 self.conversation += active.new_messages
                 if text or status == "completed":
+                    reply.conversation_index = len(self.conversation)
                     self.conversation.append({"role": "assistant", "content": text})
+            if status != "failed":
+                reply.text = text
+                self._keep(reply)
             self.active = None  # before response.done: the client may answer it with the next response.create
-            if status == "failed":  # an error event too, for clients that only watch those
-                await self.error("server_error", "engine_error", f"generation failed: {last.error or 'engine error'}",
-                                 event_type="response.create", response_id=active.id)
-            await self.send({"type": "response.done", "response": self._done(active.id, status, text, last)})
+            failure = from_unfinished(last) if status == "failed" else None
+            if failure is not None:  # an error event too, for clients that only watch those
+                await self.error(failure.type, failure.code, failure.message, event_type="response.create",
+                                 response_id=active.id)
+            await self.send({"type": "response.done", "response": self._done(active.id, status, text, last,
+                                                                              reply)})
         except Exception:  # the socket went away mid-response: stop generating
             active.stream.cancel()
             if self.active is active:
@@ -308,10 +295,16 @@ class RealtimeConnection:
             if self.ws.application_state is WebSocketState.CONNECTED:
                 log.exception("response %s failed", active.id)
         finally:
-            active.end()
+            active.stream.close()
 
-    def _done(self, rid: str, status: str, text: str, last: Delta) -> dict[str, Any]:
+    def _keep(self, reply: ReplyItem) -> None:
+        """Remember a reply for conversation.item.truncate: every one in the conversation, the last one outside it."""
+        self.replies = {k: r for k, r in self.replies.items() if r.conversation_index is not None}
+        self.replies[reply.id] = reply
+
+    def _done(self, rid: str, status: str, text: str, last: Delta, reply: ReplyItem) -> dict[str, Any]:
         out: dict[str, Any] = {"id": rid, "status": status, "output_text": text,
+                               "output": [reply.output(status)] if status != "failed" else [],
                                "finish_reason": last.finish_reason}
         if last.usage is not None:
             u = last.usage
@@ -320,7 +313,7 @@ class RealtimeConnection:
         if last.timings is not None:
             t = last.timings
             out["timings"] = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "ttft_ms": t.ttft_ms,
-                              "ttf64_ms": t.ttfn_ms, "e2e_ms": t.e2e_ms}
+                              f"ttf{self.st.sla_tokens}_ms": t.ttfn_ms, "e2e_ms": t.e2e_ms}
         if status == "failed":
             out["status_details"] = {"type": "failed", "error": {"type": "server_error", "code": "engine_error",
                                                                  "message": last.error or "generation failed"}}
@@ -335,14 +328,11 @@ class RealtimeConnection:
             active.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await active.task
-        active.end()
+        active.stream.close()
 
     def session_info(self) -> dict[str, Any]:
-        d = self.defaults
         return {"id": self.session.id, "object": "realtime.session", "model": self.st.model_id,
-                "instructions": d.instructions, "max_tokens": d.max_tokens, "temperature": d.temperature,
-                "top_p": d.top_p, "top_k": d.top_k, "stop": d.stop, "seed": d.seed, "ignore_eos": d.ignore_eos,
-                "chunking": d.chunking, "max_context": self.st.max_context}
+                **self.settings.model_dump(include=SESSION_SETTINGS), "max_context": self.st.max_context}
 
 
 def _object(event: dict[str, Any], key: str) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from types import FrameType
 
 import uvicorn
 
-from service.api.app import MAX_BODY_BYTES, create_app, server_state
-from service.api.state import ServerState
+from service.api.app import MAX_BODY_BYTES, create_app
+from service.api.state import ServerState, server_state
 from service.config import ServeConfig
 from service.runtime import build_engine, settle_process
 
@@ -56,9 +56,7 @@ class ParleyServer(uvicorn.Server):
                      s.running, s.waiting, self.drain_timeout_s)
             t0 = time.monotonic()
             done = engine.drain(self.drain_timeout_s)
-            end = time.monotonic() + STREAMS_GRACE_S
-            while self.state.inflight > 0 and time.monotonic() < end:
-                time.sleep(0.02)
+            self.state.wait_streams(STREAMS_GRACE_S)
             if done:
                 log.info("drained in %.1f s", time.monotonic() - t0)
             else:
@@ -75,14 +73,14 @@ class ParleyServer(uvicorn.Server):
                      self.state.max_context)
 
 
-def serve(cfg: ServeConfig, log_level: str = "info", access_log: bool = False) -> int:
+def serve(cfg: ServeConfig) -> int:
     """Run `parley serve` until SIGTERM/SIGINT; the exit status."""
     check_port(cfg.host, cfg.port)  # before minutes of loading, not after
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
     app = create_app(lambda: settle_process(build_engine(cfg)))
     state = server_state(app)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
-                            log_level=log_level, access_log=access_log, ws_max_size=WS_MAX_BYTES,
+                            log_level=cfg.log_level, access_log=cfg.access_log, ws_max_size=WS_MAX_BYTES,
                             timeout_graceful_shutdown=None)
     server = ParleyServer(config, state, cfg.drain_timeout_s)
     server.run()

@@ -27,11 +27,13 @@ class EngineStream:
     """One submitted request, its deltas readable with `async for` (the last one carries finish_reason)."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
-                 session: Session | None = None, arrival: float | None = None) -> None:
+                 session: Session | None = None, arrival: float | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.finished = False
+        self._on_close = on_close
         # Raises Rejected (refused) or ValueError (bad input) before anything is queued.
         self.request: Request = engine.submit(prompt_ids, params, self._sink, session=session,
                                               arrival=arrival if arrival is not None else time.perf_counter())
@@ -54,6 +56,19 @@ class EngineStream:
         """Free the slot before the next step (idempotent; a finished request is left alone)."""
         if not self.finished:
             self.engine.cancel(self.request)
+
+    def close(self) -> None:
+        """Done with it: cancelled if it still runs, and `on_close` called (once; idempotent)."""
+        self.cancel()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Returns once the HTTP client has gone away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
@@ -95,11 +110,8 @@ class SSEResponse(Response):
                         tg.cancel_scope.cancel()
 
                 async def watch_disconnect() -> None:
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            tg.cancel_scope.cancel()
-                            return
+                    await until_disconnect(receive)
+                    tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
                 tg.start_soon(watch_disconnect)

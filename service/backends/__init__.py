@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from service.backend_names import BACKENDS, WEIGHT_FORMATS
 from service.backends.decoder import Decoder
 from service.model.config import ModelConfig
 from service.model.weights import ModelWeights
-
-BACKENDS = ("auto", "reference", "megakernel")
 
 
 def resolve_backend(backend: str) -> str:
@@ -26,15 +25,29 @@ def resolve_backend(backend: str) -> str:
 
 
 def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_slots: int, max_context: int,
-                 device: str | None = None) -> Decoder:
+                 device: str | None = None, weight_format: str = "bf16", max_batch: int | None = None,
+                 batch_invariant: bool = False) -> Decoder:
+    """The backend's decoder over `max_slots` KV slots. weight_format "fp8": the matrices in FP8 (e4m3, a scale per
+    output row; service/model/fp8.py): the megakernel streams them, the reference decoder runs their dequantized
+    values (the same function, at bf16 bytes). batch_invariant: the megakernel pads every batch to the largest
+    bucket, so a sequence's tokens never depend on the batch it ran in (costs the padding at small batches)."""
     backend = resolve_backend(backend)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if backend == "megakernel":
         if device == "cpu":
             raise ValueError("the megakernel backend needs a CUDA GPU; use --backend reference on the CPU")
+        from kernels.megakernel import KernelConfig
         from service.backends.megakernel import MegakernelDecoder
 
-        return MegakernelDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device)
+        return MegakernelDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device,
+                                 weight_format=weight_format, max_batch=max_batch,
+                                 kernel_config=KernelConfig(batch_invariant=batch_invariant))
     from service.backends.reference import ReferenceDecoder
 
+    if weight_format == "fp8":
+        from service.model.fp8 import quantize_model
+
+        weights = quantize_model(weights, weights.embed.dtype).dequantized
     return ReferenceDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device)

@@ -40,6 +40,9 @@ class Decoder(Protocol):
         writing their K/V. Returns the float32 logits [vocab] of the last token."""
         ...
 
+    slow_prefills: int  # prefills that took a slow path (on a GPU: eager, not a captured graph), exported as
+    # parley_prefill_slow_path_total
+
     draws_tokens: bool  # whether decode() honours `draws` (returns `sampled`) and draw() exists
 
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],

@@ -32,6 +32,10 @@ class FaultInjectingDecoder:
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         return self.inner.prefill(slot, token_ids, start_pos)
 
+    @property
+    def slow_prefills(self) -> int:
+        return self.inner.slow_prefills
+
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
                draws: list[Draw] | None = None) -> DecodeOutput:
         if self.armed:

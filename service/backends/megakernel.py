@@ -1,8 +1,9 @@
 """The megakernel backend: one persistent Triton launch per decode step (kernels/), behind the Decoder interface.
 
 Prefill stays in PyTorch (the ReferenceDecoder, compute-bound work that cuBLAS and SDPA do well), writing into
-the same KV cache the kernel reads. The weights are packed once into the layer-stacked layout the kernel reads;
-the reference decoder sees views of those same tensors, so nothing is stored twice.
+the same KV cache the kernel reads. The weights are packed once into the layer-stacked layout the kernel reads
+(service/backends/packing.py); with bf16 weights the reference decoder sees views of those same tensors, with FP8
+it runs on their dequantized copy.
 
 Decode pads the batch to the next bucket (1, 2, 4, 8, 16) with rows that write into a spare scratch slot, and
 on a GPU replays one CUDA graph per bucket.
@@ -10,6 +11,7 @@ on a GPU replays one CUDA graph per bucket.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 from typing import TYPE_CHECKING
@@ -19,61 +21,16 @@ import torch
 from service.backends.decoder import DecodeOutput, Draw
 from service.backends.reference import ReferenceDecoder
 from service.model.config import ModelConfig
-from service.model.weights import LayerWeights, ModelWeights
+from service.model.weights import ModelWeights
 
 if TYPE_CHECKING:
+    from kernels.instructions import ModelDims
     from kernels.megakernel import KernelConfig, PackedWeights
 
 
 def megakernel_available() -> bool:
     """True where the megakernel can run: a CUDA device and an importable Triton. Cheap: compiles nothing."""
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
-
-
-def pack_weights(config: ModelConfig, weights: ModelWeights, device: torch.device,
-                 dtype: torch.dtype) -> tuple[PackedWeights, ModelWeights]:
-    """The kernel's layer-stacked tensors, and a ModelWeights made of views into them (for the prefill)."""
-    from kernels.megakernel import PackedWeights
-
-    c = config
-    q, kv = c.q_size, c.kv_size
-
-    def stack(ts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([t.to(device, dtype) for t in ts]).contiguous()
-
-    layers = weights.layers
-    packed = PackedWeights(
-        embed=weights.embed.to(device, dtype).contiguous(),
-        wqkv=stack([torch.cat([lw.wq, lw.wk, lw.wv]) for lw in layers]),
-        bqkv=stack([torch.cat([lw.bq, lw.bk, lw.bv]) for lw in layers]) if c.qkv_bias else None,
-        wo=stack([lw.wo for lw in layers]),
-        w_gate=stack([lw.w_gate for lw in layers]),
-        w_up=stack([lw.w_up for lw in layers]),
-        w_down=stack([lw.w_down for lw in layers]),
-        attn_norm=stack([lw.attn_norm for lw in layers]),
-        mlp_norm=stack([lw.mlp_norm for lw in layers]),
-        final_norm=weights.final_norm.to(device, dtype).contiguous(),
-        lm_head=None,  # type: ignore[arg-type]
-    )
-    tied = weights.lm_head is weights.embed
-    packed.lm_head = packed.embed if tied else weights.lm_head.to(device, dtype).contiguous()
-    views = ModelWeights(
-        embed=packed.embed,
-        layers=[
-            LayerWeights(
-                attn_norm=packed.attn_norm[i], wq=packed.wqkv[i, :q], wk=packed.wqkv[i, q:q + kv],
-                wv=packed.wqkv[i, q + kv:], wo=packed.wo[i], mlp_norm=packed.mlp_norm[i], w_gate=packed.w_gate[i],
-                w_up=packed.w_up[i], w_down=packed.w_down[i],
-                bq=packed.bqkv[i, :q] if c.qkv_bias else None,
-                bk=packed.bqkv[i, q:q + kv] if c.qkv_bias else None,
-                bv=packed.bqkv[i, q + kv:] if c.qkv_bias else None,
-            )
-            for i in range(c.num_layers)
-        ],
-        final_norm=packed.final_norm,
-        lm_head=packed.lm_head,
-    )
-    return packed, views
 
 
 class MegakernelDecoder:
@@ -83,16 +40,25 @@ class MegakernelDecoder:
     def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
                  num_programs: int | None = None, kernel_config: KernelConfig | None = None,
-                 use_cuda_graphs: bool | None = None) -> None:
+                 use_cuda_graphs: bool | None = None, weight_format: str = "bf16",
+                 max_batch: int | None = None) -> None:
         from kernels.instructions import ModelDims
         from kernels.megakernel import Megakernel
+        from service.backends.packing import pack_fp8, pack_weights
+        from service.model.fp8 import quantize_model
 
         self.config = config
         self.max_slots = max_slots
         self.max_context = max_context
         self.device = torch.device(device)
         self.dtype = dtype
-        packed, views = pack_weights(config, weights, self.device, dtype)
+        self.weight_format = weight_format
+        if weight_format == "fp8":
+            quantized = quantize_model(weights, dtype)
+            packed = pack_fp8(config, quantized, self.device, dtype)
+            views = quantized.dequantized.to(self.device, dtype)
+        else:
+            packed, views = pack_weights(config, weights, self.device, dtype)
         # one slot more than asked: the scratch slot that padding rows write into
         self.reference = ReferenceDecoder(config, views, max_slots + 1, max_context, self.device, dtype)
         self.scratch_slot = max_slots
@@ -101,11 +67,17 @@ class MegakernelDecoder:
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
             vocab=config.vocab_size, rms_eps=config.rms_norm_eps, qkv_bias=config.qkv_bias,
         )
+        self._build_kernel(dims, packed, self.bucket_of(max_batch or max_slots, Megakernel.BUCKETS), num_programs,
+                           kernel_config, use_cuda_graphs)
+
+    def _build_kernel(self, dims: ModelDims, packed: PackedWeights, max_batch: int, num_programs: int | None,
+                      kernel_config: KernelConfig | None, use_cuda_graphs: bool | None) -> None:
+        from kernels.megakernel import Megakernel
+
         cache = self.reference.cache
         self.kernel = Megakernel(dims, packed, cache.k, cache.v, self.reference.cos, self.reference.sin,
-                                 max_batch=max(Megakernel.BUCKETS), num_programs=num_programs,
-                                 config=kernel_config)
-        self.buckets = Megakernel.BUCKETS
+                                 max_batch=max_batch, num_programs=num_programs, config=kernel_config)
+        self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.max_batch)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # one host buffer for the int32 input rows (tokens, slots, positions, the draw's three), one transfer
@@ -118,12 +90,30 @@ class MegakernelDecoder:
         self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs[:3].unbind(0)
         self.kernel.draw = self._inputs[3:]
 
+    def with_kernel_config(self, kernel_config: KernelConfig, use_cuda_graphs: bool | None = None
+                           ) -> MegakernelDecoder:
+        """The same weights, cache and prefill under another kernel configuration (benchmarks compare variants
+        without a copy of the model each)."""
+        other = copy.copy(self)
+        k = self.kernel
+        other._build_kernel(k.dims, k.w, k.max_batch, k.num_programs, kernel_config, use_cuda_graphs)
+        return other
+
     # -- the Decoder interface ------------------------------------------------------------------------
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         return self.reference.prefill(slot, token_ids, start_pos)
 
+    @property
+    def slow_prefills(self) -> int:
+        return self.reference.slow_prefills
+
     def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+        return self.bucket_of(n, self.buckets)
+
+    @staticmethod
+    def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
+        """The smallest bucket that holds n rows (the largest bucket for more: decode runs those in pieces)."""
+        return next((b for b in buckets if b >= n), buckets[-1])
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],

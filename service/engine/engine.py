@@ -13,47 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from service.backends.decoder import DecodeOutput, Decoder, Draw
+from service.backends.decoder import Decoder
+from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.kv_slots import Session
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams, State, outcome_of
-from service.engine.sampling import sample, sample_on_device, sample_one, untruncated
+from service.engine.sampler import Sampler, SamplingError, StepTokens
 from service.engine.scheduler import Scheduler
+from service.engine.slow_steps import SlowSteps
 from service.metrics import Metrics
 from service.model.tokenizer import Tokenizer
 
 log = logging.getLogger("parley.engine")
-
-SLOW_STEP_S = 0.05
-
-
-class Rejected(Exception):
-    """Not admitted: answer at once, without spending a prefill."""
-
-    def __init__(self, reason: str, message: str, retry_after_s: float = 1.0, status: int = 429) -> None:
-        super().__init__(message)
-        self.reason, self.message, self.retry_after_s, self.status = reason, message, retry_after_s, status
-
-
-class Admission:
-    """Admit everything, each with the SLA deadline (the admission controller refines this)."""
-
-    def __init__(self, sla_s: float) -> None:
-        self.sla_s = sla_s
-
-    def check(self, req: Request, engine: Engine) -> None:
-        req.deadline = req.arrival + self.sla_s
-
-    def release(self, req: Request) -> None: ...
-
-    def headroom(self, now: float) -> float:
-        return self.sla_s
-
-    def observe_step(self, batch: int, seconds: float) -> None: ...
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None: ...
-
-    def observe_nth(self, req: Request, at: float) -> None: ...
 
 
 @dataclass
@@ -61,11 +32,7 @@ class _Step:
     """A launched decode step whose tokens have not been read back yet."""
 
     batch: list[Request]
-    out: DecodeOutput
-    decided: list[bool]  # rows whose token the decoder chose (greedy, or drawn inside the step)
-    chosen: torch.Tensor | None  # the next tokens, chosen on the device (None: sample on the host)
-    host_tokens: torch.Tensor | None  # `chosen` copied to the host, there once `ready` has fired
-    ready: torch.cuda.Event | None
+    tokens: StepTokens
     t0: float
 
 
@@ -85,7 +52,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.metrics = metrics or Metrics(sla_tokens)
-        self.admission = admission or Admission(sla_ms / 1e3)
+        self.admission: Admission = admission or AdmitAll(sla_ms / 1e3)
+        self.sampler = Sampler(decoder)
         self.sla_s, self.sla_tokens = sla_ms / 1e3, sla_tokens
         self.max_waiting = max_waiting
         self.wedge_timeout_s = wedge_timeout_s
@@ -105,6 +73,8 @@ class Engine:
         self.overlap = decoder.device.type == "cuda"  # run a step ahead (see _decode_step)
         self._inflight: _Step | None = None
         self._last_completed = 0.0
+        self._slow_steps = SlowSteps()
+        self._slow_prefills = 0  # the decoder's count, as last exported
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
         self.metrics.sla_seconds.set(self.sla_s)
@@ -163,9 +133,10 @@ class Engine:
             if self.stats.waiting >= self.max_waiting:
                 self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
             try:
-                self.admission.check(req, self)
+                self.admission.check(req)
             except Rejected as r:
                 self._reject(req, r)
+            self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
             self.stats.waiting += 1
             self.metrics.waiting.set(self.stats.waiting)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -244,11 +215,7 @@ class Engine:
         self._busy_since = time.monotonic()
         try:
             logits = self.decoder.prefill(req.slot, req.prompt_ids[start:], start)
-            if self._drawn_in_step(req):  # the decoder's own draw, keyed like the steps that follow
-                draw = Draw(req.params.temperature, req.draw_seed)
-                token = int(self.decoder.draw(logits[None], [draw], [len(req.prompt_ids) - 1])[0])
-            else:
-                token = sample_one(logits, req)
+            token = self.sampler.first(logits, req)  # reading it back waits for the prefill to run
         except Exception as e:  # a fault fails this request only; the engine goes on
             log.exception("prefill failed for %s", req.id)
             self._finish(req, "error", error=f"prefill failed: {e}")
@@ -261,6 +228,10 @@ class Engine:
         self.metrics.prefill_time.observe(req.prefill_end - req.prefill_start)
         self.metrics.prefilled_tokens.inc(n)
         self.admission.observe_prefill(n, req.prefill_end - req.prefill_start)
+        slow = self.decoder.slow_prefills
+        if slow > self._slow_prefills:
+            self.metrics.prefill_slow_path.inc(slow - self._slow_prefills)
+            self._slow_prefills = slow
         req.kv_len = len(req.prompt_ids)
         self.scheduler.start(req)
         self._emit_or_fail(req, token)
@@ -273,8 +244,8 @@ class Engine:
         batch = list(self.scheduler.running)
         pending, self._inflight = self._inflight, None
         if pending is not None:
-            if pending.batch == batch and pending.chosen is not None and self._can_run_ahead(batch):
-                self._inflight = self._launch(batch, pending.chosen, [r.kv_len + 1 for r in batch])
+            if pending.batch == batch and pending.tokens.ahead and self._can_run_ahead(batch):
+                self._inflight = self._launch(batch, pending.tokens.chosen, [r.kv_len + 1 for r in batch])
                 self._complete(pending)
                 return
             self._complete(pending)
@@ -284,24 +255,15 @@ class Engine:
         launched = self._launch(batch, [r.output_ids[-1] for r in batch], [r.kv_len for r in batch])
         if launched is None:
             return
-        if launched.chosen is not None:
+        if launched.tokens.ahead:
             self._inflight = launched
         else:
             self._complete(launched)
 
     def _can_run_ahead(self, batch: list[Request]) -> bool:
-        """Whether the next tokens can be chosen on the device (greedy, drawn by the decoder, or sampling with no
-        seed to honour) and one more position fits every sequence."""
-        if not self.overlap:
-            return False
+        """Whether the next tokens can be chosen on the device and one more position fits every sequence."""
         ctx = self.decoder.max_context
-        return all((r.params.greedy or r.params.seed is None or self._drawn_in_step(r)) and r.kv_len + 2 < ctx
-                   for r in batch)
-
-    def _drawn_in_step(self, req: Request) -> bool:
-        """A sampled request whose tokens the decoder draws inside its step (no truncation to apply); keyed by
-        the request's seed and position, so a seed reproduces whatever the batch."""
-        return self.decoder.draws_tokens and not req.params.greedy and untruncated(req.params)
+        return self.overlap and self.sampler.on_device(batch) and all(r.kv_len + 2 < ctx for r in batch)
 
     def _launch(self, batch: list[Request], tokens: list[int] | torch.Tensor, positions: list[int]) -> _Step | None:
         t0 = time.perf_counter()
@@ -312,51 +274,38 @@ class Engine:
         self._busy_since = time.monotonic()
         try:
             slots = [r.slot for r in batch]
-            drawn = [self._drawn_in_step(r) for r in batch]
-            if any(drawn):
-                draws = [Draw(r.params.temperature if d else 0.0, r.draw_seed) for r, d in zip(batch, drawn)]
-                out = self.decoder.decode(slots, tokens, positions, draws)
-                base = out.sampled
-            else:
+            draws = self.sampler.draws(batch)
+            if draws is None:
                 out = self.decoder.decode(slots, tokens, positions)
-                base = out.argmax
-            decided = [r.params.greedy or d for r, d in zip(batch, drawn)]
-            chosen, host, ready = None, None, None
-            if self._can_run_ahead(batch):
-                # choose on the device and start the tokens' trip to the host now; _complete waits for this step
-                chosen = host = sample_on_device(out.logits, base, batch, decided=decided)
-                if chosen.is_cuda:
-                    host, ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
-                    ready.record()
+            else:
+                out = self.decoder.decode(slots, tokens, positions, draws)
+            # running ahead: the tokens are chosen on the device now; _complete waits for them
+            next_tokens = self.sampler.step(out, batch, ahead=self._can_run_ahead(batch))
         except Exception as e:  # fail the requests of this step, keep serving the rest
             self._fail_step(batch, e)
             return None
         finally:
             self._busy_since = None
-        return _Step(batch, out, decided, chosen, host, ready, t0)
+        return _Step(batch, next_tokens, t0)
 
     def _complete(self, step: _Step) -> None:
         """Read a launched step's tokens back and stream them."""
         self._busy_since = time.monotonic()
         try:
-            if step.host_tokens is not None:
-                if step.ready is not None:
-                    step.ready.synchronize()
-                tokens = step.host_tokens.tolist()
-            else:
-                base = step.out.sampled if step.out.sampled is not None else step.out.argmax
-                tokens = sample(step.out.logits, base, step.batch, step.decided)
+            step.tokens.read()
         except Exception as e:
             self._fail_step(step.batch, e)
             return
         finally:
             self._busy_since = None
-        for req, token in zip(step.batch, tokens):
+        for i, req in enumerate(step.batch):
             if req.state is State.FINISHED:  # cancelled, or ended while this step ran ahead: its token is void
                 continue
-            if isinstance(token, Exception):  # this request's sampling failed: fail it alone
-                log.error("sampling failed for %s: %s", req.id, token)
-                self._finish(req, "error", error=f"sampling failed: {token}")
+            try:
+                token = step.tokens.token(i)
+            except SamplingError as e:  # this request's sampling failed: fail it alone
+                log.error("sampling failed for %s: %s", req.id, e)
+                self._finish(req, "error", error=f"sampling failed: {e}")
                 continue
             req.kv_len += 1
             self._emit_or_fail(req, token)
@@ -366,8 +315,7 @@ class Engine:
         dt = now - max(step.t0, self._last_completed)
         self._last_completed = now
         self.metrics.decode_step.labels(batch_size=str(len(step.batch))).observe(dt)
-        if dt > SLOW_STEP_S:  # every stream stalled this long: say so, it is what a client notices
-            log.warning("a decode step of %d took %.0f ms", len(step.batch), dt * 1e3)
+        self._slow_steps.observe(len(step.batch), dt)
 
     def _fail_step(self, batch: list[Request], e: Exception) -> None:
         log.exception("decode step failed")

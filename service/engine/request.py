@@ -8,10 +8,14 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from service.engine.output import TextOutput
+
+if TYPE_CHECKING:
+    from service.engine.sampler import TokenConstraint
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,9 @@ class Timings:
     queue_ms: float | None = None
     prefill_ms: float | None = None
     ttft_ms: float | None = None
-    ttfn_ms: float | None = None  # time to the SLA's token (the 64th by default)
+    ttfn_ms: float | None = None  # time to token n (the last one, for requests of fewer tokens)
     e2e_ms: float | None = None
+    n: int = 64  # the N of ttfn_ms: --sla-tokens
 
 
 @dataclass
@@ -93,6 +98,7 @@ class Request:
     kv_len: int = 0  # positions of this request's slot holding valid K/V
     cancelled: bool = False
     generator: torch.Generator | None = None
+    constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)
     draw_seed: int = field(default_factory=lambda: random.getrandbits(63))  # keys draws made inside a step
     prefill_start: float | None = None
     prefill_end: float | None = None
@@ -119,6 +125,7 @@ class Request:
             ttft_ms=ms(self.first_token_at),
             ttfn_ms=ms(self.nth_token_at),
             e2e_ms=ms(now),
+            n=self.sla_tokens,
         )
 
     def usage(self) -> Usage:

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.model.config import ModelConfig, ModelError, RopeScaling
+from service.model.fp8 import Fp8Matrix, from_checkpoint
 from service.model.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from service.model.weights import LayerWeights, ModelWeights
 
@@ -85,6 +86,20 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]
             raise ModelError(f"{path}: tensor {name!r} is missing")
         return tensors[name]
 
+    fp8: dict[str, Fp8Matrix] = {}
+
+    def matrix(name: str, key: str) -> torch.Tensor:
+        """A linear layer's weight; one stored in FP8 (with its `weight_scale`) is kept as such in `fp8` and
+        returned dequantized."""
+        w = take(name)
+        if w.dtype != torch.float8_e4m3fn:
+            return w
+        try:
+            fp8[key] = from_checkpoint(w, take(name.removesuffix("weight") + "weight_scale"))
+        except ValueError as e:
+            raise ModelError(f"{path}: {name}: {e}") from e
+        return fp8[key].dequantize(torch.float32)
+
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
@@ -92,14 +107,14 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]
         layers.append(
             LayerWeights(
                 attn_norm=take(p + "input_layernorm.weight"),
-                wq=take(p + "self_attn.q_proj.weight"),
-                wk=take(p + "self_attn.k_proj.weight"),
-                wv=take(p + "self_attn.v_proj.weight"),
-                wo=take(p + "self_attn.o_proj.weight"),
+                wq=matrix(p + "self_attn.q_proj.weight", p + "wq"),
+                wk=matrix(p + "self_attn.k_proj.weight", p + "wk"),
+                wv=matrix(p + "self_attn.v_proj.weight", p + "wv"),
+                wo=matrix(p + "self_attn.o_proj.weight", p + "wo"),
                 mlp_norm=take(p + "post_attention_layernorm.weight"),
-                w_gate=take(p + "mlp.gate_proj.weight"),
-                w_up=take(p + "mlp.up_proj.weight"),
-                w_down=take(p + "mlp.down_proj.weight"),
+                w_gate=matrix(p + "mlp.gate_proj.weight", p + "w_gate"),
+                w_up=matrix(p + "mlp.up_proj.weight", p + "w_up"),
+                w_down=matrix(p + "mlp.down_proj.weight", p + "w_down"),
                 bq=bias("q"),
                 bk=bias("k"),
                 bv=bias("v"),
@@ -111,6 +126,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]
         embed=embed,
         layers=layers,
         final_norm=take("norm.weight"),
-        lm_head=embed if tied else take("lm_head.weight"),
+        lm_head=embed if tied else matrix("lm_head.weight", "lm_head"),
+        fp8=fp8 or None,
     )
     return config, weights, tokenizer_from_hf_dir(path)

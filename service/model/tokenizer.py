@@ -1,19 +1,20 @@
 """Tokenizer: Hugging Face `tokenizers` for text ↔ ids, the model's chat template, and an incremental
-detokenizer that turns a stream of ids into text without ever splitting a UTF-8 sequence or losing a byte."""
+detokenizer (the library's DecodeStream, through the tokenizer's own decoders) that turns a stream of ids into text
+without ever splitting a UTF-8 sequence or losing a byte. Special tokens are never shown to users."""
 
 from __future__ import annotations
 
-import codecs
 import json
 from collections.abc import Sequence
 from datetime import datetime
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders
+from tokenizers.decoders import DecodeStream
 
 LONG_TEXT_CHARS = 1024
 
@@ -22,20 +23,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte (what a ByteLevel token string is spelled in) → the byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
 
 
 class Tokenizer:
@@ -52,7 +39,9 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.token_bytes = self._token_bytes()
+        # What ids past the tokenizer's vocabulary read as (id vocab_size + i), where a model's embedding is larger
+        # than its tokenizer's vocabulary; decoding skips those ids otherwise.
+        self.extra_tokens: list[str] = []
         # The environment transformers renders chat templates in: {% break %}/{% continue %}, a `tojson` that
         # neither escapes HTML nor sorts keys, and `strftime_now` (Llama-3.x templates print today's date).
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -64,25 +53,6 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), **kwargs)
-
-    def _token_bytes(self) -> list[bytes]:
-        """The bytes each id stands for; special tokens stand for none (they are never shown to users)."""
-        vocab = self.hf.get_vocab(with_added_tokens=True)
-        size = max(vocab.values()) + 1
-        table = [b""] * size
-        special = {t.content for t in self.hf.get_added_tokens_decoder().values() if t.special}
-        byte_level = isinstance(self.hf.decoder, decoders.ByteLevel)
-        alphabet = _byte_level_alphabet()
-        for piece, i in vocab.items():
-            if piece in special:
-                continue
-            if byte_level and all(c in alphabet for c in piece):
-                table[i] = bytes(alphabet[c] for c in piece)
-            elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
-                table[i] = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
-            else:
-                table[i] = piece.replace("\u2581", " ").encode()
-        return table
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain text; the tokenizer's post-processor adds a BOS where the model wants one."""
@@ -96,9 +66,14 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return b"".join(self.token_bytes[i] for i in ids if 0 <= i < len(self.token_bytes)).decode(
-            "utf-8", errors="replace"
-        )
+        """The text of `ids` as users see it: special tokens left out, ids past the vocabulary as extra_tokens."""
+        return "".join(self.hf.decode(list(run), skip_special_tokens=True) if known else "".join(map(self.extra, run))
+                       for known, run in groupby(ids, key=lambda i: 0 <= i < self.vocab_size))
+
+    def extra(self, token_id: int) -> str:
+        """What an id outside the vocabulary reads as: its extra token, or nothing."""
+        i = token_id - self.vocab_size
+        return self.extra_tokens[i] if 0 <= i < len(self.extra_tokens) else ""
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self._template.render(
@@ -114,7 +89,7 @@ class Tokenizer:
         return self._encode(text, add_special_tokens=False)
 
     def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.token_bytes)
+        return IncrementalDetokenizer(self)
 
 
 def _raise_template_error(message: str) -> None:
@@ -131,19 +106,30 @@ def _strftime_now(fmt: str) -> str:
 
 
 class IncrementalDetokenizer:
-    """Ids in, text out, one token at a time. A multi-byte character split across tokens is held back until
-    its last byte arrives; `flush` hands over whatever is left (invalid bytes as U+FFFD), so nothing is lost."""
+    """Ids in, text out, one token at a time, through the library's DecodeStream: a multi-byte character split
+    across tokens is held back until its last byte arrives; `flush` hands over whatever is left (invalid bytes as
+    U+FFFD), so nothing is lost. Ids past the vocabulary read as the tokenizer's extra_tokens (or as nothing)."""
 
-    def __init__(self, token_bytes: list[bytes]) -> None:
-        self._bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._held: list[int] = []  # ids the stream has not turned into text yet
 
     def add(self, token_id: int) -> str:
-        piece = self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
-        return self._utf8.decode(piece)
+        tok = self._tokenizer
+        if not 0 <= token_id < tok.vocab_size:
+            return tok.extra(token_id)
+        text = self._stream.step(tok.hf, token_id)
+        if text is None:
+            self._held.append(token_id)
+            return ""
+        self._held.clear()
+        return text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        # The stream holds ids back until they end in a whole character; what it still holds decodes on its own.
+        held, self._held = self._held, []
+        return self._tokenizer.decode(held) if held else ""
 
 
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:

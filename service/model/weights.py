@@ -8,8 +8,12 @@ rotate-half RoPE layout that Hugging Face checkpoints use (GGUF's interleaved ro
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from service.model.fp8 import Fp8Matrix
 
 
 @dataclass
@@ -41,6 +45,9 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    # a checkpoint shipped in FP8: its own matrices ("layers.{i}.wq", ..., "lm_head"), which the tensors above hold
+    # dequantized (service/model/fp8.py)
+    fp8: dict[str, Fp8Matrix] | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> ModelWeights:
         tied = self.lm_head is self.embed
@@ -50,6 +57,7 @@ class ModelWeights:
             layers=[layer.to(device, dtype) for layer in self.layers],
             final_norm=self.final_norm.to(device, dtype),
             lm_head=embed if tied else self.lm_head.to(device, dtype),
+            fp8=None if self.fp8 is None else {k: m.to(device) for k, m in self.fp8.items()},
         )
 
     def nbytes(self) -> int:

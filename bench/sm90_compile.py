@@ -1,0 +1,142 @@
+"""Compile the megakernel for the H100 (sm_90) on a machine with no GPU, and say what the compiler made of it.
+
+    python bench/sm90_compile.py [--model llama-3.2-1b] [--batch 1] [--weights bf16|fp8] [--variant NAME]
+                                 [--dump DIR]
+
+Triton compiles for a named target without a device, and its bundled ptxas and cuobjdump report registers, spills
+and shared memory; the PTX says which load instructions the weight streams became (cp.async, bulk tensor copies)
+and how deep they are pipelined. A GPU call costs minutes of a budget; a compile error or a spill costs nothing here.
+The arguments are the ones Megakernel.step passes, captured from a step built on the CPU with tiny layer counts
+(shapes, not sizes, decide the code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
+
+
+def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
+    """The (kernel, args, kwargs) that Megakernel.step would launch for this model and batch bucket."""
+    import bench.decode as decode  # the variants table
+    from kernels import megakernel as mk
+    from service.backends.megakernel import MegakernelDecoder
+    from service.model.synthetic import load_synthetic
+
+    config, w, _ = load_synthetic(model, dtype=torch.bfloat16, num_layers=2)
+    cfg = decode.VARIANTS[variant](weights == "fp8")
+    captured = {}
+
+    class Launcher:
+        def __init__(self, fn: object) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid: object):  # noqa: ANN204
+            def launch(*args: object, **kwargs: object) -> None:
+                captured["call"] = (self.fn, args, kwargs)
+            return launch
+
+    real = mk.megakernel
+    mk.megakernel = Launcher(real)  # type: ignore[assignment]
+    try:
+        dec = MegakernelDecoder(config, w, max_slots=batch, max_context=256, device="cpu", kernel_config=cfg,
+                                use_cuda_graphs=False, weight_format=weights, num_programs=132)
+        dec.kernel.step(dec.bucket(batch))
+    finally:
+        mk.megakernel = real
+    return captured["call"]
+
+
+def compile_sm90(fn, args: tuple, kwargs: dict):  # noqa: ANN001, ANN201
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig, constexprs, attrs = {}, {}, {}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    kwargs.pop("launch_cooperative_grid", None)
+    values = dict(zip(names, args)) | kwargs
+    def typ(v: object) -> str:
+        if isinstance(v, torch.Tensor):
+            return "*" + TYPES[v.dtype]
+        if isinstance(v, bool):
+            return "i1"
+        if isinstance(v, int):
+            return "i32" if -2**31 <= v < 2**31 else "i64"
+        if isinstance(v, float):
+            return "fp32"
+        if hasattr(v, "block_shape"):  # a host-side TensorDescriptor
+            return f"tensordesc<{TYPES[v.base.dtype]}{list(v.block_shape)}>"
+        raise TypeError(type(v))
+
+    def aligned(i: int, v: object) -> None:  # what the launcher specialises on real, 16-byte aligned tensors
+        if isinstance(v, torch.Tensor):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, tuple):
+            for j, x in enumerate(v):
+                if isinstance(x, torch.Tensor):
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+
+    for i, name in enumerate(names):
+        v = values[name]
+        if fn.params[i].is_constexpr:
+            sig[name], constexprs[(i,)] = "constexpr", v
+        else:
+            sig[name] = tuple(typ(x) for x in v) if isinstance(v, tuple) else typ(v)
+            aligned(i, v)
+    src = ASTSource(fn=fn, signature=sig, constexprs={names[k[0]]: v for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def report(compiled, dump: Path | None) -> dict:  # noqa: ANN001
+    import triton
+
+    ptx = compiled.asm["ptx"]
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cubin = Path("/tmp/parley-megakernel.cubin")
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
+                           text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    out = {"registers": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(4))} if m else {}
+    out["shared"] = compiled.metadata.shared
+    for what, pat in (("cp.async", r"cp\.async\.(?:cg|ca)\.shared\.global"),
+                      ("cp.async.bulk.tensor", r"cp\.async\.bulk\.tensor"),
+                      ("cp.async.wait_group", r"cp\.async\.wait_group"),
+                      ("mbarrier.try_wait", r"mbarrier\.try_wait"),
+                      ("ld.global (plain)", r"\bld\.global\.(?!nc)"), ("mma", r"\bmma\.sync"),
+                      ("wgmma", r"wgmma\.mma_async"), ("cvt from e4m3", r"cvt\.[^;]*e4m3")):
+        out[what] = len(re.findall(pat, ptx))
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        for k in ("ttgir", "ptx"):
+            (dump / f"megakernel.{k}").write_text(compiled.asm[k])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--variant", default="default")
+    ap.add_argument("--dump", type=Path)
+    a = ap.parse_args()
+    fn, args, kwargs = capture_launch(a.model, a.batch, a.weights, a.variant)
+    compiled = compile_sm90(fn, args, dict(kwargs))
+    print(a.model, f"B={a.batch}", a.weights, a.variant, report(compiled, a.dump))
+
+
+if __name__ == "__main__":
+    main()

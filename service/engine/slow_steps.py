@@ -1,0 +1,33 @@
+"""SlowSteps: a decode step slow enough that every stream stalls visibly is what a client notices, so the log says
+so; at most once a minute, with how many there were since (on a CPU every step is slow)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("parley.engine")
+
+SLOW_STEP_S = 0.05
+REPORT_EVERY_S = 60.0
+
+
+class SlowSteps:
+    def __init__(self, slow_s: float = SLOW_STEP_S, every_s: float = REPORT_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.slow_s, self.every_s, self._clock = slow_s, every_s, clock
+        self._unreported = 0
+        self._reported_at = -math.inf
+
+    def observe(self, batch: int, seconds: float) -> None:
+        if seconds <= self.slow_s:
+            return
+        self._unreported += 1
+        now = self._clock()
+        if now - self._reported_at < self.every_s:
+            return
+        log.warning("a decode step of %d took %.0f ms (%d steps over %.0f ms since the last report)", batch,
+                    seconds * 1e3, self._unreported, self.slow_s * 1e3)
+        self._unreported, self._reported_at = 0, now

@@ -1,0 +1,85 @@
+"""FP8 weights: e4m3 matrices with one float32 scale per output row (weight-only; activations stay bf16).
+
+Batch-1 decode streams every weight once a step, so half the bytes is nearly half the step. Scales are powers of
+two chosen from each row's absolute maximum: e4m3 is a floating-point format, so a power-of-two scale loses
+nothing but the top of the range (the row's largest value lands in [224, 448] instead of at 448), and every
+dequantized weight, e4m3 value times power of two, is exactly a bf16 number. The reference decoder therefore runs
+the very weights the kernel reads, dequantized, and stays the kernel's oracle.
+
+A checkpoint already in FP8 (safetensors with float8_e4m3fn weights and a `weight_scale` per tensor or per row,
+as published FP8 checkpoints store them) keeps its own values and scales (ModelWeights.fp8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from service.model.weights import ModelWeights
+
+E4M3_MAX = 448.0
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@dataclass
+class Fp8Matrix:
+    """W ≈ data.float() * scale[:, None]: data float8_e4m3fn [rows, cols], scale float32 [rows]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+    def to(self, device: torch.device | str) -> Fp8Matrix:
+        return Fp8Matrix(self.data.to(device), self.scale.to(device, torch.float32))
+
+
+def quantize(w: torch.Tensor) -> Fp8Matrix:
+    """Per output row: scale = 2^ceil(log2(absmax / 448)), data = w / scale rounded to e4m3 (a zero row: scale 1)."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))), torch.ones_like(amax))
+    data = (wf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return Fp8Matrix(data, scale)
+
+
+def from_checkpoint(data: torch.Tensor, weight_scale: torch.Tensor) -> Fp8Matrix:
+    """A published FP8 matrix: float8_e4m3fn data and a scale per tensor ([] or [1]) or per row ([rows] or
+    [rows, 1]); W = data * scale."""
+    rows = data.shape[0]
+    s = weight_scale.float().reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(rows)
+    elif s.numel() != rows:
+        raise ValueError(f"weight_scale of {s.numel()} values for a matrix of {rows} rows: only per-tensor or "
+                         "per-row (per-channel) scales are supported")
+    return Fp8Matrix(data, s.contiguous())
+
+
+@dataclass
+class QuantizedModel:
+    """The FP8 matrices of every layer and the LM head, and the model they dequantize to (the reference's)."""
+
+    layers: list[dict[str, Fp8Matrix]]
+    lm_head: Fp8Matrix
+    dequantized: ModelWeights
+
+
+def quantize_model(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel:
+    """Every layer matrix and the LM head in FP8 (the checkpoint's own where it ships FP8); the embedding table
+    stays in `dtype` (it is looked up, not streamed). Norms and biases stay as they are."""
+    own = weights.fp8 or {}
+
+    def q(key: str, w: torch.Tensor) -> Fp8Matrix:
+        return own[key] if key in own else quantize(w)
+
+    layers = [{name: q(f"layers.{i}.{name}", getattr(lw, name)) for name in LAYER_MATRICES}
+              for i, lw in enumerate(weights.layers)]
+    lm_head = q("lm_head", weights.lm_head)
+    deq_layers = [replace(lw, **{name: m.dequantize(dtype) for name, m in qs.items()})
+                  for lw, qs in zip(weights.layers, layers)]
+    dequantized = ModelWeights(embed=weights.embed.to(dtype), layers=[lw.to(lw.wq.device, dtype) for lw in deq_layers],
+                               final_norm=weights.final_norm.to(dtype), lm_head=lm_head.dequantize(dtype))
+    return QuantizedModel(layers, lm_head, dequantized)

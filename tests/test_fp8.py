@@ -1,0 +1,113 @@
+"""FP8 weights (service/model/fp8.py): the quantize/dequantize round trip and its error bound, the reference backend
+on FP8, and a checkpoint shipped in FP8 (a tiny one the test writes) loaded with its own values and scales.
+The megakernel on FP8 weights is checked in tests/test_megakernel_interpret.py (CPU) and test_megakernel_gpu.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.backends import make_decoder
+from service.model.fp8 import E4M3_MAX, from_checkpoint, quantize, quantize_model
+from service.model.loader import load_model
+from service.model.synthetic import load_synthetic
+
+
+def _fresh(*shape: int) -> torch.Tensor:
+    """Random rows of very different magnitudes (weights are never all alike), some exact zeros."""
+    g = torch.Generator().manual_seed(int.from_bytes(bytes(torch.randint(0, 255, (4,)).tolist()), "little"))
+    w = torch.randn(*shape, generator=g) * torch.logspace(-4, 2, shape[0])[:, None]
+    w[0, :3] = 0.0
+    return w
+
+
+def test_round_trip_error_is_within_e4m3_rounding() -> None:
+    w = _fresh(64, 300)
+    q = quantize(w)
+    assert q.data.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    back = q.dequantize(torch.float32)
+    # scales are powers of two, and each row's largest value lands in the top binade of e4m3
+    assert torch.equal(q.scale, torch.exp2(torch.log2(q.scale).round()))
+    top = q.data.float().abs().amax(dim=1)
+    assert ((top >= E4M3_MAX / 2) & (top <= E4M3_MAX)).all()
+    # e4m3 keeps 3 mantissa bits: half a step is 2^-4 of the value; below the normal range, half a subnormal step
+    bound = w.abs() * 2.0**-4 + q.scale[:, None] * 2.0**-10
+    assert ((back - w).abs() <= bound).all()
+    assert torch.equal(back[0, :3], torch.zeros(3))
+    # every dequantized weight is exactly a bf16 number: the reference runs the very values the kernel reads
+    assert torch.equal(q.dequantize(torch.bfloat16).float(), back)
+
+
+def test_a_zero_row_quantizes_to_zeros() -> None:
+    q = quantize(torch.zeros(3, 8))
+    assert torch.equal(q.dequantize(torch.float32), torch.zeros(3, 8))
+    assert torch.equal(q.scale, torch.ones(3))
+
+
+def test_checkpoint_scales_per_tensor_and_per_row() -> None:
+    data = (torch.randn(4, 8) * 10).to(torch.float8_e4m3fn)
+    per_tensor = from_checkpoint(data, torch.tensor(0.5))
+    assert torch.equal(per_tensor.dequantize(torch.float32), data.float() * 0.5)
+    rows = torch.tensor([[1.0], [2.0], [0.25], [4.0]])
+    per_row = from_checkpoint(data, rows)
+    assert torch.equal(per_row.dequantize(torch.float32), data.float() * rows)
+    with pytest.raises(ValueError, match="per-row"):
+        from_checkpoint(data, torch.ones(2))
+
+
+def test_reference_backend_runs_the_quantized_model() -> None:
+    """--weights fp8 on the reference backend: the same logits as a reference decoder built on the dequantized
+    FP8 weights, and not those of the bf16-exact original (the weights really changed)."""
+    config, weights, _ = load_synthetic("tiny", seed=int(torch.randint(0, 2**31, (1,))))
+    fp8 = make_decoder("reference", config, weights, 2, 64, "cpu", weight_format="fp8")
+    plain = make_decoder("reference", config, weights, 2, 64, "cpu")
+    oracle = make_decoder("reference", config, quantize_model(weights, torch.float32).dequantized, 2, 64, "cpu")
+    ids = torch.randint(0, config.vocab_size, (20,)).tolist()
+    a, b, c = fp8.prefill(0, ids), oracle.prefill(0, ids), plain.prefill(0, ids)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    with pytest.raises(ValueError, match="weight format"):
+        make_decoder("reference", config, weights, 2, 64, "cpu", weight_format="int4")
+
+
+def test_a_checkpoint_in_fp8_loads_with_its_own_values(tmp_path, tokenizer) -> None:
+    """A Hugging Face directory whose linear layers are float8_e4m3fn with a `weight_scale` (per tensor for the
+    attention, per row for the MLP, as published FP8 checkpoints store them): the loader keeps the checkpoint's own
+    FP8 values and scales (quantize_model uses them bit for bit), and the tensors it hands the bf16 path are their
+    dequantized values."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=tokenizer.vocab_size, tie_word_embeddings=True,
+                                   max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (shard,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(shard)
+    written = {}
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name].float()
+        if ".mlp." in name:  # per row
+            scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        else:  # per tensor
+            scale = w.abs().amax().reshape(1) / E4M3_MAX
+        data = (w / scale).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name.replace("weight", "weight_scale")] = data, scale
+        written[name] = (data, scale)
+    save_file(tensors, shard)
+
+    model = load_model(str(tmp_path))
+    assert model.weights.fp8 is not None and len(model.weights.fp8) == 2 * 7
+    layer = model.weights.layers[1]
+    data, scale = written["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(layer.wq, data.float() * scale)
+    data, scale = written["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(layer.w_down, data.float() * scale)
+    q = quantize_model(model.weights, torch.float32)
+    assert torch.equal(q.layers[1]["w_down"].data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(q.layers[1]["w_down"].scale, scale.reshape(-1))
+    # the LM head (tied, not in the checkpoint as FP8) is quantized here
+    assert torch.equal(q.lm_head.dequantize(torch.float32), quantize(model.weights.embed).dequantize(torch.float32))
