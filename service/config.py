@@ -35,8 +35,8 @@ class ServeConfig(BaseSettings):
                                   "output row, half the bytes a decode step streams (a checkpoint already in FP8 "
                                   "keeps its own values)")
     batch_invariant: bool = Field(False, description="megakernel: a request's greedy tokens never depend on the "
-                                  "batch it runs in (every step pads to the largest batch: +8 percent bf16, +23 percent fp8 "
-                                  "per step at batch 1 on the H100)")
+                                  "batch it runs in (every step pads to the largest batch: +8 percent bf16, "
+                                  "+23 percent fp8 per step at batch 1 on the H100)")
     max_batch: int = Field(8, description="KV slots: requests decoded together")
     max_context: int = Field(2048, description="tokens per slot, prompt + output")
     sla_ms: float = Field(100.0, description="the deadline of the SLA token, in ms from arrival")
