@@ -250,9 +250,13 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
     ap.add_argument("--timeline", nargs="*", default=[], help="variants to profile per phase (B=1, context 128)")
     ap.add_argument("--no-peers", action="store_true", help="the megakernel only (no reference, no compiled step)")
+    ap.add_argument("--compiled-batches", nargs="*", type=int, default=None,
+                    help="batches the compiled peer runs at (default: every batch; each is a torch.compile)")
     ap.add_argument("--hf", action="store_true", help="also Hugging Face generate (eager, static cache)")
     ap.add_argument("--hf-static-budget-s", type=float, default=300.0)
     ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the result files' records instead of replacing them (several runs, one table)")
     args = ap.parse_args()
 
     import triton
@@ -270,6 +274,11 @@ def main() -> None:
     doc = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "bandwidth": bw,
            "note": "synthetic weights (seeded random, the real shapes): decode cost does not depend on weight values",
            "records": records, "timelines": timelines}
+    earlier = out / f"{stem}.json"
+    if args.append and earlier.exists():  # each run's records carry the floor from its own bandwidth measurement
+        old = json.loads(earlier.read_text())
+        records += old["records"]
+        timelines += old.get("timelines", [])
 
     def save() -> None:  # after every model, so that a run cut short still leaves its numbers
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
@@ -343,12 +352,13 @@ def main() -> None:
                             g = graph_of(lambda: ref.decode_tensors(x, sl, ps, context + 1))  # noqa: B023
                         add(records, common, "reference-cudagraph", time_graph(g, args.reps))
                         del g
-                        try:  # gpt-fast's static cache: attend over all of it, masked (one compile per batch)
-                            g = compiled_peer(ref, x, sl, ps, max_ctx)
-                            add(records, common, "compiled-pytorch-cudagraph", time_graph(g, args.reps))
-                            del g
-                        except Exception as e:  # noqa: BLE001
-                            print("compiled peer failed:", repr(e)[:500], flush=True)
+                        if args.compiled_batches is None or batch in args.compiled_batches:
+                            try:  # gpt-fast's static cache: attend over all of it, masked (one compile per batch)
+                                g = compiled_peer(ref, x, sl, ps, max_ctx)
+                                add(records, common, "compiled-pytorch-cudagraph", time_graph(g, args.reps))
+                                del g
+                            except Exception as e:  # noqa: BLE001
+                                print("compiled peer failed:", repr(e)[:500], flush=True)
                     if hf is not None and not fp8:
                         try:
                             ms = hf_step_ms(hf, batch, context, config.vocab_size, False)
