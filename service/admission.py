@@ -1,13 +1,21 @@
 """Admission control: admit a request only if its Nth token will land before its deadline AND every request already
 admitted still meets its own; otherwise refuse at once (429), before any prefill is spent.
 
-The prediction follows what the engine does: it prefills every admitted request that has a slot before the next
-decode step, then one step serves every running request. For a newcomer, with b = requests decoding once it joins:
+The prediction follows what the engine does: it prefills every admitted request that has a decode row (at most
+max_batch run together) before the next decode step, then one step serves every running request. For a newcomer,
+with b = requests decoding once it joins:
 
-    t_N = now + wait for a slot + Σ prefills ahead of it and its own + (N − 1) × step(b)
+    t_N = now + wait for a row + Σ prefills ahead of it and its own + (N − 1) × step(b)
 
 and each admitted request i that has not reached its own Nth token is pushed back by the newcomer's prefill and
 by the slower steps of a bigger batch: t_i = now + prefills + k_i × step(b), where k_i tokens remain to its Nth.
+A prefill's cost is the latency model's for its new tokens on top of the tokens the prefix cache holds for it
+(Request.cached_tokens). A request that lags (sampled on the host beside requests sampled on the device: a
+grammar) takes two steps a token.
+
+The margin that stretches predictions widens when SLA tokens come late (a busy host) and comes back to the configured
+one as tokens come on time and as time passes; one late token widens it by MAX_WIDEN at most. An idle server, which
+delays nobody by admitting, always judges with the configured margin.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 from service.engine.admission import Rejected
 from service.engine.request import Request, State
@@ -27,8 +36,11 @@ log = logging.getLogger("parley.admission")
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
 MAX_MARGIN = 1.0  # predictions are never stretched by more than 2x
+MAX_WIDEN = 0.1  # one late SLA token widens the margin by at most this much (one 10x-late outlier had widened it to
+# 0.95 on the H100, and a nearly idle server refused every 64-token turn for seconds)
 MARGIN_DECAY = 0.05  # per SLA token on time: the widened margin's share given back (one late first request on
 # the H100, slowed by one-off costs, widened it so far that 0.02 kept an idle server refusing for a minute)
+MARGIN_HALF_LIFE_S = 1.0  # and the widening halves every second, tokens or not: a server that refuses sees few
 BIAS_EWMA = 0.1  # weight of one observed SLA token in the learned actual/predicted ratio
 BIAS_RANGE = (0.75, 2.0)
 BIAS_STEP = (0.8, 1.25)  # one SLA token's ratio counts at most this far from 1: a stall (a 100 ms pause under load
@@ -36,17 +48,19 @@ BIAS_STEP = (0.8, 1.25)  # one SLA token's ratio counts at most this far from 1:
 
 
 class AdmissionController:
-    def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, num_slots: int,
-                 strict: bool = False, margin: float = 0.10) -> None:
+    def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
+                 strict: bool = False, margin: float = 0.10, clock: Callable[[], float] = time.monotonic) -> None:
         self.latency = latency
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
-        self.num_slots = num_slots
-        self.margin = margin  # predictions are stretched by this much: a miss costs more than a refusal
-        self.base_margin = margin  # the margin widens past this when SLA tokens come later than predicted
+        self.max_batch = max_batch  # requests decoded together
+        self._clock = clock
+        self.base_margin = margin  # predictions are stretched by this much: a miss costs more than a refusal
+        self.margin = margin  # ...and more while SLA tokens come later than predicted
         self._predicted: dict[str, float] = {}  # request id → unstretched prediction of arrival → SLA token (s)
         # How long SLA tokens really take over what the latency model predicts, learned from every one: the model
         # times the backend's steps, not all that lies between them and a client (it was 0.92 on the H100).
         self.bias = 1.0
+        self._outlier_before = False  # the last SLA token was an outlier
         self._last_probe = -math.inf
         self.strict = strict
         self._lock = threading.Lock()
@@ -56,6 +70,16 @@ class AdmissionController:
             log.warning("even an idle server cannot deliver %d tokens within %.0f ms here (predicted %.0f ms): "
                         "serving best-effort; --strict-sla refuses instead",
                         sla_tokens, sla_s * 1e3, self.idle_prediction_s() * 1e3)
+
+    @property
+    def margin(self) -> float:
+        """The configured margin, plus what late tokens added, halving every MARGIN_HALF_LIFE_S."""
+        age = max(0.0, self._clock() - self._widened_at)
+        return self.base_margin + self._widening * 0.5 ** (age / MARGIN_HALF_LIFE_S)
+
+    @margin.setter
+    def margin(self, value: float) -> None:
+        self._widening, self._widened_at = max(0.0, value - self.base_margin), self._clock()
 
     def idle_prediction_s(self, prompt_tokens: int = 32) -> float:
         return self.latency.prefill(prompt_tokens) + (self.sla_tokens - 1) * self.latency.step(1)
@@ -98,17 +122,19 @@ class AdmissionController:
         lat = self.latency
         running = [r for r in active if r.state is State.RUNNING]
         waiting = [r for r in active if r.state is State.WAITING] + [req]
-        step = lat.step(min(len(active) + 1, self.num_slots)) * stretch
-        free_at = [now + _remaining(r) * step for r in running] + [now] * (self.num_slots - len(running))
+        pace = _Pace(active + [req])
+        step = lat.step(min(len(active) + 1, self.max_batch)) * stretch
+        free_at = [now + pace.steps(r, _remaining(r)) * step for r in running] + \
+            [now] * (self.max_batch - len(running))
         heapq.heapify(free_at)
         prefill_done = now
         prefills_now = 0.0  # prefills that run before the running requests' next steps
         for r in waiting:
             start = heapq.heappop(free_at)
-            prefill_done = max(prefill_done, start) + lat.prefill(_to_prefill(r)) * stretch
+            prefill_done = max(prefill_done, start) + lat.prefill(_to_prefill(r), r.cached_tokens) * stretch
             if start <= now:
                 prefills_now = prefill_done - now
-            t_nth = prefill_done + (r.sla_token_index - 1) * step
+            t_nth = prefill_done + pace.steps(r, r.sla_token_index - 1) * step
             if r.deadline is not None and t_nth > r.deadline:
                 own = r is req
                 if own and not active and self._probe(req, t_nth, now):
@@ -119,9 +145,9 @@ class AdmissionController:
                     f"{self.sla_s * 1e3:.0f} ms now" + (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if own else
                                                          ": admitting it would make a queued request late"),
                     self.retry_after_s(active, now))
-            heapq.heappush(free_at, prefill_done + (r.params.max_tokens - 1) * step)
+            heapq.heappush(free_at, prefill_done + pace.steps(r, r.params.max_tokens - 1) * step)
         for r in running:
-            left = _left_to_nth(r)
+            left = pace.steps(r, _left_to_nth(r))
             if left and r.deadline is not None and now + prefills_now + left * step > r.deadline:
                 raise Rejected("overloaded", "admitting this request would make a running one miss its SLA",
                                self.retry_after_s(active, now))
@@ -149,43 +175,58 @@ class AdmissionController:
 
     def observe_nth(self, req: Request, at: float) -> None:
         """The SLA token came out. Where it came later than predicted by more than the margin allows (a busy host:
-        the scheduler's own jitter, other processes), widen the margin at once by half the shortfall; each token
-        on time narrows it back a little, towards the configured margin."""
+        the scheduler's own jitter, other processes), widen the margin at once by half the shortfall (MAX_WIDEN at
+        most); each token on time narrows it back a little, towards the configured margin. The bias learns from
+        every token but a lone outlier (later than BIAS_STEP allows, after one that was not)."""
         with self._lock:
             predicted = self._predicted.pop(req.id, None)
             if predicted is None or predicted <= 0:
                 return
             ratio = (at - req.arrival) / predicted
-            lo, hi = BIAS_RANGE
-            learned = min(BIAS_STEP[1], max(BIAS_STEP[0], ratio))
-            self.bias = min(hi, max(lo, (1 - BIAS_EWMA) * self.bias + BIAS_EWMA * learned))
-            needed = ratio / self.bias - 1
-            if needed > self.margin:
-                self.margin = min(MAX_MARGIN, self.margin + 0.5 * (needed - self.margin))
+            outlier = ratio > BIAS_STEP[1]
+            if not outlier or self._outlier_before:
+                lo, hi = BIAS_RANGE
+                learned = min(BIAS_STEP[1], max(BIAS_STEP[0], ratio))
+                self.bias = min(hi, max(lo, (1 - BIAS_EWMA) * self.bias + BIAS_EWMA * learned))
+            self._outlier_before = outlier
+            needed, margin = ratio / self.bias - 1, self.margin
+            if needed > margin:
+                self.margin = min(MAX_MARGIN, margin + min(MAX_WIDEN, 0.5 * (needed - margin)))
             else:
-                self.margin -= MARGIN_DECAY * (self.margin - self.base_margin)
+                self.margin = margin - MARGIN_DECAY * (margin - self.base_margin)
 
     def observe_step(self, batch: int, seconds: float) -> None:
         self.latency.observe_step(batch, seconds)
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.latency.observe_prefill(tokens, seconds)
+    def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
+        self.latency.observe_prefill(tokens, cached, seconds)
 
     # -- what operators and clients read ------------------------------------------------------------------
     def retry_after_s(self, active: list[Request], now: float) -> float:
         """When capacity will likely be back: the soonest any admitted request ends."""
-        step = self.latency.step(max(1, len(active)))
-        soonest = min((_remaining(r) * step for r in active), default=0.0)
+        step, pace = self.latency.step(max(1, len(active))), _Pace(active)
+        soonest = min((pace.steps(r, _remaining(r)) * step for r in active), default=0.0)
         return max(soonest, step)
 
     def headroom(self, now: float) -> float:
         """Smallest predicted slack before an admitted request's deadline; the whole SLA when idle."""
         with self._lock:
             active = [r for r in self._active.values() if r.state is not State.FINISHED]
-        step = self.latency.step(max(1, len(active)))
-        slack = [r.deadline - (now + _left_to_nth(r) * step) for r in active
+        step, pace = self.latency.step(max(1, len(active))), _Pace(active)
+        slack = [r.deadline - (now + pace.steps(r, _left_to_nth(r)) * step) for r in active
                  if r.deadline is not None and _left_to_nth(r) > 0]
         return min(slack, default=self.sla_s)
+
+
+class _Pace:
+    """Decode steps per token in a batch of these requests: two for a lagging one while any beside it does not lag
+    (sampler.py), one otherwise."""
+
+    def __init__(self, batch: list[Request]) -> None:
+        self._mixed = not all(r.lags for r in batch)
+
+    def steps(self, r: Request, tokens: int) -> int:
+        return tokens * (2 if r.lags and self._mixed else 1)
 
 
 def _to_prefill(r: Request) -> int:

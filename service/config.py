@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
@@ -37,7 +37,12 @@ class ServeConfig(BaseSettings):
     batch_invariant: bool = Field(False, description="megakernel: a request's greedy tokens never depend on the "
                                   "batch it runs in (every step pads to the largest batch: +8 percent bf16, "
                                   "+23 percent fp8 per step at batch 1 on the H100)")
-    max_batch: int = Field(8, description="KV slots: requests decoded together")
+    max_batch: int = Field(8, ge=1, description="requests decoded together: the decode batch never exceeds it (more "
+                           "wait for a row)")
+    kv_slots: int | None = Field(None, description="KV slots: conversations whose K/V stay cached (a request whose "
+                                 "prompt begins with cached tokens prefills only the rest; idle ones are evicted "
+                                 "least recently used); at least --max-batch. Unset: on a GPU, as many as half the "
+                                 "memory left after the weights holds (at most 64); on the CPU, --max-batch")
     max_context: int = Field(2048, description="tokens per slot, prompt + output")
     sla_ms: float = Field(100.0, description="the deadline of the SLA token, in ms from arrival")
     sla_tokens: int = Field(64, description="which token the SLA is about (the Nth)")
@@ -58,6 +63,14 @@ class ServeConfig(BaseSettings):
                            "(wedges the engine); 0: never")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging threshold")
     access_log: bool = Field(False, description="log every HTTP request")
+
+    @field_validator("kv_slots")
+    @classmethod
+    def _holds_a_batch(cls, kv_slots: int | None, info: ValidationInfo) -> int | None:
+        max_batch = info.data.get("max_batch")
+        if kv_slots is not None and max_batch is not None and kv_slots < max_batch:
+            raise ValueError(f"must be at least --max-batch ({max_batch}): every request decoding holds a slot")
+        return kv_slots
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], ServeConfig]:

@@ -58,7 +58,13 @@ class Metrics:
             "parley_sla_checked", "Admitted requests that reached the SLA token or finished before it", registry=r)
         self.prompt_tokens = Counter("parley_prompt_tokens", "Prompt tokens received", registry=r)
         self.prefilled_tokens = Counter(
-            "parley_prefilled_tokens", "Prompt tokens actually prefilled (the rest came from a session's cache)",
+            "parley_prefilled_tokens", "Prompt tokens actually prefilled (the rest came from the prefix cache)",
+            registry=r)
+        self.prefix_cache_queries = Counter(
+            "parley_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (each request's, as it starts)",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "parley_prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache (not prefilled)",
             registry=r)
         self.generation_tokens = Counter("parley_generation_tokens", "Tokens generated", registry=r)
         self.prefill_slow_path = Counter(
@@ -66,8 +72,13 @@ class Metrics:
             registry=r)
         self.running = Gauge("parley_requests_running", "Requests holding a KV slot and decoding", registry=r)
         self.waiting = Gauge("parley_requests_waiting", "Admitted requests waiting for a slot", registry=r)
-        self.kv_slots_free = Gauge("parley_kv_slots_free", "KV-cache slots free", registry=r)
-        self.kv_slots_total = Gauge("parley_kv_slots_total", "KV-cache slots in all", registry=r)
+        self.kv_slots_free = Gauge(
+            "parley_kv_slots_free", "KV-cache slots no running request holds (empty, or caching an idle "
+            "conversation that a new request may evict)", registry=r)
+        self.kv_slots_cached = Gauge(
+            "parley_kv_slots_cached", "KV-cache slots caching an idle conversation's K/V (a later request that "
+            "extends it prefills only what follows)", registry=r)
+        self.kv_slots_total = Gauge("parley_kv_slots_total", "KV-cache slots in all (--kv-slots)", registry=r)
         self.sla_headroom = Gauge(
             "parley_sla_headroom_seconds",
             "Smallest predicted slack to its deadline among running requests (the SLA itself when idle)",

@@ -18,9 +18,11 @@ from service.backends.faults import FaultInjectingDecoder
 from service.config import ServeConfig
 from service.engine.admission import AdmitAll
 from service.engine.engine import Engine
+from service.engine.kv_slots import COPY_MIN_TOKENS
 from service.engine.request import SamplingParams
 from service.latency_model import LatencyModel, calibrate_robustly
 from service.metrics import Metrics
+from service.model.config import ModelConfig
 from service.model.loader import Model, load_model
 from service.model.tokenizer import Tokenizer
 
@@ -47,8 +49,11 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     model = load_model(cfg.model, device=device, dtype=dtype)
     log.info("loaded %s (%s) in %.1f s", cfg.model, model.config.name, time.perf_counter() - t0)
     max_context = min(cfg.max_context, model.config.max_position_embeddings)
-    decoder = make_decoder(backend, model.config, model.weights, cfg.max_batch, max_context, device,
-                           weight_format=cfg.weights, batch_invariant=cfg.batch_invariant)
+    kv_slots = cfg.kv_slots or default_kv_slots(model.config, max_context, cfg.max_batch, device, dtype)
+    decoder = make_decoder(backend, model.config, model.weights, kv_slots, max_context, device,
+                           weight_format=cfg.weights, max_batch=cfg.max_batch, batch_invariant=cfg.batch_invariant)
+    log.info("%d KV slots of %d tokens (cached conversations), decoding up to %d requests together", kv_slots,
+             max_context, cfg.max_batch)
     faults = None
     if cfg.step_delay_ms or cfg.fail_step or cfg.hang_step:
         # The delay applies from the start (calibration must see it); --fail-step/--hang-step count the steps of
@@ -56,9 +61,9 @@ def build_engine(cfg: ServeConfig) -> Runtime:
         decoder = faults = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step, cfg.hang_step)
         faults.armed = False
     t0 = time.perf_counter()
-    latency = calibrate_robustly(decoder)
+    latency = calibrate_robustly(decoder, cfg.max_batch)
     log.info("latency model measured in %.1f s: %s", time.perf_counter() - t0, latency.snapshot())
-    admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, decoder.max_slots,
+    admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
                                     strict=cfg.strict_sla, margin=cfg.sla_margin)
     warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens)
     metrics = Metrics(cfg.sla_tokens)
@@ -66,7 +71,7 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
                     admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
-                    max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s)
+                    max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s, max_batch=cfg.max_batch)
     engine.start()
     if faults is not None:
         faults.steps, faults.armed = 0, True
@@ -86,6 +91,22 @@ def settle_process(rt: Runtime) -> Runtime:
 
 SWITCH_INTERVAL_S = 0.0005
 
+KV_MEMORY_SHARE = 0.5  # of the GPU memory left after the weights: the rest is for prefill graphs and activations
+MAX_DEFAULT_KV_SLOTS = 64
+
+
+def default_kv_slots(config: ModelConfig, max_context: int, max_batch: int, device: str, dtype: torch.dtype) -> int:
+    """How many conversations to keep cached when --kv-slots is unset: on a GPU, as many slots as a share of the
+    memory left after the weights holds (each 2 × layers × kv_heads × context × head_dim values: 268 MB for
+    Llama-3.2-1B at 8k in bf16, so 64 fit on an 80 GB H100), at most MAX_DEFAULT_KV_SLOTS; on the CPU, --max-batch.
+    Never fewer than --max-batch."""
+    if not device.startswith("cuda"):
+        return max_batch
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    per_slot = 2 * config.num_layers * config.num_kv_heads * max_context * config.head_dim * dtype.itemsize
+    fits = int(free * KV_MEMORY_SHARE) // per_slot - 1  # the megakernel keeps one scratch slot more
+    return max(max_batch, min(MAX_DEFAULT_KV_SLOTS, fits))
+
 
 def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: int) -> None:
     """Short requests through the whole path (an engine of their own on the same decoder, run before the users'),
@@ -95,12 +116,18 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
     engine = Engine(decoder, tokenizer, admission=AdmitAll(sla_ms / 1e3), metrics=Metrics(sla_tokens),
                     sla_ms=sla_ms, sla_tokens=sla_tokens)
     engine.start()
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    # a prefix long enough to be copied rather than prefilled
+    shared = list(range(1, min(2 * COPY_MIN_TOKENS, decoder.max_context // 2) + 1))
     try:
-        # greedy, then sampled with and without truncation: each path has kernels of its own to load
-        for params in (SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                       SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True),
-                       SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=40, ignore_eos=True)):
-            for _ in engine.generate([1, 2, 3, 4], params):
+        # a prompt, then one that branches off its cached tokens (their K/V copied into another slot, the rest
+        # prefilled on top of them); then sampled requests with and without truncation: each path has kernels of
+        # its own to load
+        for prompt, params in ((shared, greedy), ([*shared[:-1], 0], greedy),
+                               ([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)),
+                               ([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=40,
+                                                             ignore_eos=True))):
+            for _ in engine.generate(prompt, params):
                 pass
     finally:
         engine.stop()

@@ -124,7 +124,7 @@ def test_online_correction_follows_the_backend():
     assert lat.step(1) == pytest.approx(0.030, rel=0.01)
     assert lat.step(2) > lat.step(1) - 1e-9  # interpolated between corrected points
     for _ in range(100):
-        lat.observe_prefill(256, 0.100)
+        lat.observe_prefill(256, 0, 0.100)
     assert lat.prefill(256) == pytest.approx(0.100, rel=0.05)
 
 
@@ -191,7 +191,7 @@ def test_a_stalled_token_widens_the_margin_but_never_switches_admission_off():
     from service.model.synthetic import byte_tokenizer
 
     lat = LatencyModel({1: 0.00125}, {16: 0.003, 128: 0.0035}, max_batch=4)  # idle: ~82 ms to token 64
-    adm = AdmissionController(lat, 0.1, 64, 4)
+    adm = AdmissionController(lat, 0.1, 64, 4, clock=lambda: 0.0)  # no time passes: the margin stays widened
     assert not adm.best_effort
     for _ in range(5):
         req = Request(list(range(32)), SamplingParams(max_tokens=64), lambda d: None,
@@ -245,3 +245,151 @@ def test_a_disturbed_calibration_is_measured_again_keeping_the_fastest_times():
     assert merged.snapshot()["decode_step_ms"] == {"1": 10.0, "2": 11.0, "4": 13.0}
     assert merged.snapshot()["prefill_ms"] == {"16": 5.0, "128": 20.0}
     assert not merged.disturbed()
+
+
+# -- prefill on top of cached tokens, outliers, lagging requests -----------------------------------------------------
+def newcomer(prompt_tokens=32, cached=0, max_tokens=64, lags=False, state=None):
+    from service.engine.output import TextOutput
+    from service.engine.request import Request, State
+    from service.model.synthetic import byte_tokenizer
+
+    req = Request(list(range(prompt_tokens)), SamplingParams(max_tokens=max_tokens), lambda d: None,
+                  TextOutput(byte_tokenizer(300).detokenizer()))
+    req.cached_tokens, req.lags, req.state = cached, lags, state or State.WAITING
+    return req
+
+
+def test_prefill_is_predicted_from_the_new_and_the_cached_tokens():
+    """A 1,000-token prompt on an idle server misses the SLA when fresh, and keeps it when all but 40 of its tokens
+    are cached: the prediction follows new tokens and the cached length they attend over (interpolated between
+    the measured points, on the CPU)."""
+    lat = LatencyModel({1: 0.001}, {16: 0.002, 128: 0.010, 1024: 0.080}, max_batch=4,
+                       continued_s={(16, 256): 0.003, (128, 256): 0.012, (16, 1024): 0.006, (128, 1024): 0.020})
+    assert lat.prefill(16) < lat.prefill(16, cached=240) < lat.prefill(16, cached=1008) < lat.prefill(1000)
+    at_256, at_1024 = 0.003 + (0.012 - 0.003) * 24 / 112, 0.006 + (0.020 - 0.006) * 24 / 112  # 40 new tokens
+    assert lat.prefill(40, cached=960) == pytest.approx(at_256 + (at_1024 - at_256) * (1000 - 256) / (1024 - 256))
+    assert lat.prefill(40, cached=4000) >= lat.prefill(40)  # past the measured lengths: extrapolated, never cheaper
+    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05)
+    adm._last_probe = time.perf_counter()  # no probe: the prediction alone decides
+    with pytest.raises(Rejected) as e:
+        adm.check(newcomer(1000))  # 80 + 63 ms
+    assert e.value.reason == "sla_unmeetable"
+    adm.check(newcomer(1000, cached=960))  # 9 + 63 ms
+
+
+def test_on_a_gpu_a_prefill_costs_the_graph_buckets_it_replays():
+    """With graph buckets, a prefill is predicted at the pair of buckets its graph pads to (not interpolated below
+    them), and what it is observed to cost corrects that pair."""
+    buckets = [16, 32, 64, 128, 256, 512, 1024]
+    fresh = {b: 0.001 * (1 + b / 128) for b in buckets}
+    continued = {(n, kv): 0.001 * (1 + n / 128 + kv / 1024) for kv in buckets for n in buckets if n <= kv}
+    lat = LatencyModel({1: 0.001}, fresh, max_batch=4, continued_s=continued, buckets=buckets)
+    assert lat.prefill(600) == fresh[1024] and lat.prefill(40, cached=960) == continued[64, 1024]
+    lat.observe_prefill(40, 960, 1.2 * continued[64, 1024])
+    assert lat.prefill(40, cached=960) == pytest.approx(1.02 * continued[64, 1024])
+    assert lat.prefill(40, cached=100) == continued[64, 256]  # another pair: untouched
+
+
+def test_calibration_measures_prefills_on_cached_tokens_at_shapes_that_replay_their_graphs(slowed):
+    from service.latency_model import _prefill_points
+
+    _, latency, _ = slowed
+    assert latency.snapshot()["prefill_on_cache_ms"]  # the CPU: a few points
+    dec = ReferenceDecoder(load_model("synthetic:tiny").config, load_model("synthetic:tiny").weights, max_slots=1,
+                           max_context=1000)
+    buckets = dec.prefill_buckets()
+    fresh, continued = _prefill_points(1000, buckets)
+    assert fresh == buckets and len(continued) == len(buckets) * (len(buckets) + 1) // 2
+    for (n_bucket, kv_bucket), (n, kv) in continued.items():
+        assert dec.bucket(n) == n_bucket and dec.bucket(kv) == kv_bucket
+        assert 1 <= n < kv < 1000  # something cached; ends before the last position: the graph, not eager
+
+
+def test_one_outlier_never_makes_an_idle_server_refuse():
+    """An idle server predicted at 99% of its SLA (margin included) keeps admitting after a step, a prefill and an
+    SLA token each 10x late: a lone outlier teaches neither the latency model nor the bias, and an idle server
+    judges with the configured margin."""
+    lat = LatencyModel({1: 0.00145}, {16: 0.003, 128: 0.005}, max_batch=4)
+    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05)
+    adm._last_probe = time.perf_counter()
+    assert adm.idle_prediction_s() * 1.05 == pytest.approx(0.0994, abs=0.0005)
+    adm.check(first := newcomer())
+    adm.release(first)
+    adm.observe_step(1, 10 * lat.step(1))
+    adm.observe_prefill(32, 0, 10 * lat.prefill(32))
+    late = newcomer()
+    adm._predicted[late.id] = adm.idle_prediction_s()
+    adm.observe_nth(late, late.arrival + 10 * adm.idle_prediction_s())
+    assert adm.margin > adm.base_margin  # the busy server's margin did widen
+    adm.check(newcomer())
+    # a second one in a row is no outlier any more: the model learns (by at most OUTLIER a step)
+    adm.observe_step(1, 10 * lat.step(1))
+    assert lat.step(1) == pytest.approx(0.00145 * 1.05)
+
+
+def test_a_nearly_idle_server_stops_refusing_soon_after_late_tokens():
+    """One request running: late SLA tokens widen the margin, by MAX_WIDEN at most each, and the widening halves
+    every second whether tokens come or not, so a refusing server does not stay refusing."""
+    from service.admission import MAX_WIDEN
+    from service.engine.request import State
+
+    now = [0.0]
+    lat = LatencyModel({1: 0.00125, 2: 0.00125}, {16: 0.003, 128: 0.0035}, max_batch=4)  # ~82 ms to token 64
+    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05, clock=lambda: now[0])
+    adm._last_probe = time.perf_counter()
+    running = newcomer(state=State.RUNNING)
+    adm.check(running)
+    running.output_ids = [0] * 32  # half-way to its SLA token
+    for i in range(2):
+        late = newcomer()
+        adm._predicted[late.id] = 0.08
+        adm.observe_nth(late, late.arrival + 0.8)
+        assert adm.margin <= 0.05 + (i + 1) * MAX_WIDEN + 1e-9
+    with pytest.raises(Rejected):
+        adm.check(newcomer())  # 82 ms x 1.25 (x the bias, which the second late token in a row taught)
+    now[0] += 3.0
+    adm.check(newcomer())  # the widening is an eighth of what it was
+
+
+def test_a_lagging_request_takes_two_steps_a_token_beside_others():
+    """A constrained request gets a token every other step when it shares the batch with requests sampled on the
+    device: its 64th token takes twice the steps, and admission says so; alone it runs step by step."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.003, 128: 0.004}, max_batch=4)  # 66 ms to token 64
+    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05)
+    adm._last_probe = time.perf_counter()
+    alone = newcomer(lags=True)
+    adm.check(alone)  # alone: 66 ms
+    adm.release(alone)
+    adm.check(newcomer(state=State.RUNNING))
+    with pytest.raises(Rejected):
+        adm.check(newcomer(lags=True))  # beside it: 3 + 126 ms
+
+
+def test_the_engine_predicts_with_what_the_prefix_cache_holds():
+    """Engine.submit asks the prefix cache how much of the prompt it holds before admission judges it."""
+    from service.engine.admission import AdmitAll
+
+    class Recording(AdmitAll):
+        def __init__(self):
+            super().__init__(1.0)
+            self.seen = []
+
+        def check(self, req):
+            self.seen.append(req.cached_tokens)
+            super().check(req)
+
+    model = load_model("synthetic:tiny")
+    adm = Recording()
+    eng = Engine(ReferenceDecoder(model.config, model.weights, max_slots=2, max_context=256), model.tokenizer,
+                 admission=adm)
+    eng.start()
+    try:
+        first = list(range(1, 41))
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        reply = [t for d in eng.generate(first, params) for t in d.token_ids]
+        last = list(eng.generate(first + reply + [5], params))[-1]
+    finally:
+        eng.stop()
+    assert adm.seen == [0, len(first) + len(reply) - 1] == [0, last.usage.cached_tokens]

@@ -64,7 +64,9 @@ def test_sdk_streaming_chat(client: openai.OpenAI, model_id: str) -> None:
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None
     assert 0 < usage.completion_tokens <= 12
-    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 0
+    # other tests may have left this prompt's prefix in the cache: some tokens may come from it, never all
+    assert usage.prompt_tokens_details is not None
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
@@ -127,7 +129,8 @@ def test_raw_sse_framing(shared_server: Server, endpoint: str) -> None:
     assert usage["choices"] == []
     u = usage["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
-    assert u["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert list(u["prompt_tokens_details"]) == ["cached_tokens"]
+    assert 0 <= u["prompt_tokens_details"]["cached_tokens"] < u["prompt_tokens"]
     for c in content:
         (choice,) = c["choices"]
         assert choice["index"] == 0 and choice["logprobs"] is None and "finish_reason" in choice

@@ -95,7 +95,8 @@ def test_realtime_settings_are_the_sampling_fields() -> None:
     settings = RealtimeSessionConfig()
     assert settings.model_dump(include=SESSION_SETTINGS) == {
         "instructions": None, "max_tokens": None, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": [],
-        "seed": None, "ignore_eos": False, "chunking": "none"}
+        "seed": None, "ignore_eos": False, "chunking": "none", "tools": None, "tool_choice": None,
+        "parallel_tool_calls": None}
     settings = settings.updated(RealtimeSessionConfig(instructions="be brief", temperature=0.2, seed=7, stop="."))
     # null leaves what has no null of its own as it is, and clears what has one
     settings = settings.updated(RealtimeSessionConfig.model_validate({"temperature": None, "seed": None}))

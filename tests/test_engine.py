@@ -11,6 +11,7 @@ import torch
 from service.backends.decoder import DecodeOutput
 from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
+from service.engine.admission import AdmitAll
 from service.engine.engine import Engine
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams
@@ -548,3 +549,186 @@ def test_timings_say_which_token_they_time(tiny):
         assert t.n == 8 and 0 < t.ttft_ms <= t.ttfn_ms <= t.e2e_ms
     finally:
         eng.stop()
+
+
+# -- lagging: a request sampled on the host beside a batch that runs ahead ------------------------------------------
+class RecordingDecoder(ReferenceDecoder):
+    """The reference decoder, recording each decode step: its slots, positions, and whether its tokens came from the
+    device (the last step's, chosen there: the step was launched before that one was read) or from the host."""
+
+    def __init__(self, model, slots=4, ctx=256):
+        super().__init__(model.config, model.weights, max_slots=slots, max_context=ctx)
+        self.steps = []
+
+    def decode(self, slots, token_ids, positions, draws=None):
+        self.steps.append((list(slots), list(positions), isinstance(token_ids, torch.Tensor)))
+        return super().decode(slots, token_ids, positions, draws)
+
+
+def recorded_engine(model, overlap, slots=4, max_batch=None):
+    dec = RecordingDecoder(model, slots)
+    eng = Engine(dec, model.tokenizer, eos_token_ids=(), sla_tokens=8, max_batch=max_batch)
+    eng.overlap = overlap
+    return eng, dec
+
+
+def run_jobs(model, overlap, jobs, **engine):
+    """Each job's tokens (submit_all on a fresh recording engine, then stopped), and the decoder's record."""
+    eng, dec = recorded_engine(model, overlap, **engine)
+    try:
+        return [[t for d in deltas for t in d.token_ids] for deltas in submit_all(eng, jobs)], dec
+    finally:
+        eng.stop()
+
+
+def constrained_job(prompt=(5, 6), max_tokens=6):
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=11, ignore_eos=True)
+    return list(prompt), params, OnlyTokens({7, 42, 300, 301})
+
+
+def test_a_constrained_request_lags_and_its_neighbour_keeps_running_ahead(tiny):
+    """Beside a greedy request, a constrained one (its grammar needs each token on the host before the next choice)
+    lags: the batch keeps running ahead (every step but the first fed from the device), the constrained request's
+    row is void every other step and rewrites that position in the next, and it gets exactly the tokens it gets
+    alone, run step by step; the neighbour gets its tokens in as many steps as alone."""
+    (alone,), _ = run_jobs(tiny, False, [constrained_job()])
+    (greedy_alone,), solo = run_jobs(tiny, True, [([9, 9, 9], GREEDY, None)])
+    got, dec = run_jobs(tiny, True, [constrained_job(), ([9, 9, 9], GREEDY, None)])
+    assert got == [alone, greedy_alone]
+    constrained_slot, greedy_slot = dec.steps[0][0]
+    together = [s for s in dec.steps if constrained_slot in s[0]]
+    assert sum(not from_device for _, _, from_device in together) == 1  # only the first step came from the host
+    positions = [pos[slots.index(constrained_slot)] for slots, pos, _ in together]
+    start = len([5, 6])
+    assert positions[:7] == [start, start + 1, start + 1, start + 2, start + 2, start + 3, start + 3]
+    assert len([s for s in dec.steps if greedy_slot in s[0]]) == len(solo.steps)  # its cadence, unchanged
+
+
+def test_a_batch_of_constrained_requests_runs_step_by_step(tiny):
+    """Every row needing the host: nothing to run ahead of, so no row lags: every step is fed from the host, one
+    token a step each, the same tokens as alone."""
+    alone = [run_jobs(tiny, False, [constrained_job(p)])[0][0] for p in ((5, 6), (8, 1, 2))]
+    got, dec = run_jobs(tiny, True, [constrained_job((5, 6)), constrained_job((8, 1, 2))])
+    assert got == alone
+    assert not any(from_device for _, _, from_device in dec.steps) and len(dec.steps) == 5
+
+
+def test_a_seeded_request_is_sampled_on_the_device_and_neither_lags_nor_slows_the_batch(tiny):
+    """A seeded top-k request (the reference decoder cannot draw it inside its step) is sampled from its own logits
+    with its own generator on the device, so the batch runs ahead with it in: the same tokens as alone, one a step."""
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=99, ignore_eos=True)
+    (alone,), _ = run_jobs(tiny, False, [([3, 1, 4], seeded, None)])
+    got, dec = run_jobs(tiny, True, [([3, 1, 4], seeded, None), ([9, 9, 9], GREEDY, None)])
+    assert got[0] == alone
+    seeded_slot = dec.steps[0][0][0]
+    mine = [s for s in dec.steps if seeded_slot in s[0]]
+    assert len(mine) <= 10 and sum(not d for _, _, d in mine) == 1
+
+
+# -- decode rows and KV slots ----------------------------------------------------------------------------------------
+def test_the_decode_batch_never_exceeds_max_batch_however_many_slots(tiny):
+    eng, dec = recorded_engine(tiny, overlap=False, slots=4, max_batch=2)
+    prompts = [[5, 6, 7], [100, 3], [42] * 9, [1, 2, 3, 4, 5, 6]]
+    jobs = [(p, GREEDY, None) for p in prompts]
+    try:
+        together = [[t for d in deltas for t in d.token_ids] for deltas in submit_all(eng, jobs)]
+        assert eng.stats.total_slots == 4 and eng.max_batch == 2
+        assert wait_until(lambda: eng.stats.running == 0 and eng.stats.free_slots == 4)
+        assert eng.stats.cached_slots == 4  # each conversation's K/V stays cached
+    finally:
+        eng.stop()
+    assert max(len(slots) for slots, _, _ in dec.steps) == 2
+    base = make_engine(tiny)
+    try:
+        assert together == [[t for d in base.generate(p, GREEDY) for t in d.token_ids] for p in prompts]
+    finally:
+        base.stop()
+
+
+def test_truncate_keeps_only_the_tokens_heard(tiny):
+    """After a barge-in, Engine.truncate cuts the session's cached tokens: the next turn reuses no more than that, and
+    gets the tokens a cold engine gives."""
+    eng = make_engine(tiny)
+    try:
+        sess = eng.new_session()
+        turn1 = list(range(10, 30))
+        q = queue.SimpleQueue()
+        eng.submit(turn1, GREEDY, q.put, session=sess)
+        reply = [t for d in collect(q) for t in d.token_ids]
+        eng.truncate(sess, len(turn1) + 3)  # heard three tokens of the reply
+        turn2 = turn1 + reply[:3] + [7, 7]
+        q = queue.SimpleQueue()
+        eng.submit(turn2, GREEDY, q.put, session=sess)
+        d2 = collect(q)
+        assert d2[-1].usage.cached_tokens == len(turn1) + 3
+        eng.truncate(sess, 1000)  # holds fewer: a no-op
+        eng.close_session(sess)
+        eng.truncate(sess, 5)  # its slot is no longer its own: a no-op
+    finally:
+        eng.stop()
+    cold = make_engine(tiny)
+    try:
+        assert [t for d in d2 for t in d.token_ids] == [t for d in cold.generate(turn2, GREEDY) for t in d.token_ids]
+    finally:
+        cold.stop()
+
+
+# -- robustness ------------------------------------------------------------------------------------------------------
+class BreaksOnce(AdmitAll):
+    """Admission whose prefill hook raises the first time (as a double missing a method would)."""
+
+    def __init__(self):
+        super().__init__(1.0)
+        self.broken = False
+
+    def observe_prefill(self, tokens, cached, seconds):
+        if not self.broken:
+            self.broken = True
+            raise AttributeError("observe_prefill")
+
+
+def test_a_request_whose_iteration_fails_still_gets_its_final_delta(tiny):
+    """An engine iteration that raises while a request is between its prefill and the running batch (neither
+    waiting nor running) fails that request too: the client gets a final delta, nothing hangs, the engine goes on."""
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, admission=BreaksOnce())
+    eng.start()
+    try:
+        q = queue.SimpleQueue()
+        eng.submit([1, 2, 3], GREEDY, q.put)
+        deltas = collect(q, timeout=10)
+        assert deltas[-1].finish_reason == "error" and deltas[-1].error == "internal engine error"
+        assert list(eng.generate([1, 2, 3], GREEDY))[-1].finish_reason == "length"
+        assert eng.healthy() and wait_until(lambda: eng.stats.free_slots == 2 and eng.stats.running == 0)
+    finally:
+        eng.stop()
+
+
+def void_row_decoder(tiny, backend):
+    if backend == "reference":
+        return ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    from kernels.megakernel import KernelConfig
+    from service.backends.megakernel import MegakernelDecoder
+    from service.model.synthetic import load_synthetic
+
+    config, weights, _ = load_synthetic("smollm2-135m", device="cuda", dtype=torch.bfloat16, seed=0)
+    return MegakernelDecoder(config, weights, max_slots=2, max_context=128,
+                             kernel_config=KernelConfig(batch_invariant=True))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("megakernel", marks=pytest.mark.gpu)])
+def test_a_void_rows_position_is_rewritten_by_the_next_real_row(tiny, backend):
+    """What a lagging row relies on: a step that feeds a dummy token at a position, then one that feeds the real token
+    there, leaves the same K/V and logits as a step that fed the real token alone (the decoder writes a row's K/V at
+    its position before its attention reads it)."""
+    dec = void_row_decoder(tiny, backend)
+    prompt = list(range(1, 21))
+    for slot in (0, 1):
+        dec.prefill(slot, prompt)
+    p = len(prompt)
+    dec.decode([0], [7], [p])  # slot 0's void row: a dummy token at p
+    out = dec.decode([0, 1], [11, 11], [p, p])  # the real token at p, in both slots
+    cache = dec.cache if backend == "reference" else dec.reference.cache
+    torch.testing.assert_close(out.logits[0], out.logits[1])
+    torch.testing.assert_close(cache.k[:, 0, :, :p + 1], cache.k[:, 1, :, :p + 1])
+    torch.testing.assert_close(cache.v[:, 0, :, :p + 1], cache.v[:, 1, :, :p + 1])

@@ -129,8 +129,8 @@ HTTP_BAD: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]
      "invalid_value", "messages.0.content"),
     ("user message without content", "POST", CHAT, {"json": {"messages": [{"role": "user"}]}}, 400,
      "invalid_value", "messages.0"),
-    ("tools", "POST", CHAT, {"json": {"messages": MSG, "tools": [{"type": "function"}]}}, 400, "invalid_value",
-     "tools"),
+    ("tools", "POST", CHAT, {"json": {"messages": MSG, "tools": [{"type": "function"}]}}, 400,
+     "missing_required_parameter", "tools.0.function"),
     # -- prompts the model cannot take
     ("empty token list", "POST", C, {"json": {"prompt": []}}, 400, "empty_prompt", "prompt"),
     ("empty prompt in a list", "POST", C, {"json": {"prompt": [""]}}, 400, "empty_prompt", "prompt"),

@@ -48,6 +48,24 @@ def test_warm_up_runs_its_own_requests_whatever_the_sla():
     with pytest.raises(Rejected):
         users.submit([1, 2, 3], SamplingParams(max_tokens=4), lambda d: None)
     warm_up(decoder, model.tokenizer, sla_ms=100.0, sla_tokens=64)
-    assert decoder.steps == 9  # three requests of four tokens: a prefill and three steps each
+    assert decoder.steps == 12  # four requests of four tokens: a prefill and three steps each
     assert latency.observed_steps == latency.observed_prefills == 0
     assert users.metrics.registry.get_sample_value("parley_generation_tokens_total") == 0
+
+
+def test_kv_slots_default_to_what_the_memory_left_after_the_weights_holds(monkeypatch):
+    """Unset --kv-slots: on a GPU, as many slots as half the free memory holds (each 2 x layers x kv_heads x context
+    x head_dim values), at most 64 and never fewer than --max-batch; on the CPU, --max-batch."""
+    import torch
+
+    from service.model.synthetic import SHAPES
+    from service.runtime import default_kv_slots
+
+    llama = SHAPES["llama-3.2-1b"]
+    per_slot = 2 * 16 * 8 * 8192 * 64 * 2  # 256 MiB in bf16
+    assert default_kv_slots(llama, 8192, 8, "cpu", torch.float32) == 8
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (77 * 2**30, 80 * 2**30))
+    assert default_kv_slots(llama, 8192, 8, "cuda", torch.bfloat16) == 64  # an H100 after the weights: the cap
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * 2**30, 80 * 2**30))
+    assert default_kv_slots(llama, 8192, 4, "cuda", torch.bfloat16) == 2 * 2**30 // per_slot - 1  # one scratch slot
+    assert default_kv_slots(llama, 8192, 16, "cuda", torch.bfloat16) == 16

@@ -22,6 +22,7 @@ from service.api import completions, errors, realtime
 from service.api.errors import APIError
 from service.api.protocol import ModelCard, ModelList
 from service.api.state import ServerState, server_state
+from service.api.tools import ToolDialect
 from service.metrics import CONTENT_TYPE
 from service.runtime import Runtime
 
@@ -83,7 +84,8 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
                              "backend": rt.backend, "device": rt.device})
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.loaded().model_id, created=state.created, max_model_len=state.max_context)
+        return ModelCard(id=state.loaded().model_id, created=state.created, max_model_len=state.max_context,
+                         capabilities=ToolDialect.of(state.tokenizer).capabilities())
 
     @app.get("/v1/models", response_model=None)
     async def models() -> JSONResponse:

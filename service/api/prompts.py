@@ -8,7 +8,9 @@ from typing import Any
 
 from service.api.errors import APIError
 from service.api.protocol import SamplingFields
+from service.engine.grammar import GrammarError, grammars
 from service.engine.request import SamplingParams
+from service.engine.sampler import TokenConstraint
 from service.model.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -33,16 +35,17 @@ async def encode_text(tokenizer: Tokenizer, text: str, param: str = "prompt") ->
     return tokenizer.encode(text)
 
 
-async def encode_messages(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], param: str = "messages"
-                          ) -> list[int]:
-    """The chat template over the conversation, ending with the assistant's generation prompt."""
+async def encode_messages(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], param: str = "messages",
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat template over the conversation (and the `tools` it renders), ending with the assistant's generation
+    prompt."""
     msgs = list(messages)
     for i, m in enumerate(msgs):
         check_unicode(m.get("content") or "", f"{param}.{i}.content" if param == "messages" else param)
     try:
         if sum(len(m.get("content") or "") for m in msgs) > _OFFLOAD_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_chat, msgs)
-        return tokenizer.encode_chat(msgs)
+            return await asyncio.to_thread(tokenizer.encode_chat, msgs, True, tools)
+        return tokenizer.encode_chat(msgs, tools=tools)
     except ValueError as e:  # the template refuses this conversation (e.g. roles out of order)
         raise APIError(400, str(e), param=param, code="invalid_messages") from e
     except Exception as e:  # jinja errors on odd input are the input's fault, not ours
@@ -76,9 +79,21 @@ def chat_max_tokens(requested: int | None, prompt_len: int, max_context: int) ->
     return max(1, min(DEFAULT_CHAT_MAX_TOKENS, max_context - prompt_len))
 
 
-def sampling_params(fields: SamplingFields, max_tokens: int) -> SamplingParams:
-    """The engine's parameters from what a request (or a realtime turn) asked for."""
+def sampling_params(fields: SamplingFields, max_tokens: int, constraint: TokenConstraint | None = None
+                    ) -> SamplingParams:
+    """The engine's parameters from what a request (or a realtime turn) asked for, and the grammar it follows."""
     temperature = 0.0 if fields.temperature < GREEDY_BELOW else fields.temperature
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=fields.top_p,
                           top_k=max(0, fields.top_k), seed=fields.seed, stop=fields.stop_sequences,
-                          ignore_eos=fields.ignore_eos)
+                          ignore_eos=fields.ignore_eos, constraint=constraint)
+
+
+async def grammar_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int], grammar: str, param: str
+                             ) -> TokenConstraint:
+    """One request's grammar (Lark), compiled off the event loop: a few ms, and the first one also builds the
+    grammar engine's vocabulary (~0.3 s). A grammar that does not compile is the request's fault (`param`)."""
+    try:
+        return await asyncio.to_thread(grammars(tokenizer, eos_ids).constraint, grammar)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: no grammar can be built from it: {e}", param=param,
+                       code="invalid_schema") from e

@@ -8,11 +8,24 @@ bodies and the realtime session alike.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import to_jsonable_python
+
+from service.engine.grammar import schema_error
 
 if TYPE_CHECKING:
     from service.engine.request import Usage
@@ -172,11 +185,33 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it (an object is taken too, and written as JSON)
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _json_text(cls, v: Any) -> Any:
+        return json.dumps(v, ensure_ascii=False) if isinstance(v, dict) else v
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in a reply (message.tool_calls) and in the history a client sends back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -191,6 +226,8 @@ class ChatMessage(BaseModel):
     def _content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
     def text(self) -> str:
@@ -200,31 +237,166 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text or "" for p in self.content)
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (tool calls and ids only where there are some: templates test
+        `'tool_calls' in message`)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+# -- tools and structured output ------------------------------------------------------------------------------
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+def _json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    if schema is not None and (why := schema_error(schema)) is not None:
+        raise ValueError(f"not a JSON schema Parley can constrain output to: {why}")
+    return schema
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None
+
+    _parameters = field_validator("parameters")(_json_schema)
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+def _function_beside_type(data: Any, key: str) -> Any:
+    """The realtime API writes a function's fields beside `type` ({"type": "function", "name": ...}); chat nests
+    them ({"type": "function", "function": {"name": ...}}). Both are taken."""
+    if isinstance(data, dict) and key not in data and "name" in data:
+        return {"type": data.get("type"), key: {k: v for k, v in data.items() if k != "type"}}
+    return data
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    _flat = model_validator(mode="before")(lambda data: _function_beside_type(data, "function"))
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the one function the model must call."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+    _flat = model_validator(mode="before")(lambda data: _function_beside_type(data, "function"))
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+ToolChoice = ToolChoiceMode | NamedToolChoice
+
+
+def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> None:
+    """A tool_choice that asks for a call needs tools, and a named one a tool of that name (ValueError)."""
+    names = [t.function.name for t in tools or []]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ValueError(f"there is no tool named {choice.function.name!r} (tools: {', '.join(names) or 'none'})")
+    if choice == "required" and not names:
+        raise ValueError("tool_choice \"required\" needs tools")
+
+
+class ToolFields(BaseModel):
+    """The tool fields, declared once for chat requests and the realtime session (whose tool_choice may name a tool
+    an earlier session.update gave: checked per turn)."""
+
+    model_config = ConfigDict(extra="ignore")
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # none: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # none: true, as OpenAI
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be unique")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, v: Any) -> Any:
+        """One message for any shape that is neither a mode nor a named function (not one per alternative)."""
+        if v is None or v in get_args(ToolChoiceMode):
+            return v
+        if isinstance(v, dict):
+            with contextlib.suppress(ValidationError):
+                return NamedToolChoice.model_validate(v)
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+    _schema = field_validator("schema_")(_json_schema)
 
 
 class ResponseFormat(BaseModel):
+    """text (no constraint), json_object (any JSON object), or json_schema (JSON valid for its schema)."""
+
     model_config = ConfigDict(extra="ignore")
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _needed(cls, v: JSONSchemaFormat | None, info: ValidationInfo) -> JSONSchemaFormat | None:
+        if v is None and info.data.get("type") == "json_schema":
+            raise ValueError('response_format {"type": "json_schema"} needs a json_schema {"name", "schema"}')
+        return v
+
+    @property
+    def output_schema(self) -> dict[str, Any] | None:
+        """The schema the output must be valid for; None for text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema is not None and self.type == "json_schema" else None
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatCompletionRequest(ToolFields, OpenAIRequest):
     unsupported: ClassVar[dict[str, Unsupported]] = {
         **OpenAIRequest.unsupported,
         "logprobs": Unsupported(False, "logprobs are not supported"),
         "top_logprobs": Unsupported(0, "top_logprobs are not supported"),
-        "tools": Unsupported([], "tools are not supported"),
-        "response_format": Unsupported(ResponseFormat(), 'only response_format {"type": "text"} is supported'),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_fits(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" in info.data:  # the tools were valid: a choice must fit them
+            check_tool_choice(v, info.data["tools"])
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -255,7 +427,8 @@ class CompletionChoice(Choice):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the reply is calls only
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(Choice):
@@ -281,12 +454,24 @@ class ChatCompletionResponse(Completion):
     choices: list[ChatChoice]
 
 
+class ModelCapabilities(BaseModel):
+    """What the served model supports beyond text, and how (/v1/models)."""
+
+    tools: bool = True
+    tool_template: Literal["native", "hermes"]  # its chat template renders the tools, or Parley does (Hermes)
+    tool_call_format: Literal["hermes", "llama3_json"]  # how it writes a call (and Parley parses and forces one)
+    parallel_tool_calls: bool  # whether it may make several calls in one turn
+    tool_choice: list[str] = ["none", "auto", "required", "function"]
+    response_format: list[str] = ["text", "json_object", "json_schema"]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "parley"
     max_model_len: int | None = None
+    capabilities: ModelCapabilities | None = None
 
 
 class ModelList(BaseModel):
@@ -308,11 +493,11 @@ class ErrorResponse(BaseModel):
 
 
 # -- the realtime WebSocket ------------------------------------------------------------------------------------
-class RealtimeSessionConfig(SamplingFields):
+class RealtimeSessionConfig(ToolFields, SamplingFields):
     """session.update's `session`: the settings every later response.create starts from (and, as its subclass
-    RealtimeResponseConfig, one response's overrides). A null leaves a setting that has no null of its own
-    (temperature, top_p, top_k, ignore_eos, chunking) as it is; where null means something (no instructions, no
-    seed, max_tokens up to the context, no stop), it sets that."""
+    RealtimeResponseConfig, one response's overrides), tools and tool_choice among them. A null leaves a setting
+    that has no null of its own (temperature, top_p, top_k, ignore_eos, chunking) as it is; where null means
+    something (no instructions, no seed, max_tokens up to the context, no stop, no tools), it sets that."""
 
     model: str | None = None  # if given, the served model's id
     instructions: str | None = None
@@ -329,7 +514,7 @@ class RealtimeSessionConfig(SamplingFields):
 
     def updated(self, changes: RealtimeSessionConfig) -> RealtimeSessionConfig:
         """These settings, with what `changes` sets."""
-        return self.model_copy(update=changes.model_dump(include=SESSION_SETTINGS, exclude_unset=True))
+        return self.model_copy(update={k: getattr(changes, k) for k in changes.model_fields_set & SESSION_SETTINGS})
 
 
 SESSION_SETTINGS = set(RealtimeSessionConfig.model_fields) - {"model"}

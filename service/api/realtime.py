@@ -1,14 +1,17 @@
 """/v1/realtime: one WebSocket per voice conversation, JSON events named after OpenAI's Realtime API.
 
 client → server: session.update, response.create, response.cancel, conversation.item.truncate
-server → client: session.created, session.updated, response.created, response.output_text.delta, response.done,
-                 conversation.item.truncated, error (the socket stays open)
+server → client: session.created, session.updated, response.created, response.output_text.delta,
+                 response.output_item.added + response.function_call_arguments.delta/.done (a tool call),
+                 response.done, conversation.item.truncated, error (the socket stays open)
 
 The socket owns one engine Session: every turn runs in the same KV slot, so a turn whose prompt extends the
 previous one (the conversation so far + new messages) prefills only what it adds. The server keeps the
 conversation: a turn's new messages and the assistant's reply join it when the turn completes (or, on barge-in,
 with the part of the reply that was sent; conversation.item.truncate then cuts it to what the caller heard:
-truncation.py).
+truncation.py). Tools (session.update or response.create: tools, tool_choice) work as in chat completions
+(tools.py); a call the assistant made joins the conversation with its reply, and the client answers it with a
+`role: "tool"` message in the next turn's input.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
@@ -29,9 +32,11 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from service.api import prompts
 from service.api.chunking import SentenceChunker
 from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
-from service.api.protocol import SESSION_SETTINGS, RealtimeResponseConfig, RealtimeSessionConfig
+from service.api.protocol import SESSION_SETTINGS, RealtimeResponseConfig, RealtimeSessionConfig, check_tool_choice
 from service.api.state import ServerState, server_state
 from service.api.streaming import EngineStream
+from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ParsedCall, ToolCallParser, ToolEvent
+from service.api.tools import ChatTools
 from service.api.truncation import ReplyItem, Truncate
 from service.engine.engine import Rejected
 from service.engine.kv_slots import Session
@@ -47,9 +52,11 @@ MAX_EVENT_CHARS = 1 << 20  # as the HTTP body limit; larger frames (up to the se
 class ActiveResponse:
     id: str
     stream: EngineStream
-    new_messages: list[dict[str, str]] | None
+    new_messages: list[dict[str, Any]] | None
     task: asyncio.Task[None] | None = None
     prompt_tokens: int = 0
+    calls: ToolCallParser | None = None  # the turn offers tools: calls are read out of the reply
+    call_items: dict[int, str] = field(default_factory=dict)  # a call's index → its item id
 
 
 @router.get("/v1/realtime", include_in_schema=False)
@@ -78,7 +85,7 @@ class RealtimeConnection:
         self.engine = st.engine
         self.session: Session = self.engine.new_session()
         self.settings = RealtimeSessionConfig()  # session.update changes them; each response.create starts there
-        self.conversation: list[dict[str, str]] = []
+        self.conversation: list[dict[str, Any]] = []
         self.active: ActiveResponse | None = None
         self.replies: dict[str, ReplyItem] = {}  # item id → a reply the client may truncate
         self._send_lock = asyncio.Lock()
@@ -190,19 +197,29 @@ class RealtimeConnection:
         turn = self.settings.updated(cfg)
         self.st.ready()  # 503-shaped error while draining
         tok, param = self.st.tokenizer, "response.input"
-        new_messages: list[dict[str, str]] | None = None
-        if isinstance(cfg.input, str):
+        new_messages: list[dict[str, Any]] | None = None
+        calls, constraint = None, None
+        if isinstance(cfg.input, str):  # a text prompt: no template, so no tools
             ids = await prompts.encode_text(tok, cfg.input, param=param)
         else:
+            try:
+                check_tool_choice(turn.tool_choice, turn.tools)  # the session's tools and this turn's choice
+            except ValueError as e:
+                raise APIError(400, str(e), param="response.tool_choice", code="invalid_value") from e
+            tools = ChatTools.of(tok, turn)
             new_messages = [m.for_template() for m in cfg.input]
             system = [{"role": "system", "content": turn.instructions}] if turn.instructions else []
-            ids = await prompts.encode_messages(tok, system + self.conversation + new_messages, param=param)
+            messages, template_tools = tools.template_input(system + self.conversation + new_messages)
+            ids = await prompts.encode_messages(tok, messages, param=param, tools=template_tools)
+            calls, grammar = tools.parser(), tools.grammar(None)
+            if grammar is not None:
+                constraint = await prompts.grammar_constraint(tok, self.engine.eos, grammar, "response.tools")
         ctx = self.st.max_context
         max_tokens = prompts.chat_max_tokens(turn.max_tokens, len(ids), ctx)
         prompts.check_prompt(ids, self.st.vocab_size, ctx, max_tokens, param=param)
         rid = cfg.id or f"resp_{uuid.uuid4().hex[:20]}"
         try:
-            stream = self.st.open_stream(ids, prompts.sampling_params(turn, max_tokens), received, param,
+            stream = self.st.open_stream(ids, prompts.sampling_params(turn, max_tokens, constraint), received, param,
                                          session=self.session)
         except Rejected as r:
             err = from_rejected(r)
@@ -210,7 +227,7 @@ class RealtimeConnection:
                              retry_after_ms=max(1, round(r.retry_after_s * 1000)), response_id=rid)
             return
         joins = new_messages if cfg.conversation == "auto" else None  # out of band: the conversation stays as it is
-        active = self.active = ActiveResponse(rid, stream, joins, prompt_tokens=len(ids))
+        active = self.active = ActiveResponse(rid, stream, joins, prompt_tokens=len(ids), calls=calls)
         try:
             await self.send({"type": "response.created", "response": {"id": rid, "status": "in_progress"}})
         except Exception:
@@ -246,8 +263,9 @@ class RealtimeConnection:
                            param="text_end", code="text_end_out_of_range")
         self.engine.truncate(self.session, reply.keep_tokens(cut.text_end))
         reply.truncate(cut.text_end)
-        if reply.conversation_index is not None:
-            self.conversation[reply.conversation_index] = {"role": "assistant", "content": reply.text}
+        if reply.conversation_index is not None:  # its calls (separate items) stay
+            self.conversation[reply.conversation_index] = {**self.conversation[reply.conversation_index],
+                                                           "content": reply.text}
         await self.send({"type": "conversation.item.truncated", "item_id": reply.id, "content_index": 0,
                          "text_end": cut.text_end})
 
@@ -262,22 +280,37 @@ class RealtimeConnection:
                 last = d
                 if d.finish_reason in ("cancelled", "error"):
                     break
-                reply.add(d)
-                pieces = chunker.add(d.text) if chunker and d.text else ([d.text] if d.text else [])
+                if active.calls is None:
+                    events: list[ToolEvent] = [Content(d.text)] if d.text else []
+                else:
+                    events = active.calls.feed(d.text) + (active.calls.finish() if d.finish_reason else [])
+                reply.add(replace(d, text="".join(e.text for e in events if isinstance(e, Content))))
+                for e in events:
+                    if isinstance(e, Content):
+                        pieces = chunker.add(e.text) if chunker else [e.text]
+                    else:  # what was said before a call goes out before it
+                        pieces = chunker.flush() if chunker else []
+                    for piece in pieces:
+                        sent.append(piece)
+                        await self.send({"type": "response.output_text.delta", "response_id": active.id,
+                                         "delta": piece})
+                    if not isinstance(e, Content):
+                        await self._call_event(active, e)
                 if d.finish_reason is not None and chunker is not None:
-                    pieces += chunker.flush()
-                for piece in pieces:
-                    sent.append(piece)
-                    await self.send({"type": "response.output_text.delta", "response_id": active.id,
-                                     "delta": piece})
+                    for piece in chunker.flush():
+                        sent.append(piece)
+                        await self.send({"type": "response.output_text.delta", "response_id": active.id,
+                                         "delta": piece})
             assert last is not None and last.finish_reason is not None
             status = outcome_of(last.finish_reason)
             text = "".join(sent)
+            calls = active.calls.calls if active.calls is not None else []
+            made = [c for c in calls if c.complete]  # a call cut short (a barge-in) stays out of the history
             if status != "failed" and active.new_messages is not None:
                 self.conversation += active.new_messages
-                if text or status == "completed":
+                if text or made or status == "completed":
                     reply.conversation_index = len(self.conversation)
-                    self.conversation.append({"role": "assistant", "content": text})
+                    self.conversation.append(_assistant_message(text, made))
             if status != "failed":
                 reply.text = text
                 self._keep(reply)
@@ -286,8 +319,10 @@ class RealtimeConnection:
             if failure is not None:  # an error event too, for clients that only watch those
                 await self.error(failure.type, failure.code, failure.message, event_type="response.create",
                                  response_id=active.id)
-            await self.send({"type": "response.done", "response": self._done(active.id, status, text, last,
-                                                                              reply)})
+            done = self._done(active.id, status, text, last, reply)
+            if status != "failed":
+                done["output"] += [_call_item(active.call_items[i], c) for i, c in enumerate(calls)]
+            await self.send({"type": "response.done", "response": done})
         except Exception:  # the socket went away mid-response: stop generating
             active.stream.cancel()
             if self.active is active:
@@ -296,6 +331,25 @@ class RealtimeConnection:
                 log.exception("response %s failed", active.id)
         finally:
             active.stream.close()
+
+    async def _call_event(self, active: ActiveResponse, event: ToolEvent) -> None:
+        """A tool call as OpenAI's Realtime API streams it: its item added, its arguments in pieces, then whole.
+        Its output_index counts the assistant message (always output[0]) first."""
+        assert active.calls is not None and not isinstance(event, Content)
+        call = active.calls.calls[event.index]
+        if isinstance(event, CallStart):
+            item_id = active.call_items[event.index] = f"item_{uuid.uuid4().hex[:20]}"
+            await self.send({"type": "response.output_item.added", "response_id": active.id,
+                             "output_index": event.index + 1, "item": {**_call_item(item_id, call),
+                                                                       "status": "in_progress"}})
+            return
+        where = {"response_id": active.id, "item_id": active.call_items[event.index],
+                 "output_index": event.index + 1, "call_id": call.id, "name": call.name}
+        if isinstance(event, CallArguments):
+            await self.send({"type": "response.function_call_arguments.delta", **where, "delta": event.text})
+        elif isinstance(event, CallEnd):
+            await self.send({"type": "response.function_call_arguments.done", **where,
+                             "arguments": call.arguments})
 
     def _keep(self, reply: ReplyItem) -> None:
         """Remember a reply for conversation.item.truncate: every one in the conversation, the last one outside it."""
@@ -333,6 +387,23 @@ class RealtimeConnection:
     def session_info(self) -> dict[str, Any]:
         return {"id": self.session.id, "object": "realtime.session", "model": self.st.model_id,
                 **self.settings.model_dump(include=SESSION_SETTINGS), "max_context": self.st.max_context}
+
+
+def _assistant_message(text: str, calls: list[ParsedCall]) -> dict[str, Any]:
+    """The assistant's turn as the conversation keeps it (ChatMessage.for_template's shape)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                            "arguments": c.arguments}}
+                                 for c in calls]
+    return message
+
+
+def _call_item(item_id: str, call: ParsedCall) -> dict[str, Any]:
+    """A tool call as an item of response.done's `output` (OpenAI's function_call item)."""
+    return {"id": item_id, "object": "realtime.item", "type": "function_call",
+            "status": "completed" if call.complete else "incomplete", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments}
 
 
 def _object(event: dict[str, Any], key: str) -> dict[str, Any]:

@@ -27,10 +27,12 @@ def resolve_backend(backend: str) -> str:
 def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_slots: int, max_context: int,
                  device: str | None = None, weight_format: str = "bf16", max_batch: int | None = None,
                  batch_invariant: bool = False) -> Decoder:
-    """The backend's decoder over `max_slots` KV slots. weight_format "fp8": the matrices in FP8 (e4m3, a scale per
-    output row; service/model/fp8.py): the megakernel streams them, the reference decoder runs their dequantized
-    values (the same function, at bf16 bytes). batch_invariant: the megakernel pads every batch to the largest
-    bucket, so a sequence's tokens never depend on the batch it ran in (costs the padding at small batches)."""
+    """The backend's decoder over `max_slots` KV slots (cached conversations), decoding up to `max_batch` of them a
+    step (the megakernel sizes its buffers by it, its KV cache by max_slots + a scratch slot). weight_format "fp8":
+    the matrices in FP8 (e4m3, a scale per output row; service/model/fp8.py): the megakernel streams them, the
+    reference decoder runs their dequantized values (the same function, at bf16 bytes). batch_invariant: the
+    megakernel pads every batch to the largest bucket, so a sequence's tokens never depend on the batch it ran in
+    (costs the padding at small batches)."""
     backend = resolve_backend(backend)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if weight_format not in WEIGHT_FORMATS:

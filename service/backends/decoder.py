@@ -43,15 +43,28 @@ class Decoder(Protocol):
     slow_prefills: int  # prefills that took a slow path (on a GPU: eager, not a captured graph), exported as
     # parley_prefill_slow_path_total
 
+    def prefill_graph_buckets(self) -> list[int] | None:
+        """The sizes prefill graphs pad to, new tokens and cached length alike (GPU: a prefill's cost steps at them,
+        and admission's latency model is measured at them); None where prefill runs eagerly, its cost growing
+        smoothly with both."""
+        ...
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, n_tokens: int) -> None:
+        """Copy the K/V of positions [0, n_tokens) of `src_slot`, every layer, into `dst_slot` (a prefix that two
+        requests share, where the slot holding it must keep it). Asynchronous on a GPU, ordered before the next
+        prefill or step."""
+        ...
+
     draws_tokens: bool  # whether decode() honours `draws` (returns `sampled`) and draw() exists
 
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
                draws: list[Draw] | None = None) -> DecodeOutput:
         """One step for a batch of any size up to max_slots: token_ids[i] sits at positions[i] of slots[i].
-        Writes its K/V; returns the logits and the greedy token of each sequence, and where the decoder draws
-        tokens and `draws` is given, each row's drawn token. Asynchronous on a GPU: nothing waits for the device.
-        `token_ids` may be a device tensor (the previous step's tokens), so that a step can be launched before
-        the last one's tokens reach the host."""
+        Writes its K/V (a row's own position first, then its attention reads positions [0, positions[i]], so a row
+        may rewrite a position an earlier step wrote); returns the logits and the greedy token of each sequence,
+        and where the decoder draws tokens and `draws` is given, each row's drawn token. Asynchronous on a GPU:
+        nothing waits for the device. `token_ids` may be a device tensor (the previous step's tokens), so that a
+        step can be launched before the last one's tokens reach the host."""
         ...
 
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:

@@ -36,6 +36,15 @@ class FaultInjectingDecoder:
     def slow_prefills(self) -> int:
         return self.inner.slow_prefills
 
+    def prefill_graph_buckets(self) -> list[int] | None:
+        return self.inner.prefill_graph_buckets()
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, n_tokens: int) -> None:
+        self.inner.copy_prefix(src_slot, dst_slot, n_tokens)
+
+    def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
+        return self.inner.draw(logits, draws, positions)
+
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
                draws: list[Draw] | None = None) -> DecodeOutput:
         if self.armed:

@@ -107,6 +107,12 @@ class MegakernelDecoder:
     def slow_prefills(self) -> int:
         return self.reference.slow_prefills
 
+    def prefill_graph_buckets(self) -> list[int] | None:
+        return self.reference.prefill_graph_buckets()
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, n_tokens: int) -> None:
+        self.reference.copy_prefix(src_slot, dst_slot, n_tokens)  # the kernel reads the same cache
+
     def bucket(self, n: int) -> int:
         return self.bucket_of(n, self.buckets)
 

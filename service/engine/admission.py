@@ -18,7 +18,8 @@ class Rejected(Exception):
 
 class Admission(Protocol):
     def check(self, req: Request) -> None:
-        """Admit `req`, setting its deadline, or raise Rejected."""
+        """Admit `req`, setting its deadline, or raise Rejected. Its cached_tokens are those the prefix cache holds
+        for it now; `lags`: it would get a token every other step beside requests chosen on the device."""
         ...
 
     def release(self, req: Request) -> None:
@@ -31,7 +32,9 @@ class Admission(Protocol):
 
     def observe_step(self, batch: int, seconds: float) -> None: ...
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None: ...
+    def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
+        """A prefill of `tokens` new tokens on top of `cached` ones took `seconds`."""
+        ...
 
     def observe_nth(self, req: Request, at: float) -> None:
         """`req`'s SLA token came out at `at` (time.perf_counter)."""
@@ -54,6 +57,6 @@ class AdmitAll:
 
     def observe_step(self, batch: int, seconds: float) -> None: ...
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None: ...
+    def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None: ...
 
     def observe_nth(self, req: Request, at: float) -> None: ...

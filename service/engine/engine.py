@@ -1,5 +1,6 @@
-"""Engine: one scheduler thread that prefills new requests, runs one decode step for every running request, samples,
-streams text deltas and frees slots. Its interface (submit, cancel, sessions, drain) is all the API layer sees.
+"""Engine: one scheduler thread that prefills new requests (on top of the K/V cached for their prompt's longest
+cached prefix), runs one decode step for every running request, samples, streams text deltas and frees slots. Its
+interface (submit, cancel, sessions, truncate, drain) is all the API layer sees.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 from service.backends.decoder import Decoder
+from service.engine import run_ahead
 from service.engine.admission import Admission, AdmitAll, Rejected
-from service.engine.kv_slots import Session
+from service.engine.kv_slots import KVSlots, Placement, Session
 from service.engine.output import TextOutput
+from service.engine.prefix_cache import block_hashes
 from service.engine.request import Delta, Request, SamplingParams, State, outcome_of
-from service.engine.sampler import Sampler, SamplingError, StepTokens
+from service.engine.run_ahead import Rows, Step
+from service.engine.sampler import Sampler, SamplingError
 from service.engine.scheduler import Scheduler
 from service.engine.slow_steps import SlowSteps
 from service.metrics import Metrics
@@ -28,26 +30,19 @@ log = logging.getLogger("parley.engine")
 
 
 @dataclass
-class _Step:
-    """A launched decode step whose tokens have not been read back yet."""
-
-    batch: list[Request]
-    tokens: StepTokens
-    t0: float
-
-
-@dataclass
 class EngineStats:
     running: int
     waiting: int
-    free_slots: int
+    free_slots: int  # KV slots no running request holds (empty, or caching an idle conversation)
     total_slots: int
+    cached_slots: int = 0  # KV slots caching an idle conversation
 
 
 class Engine:
     def __init__(self, decoder: Decoder, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = (),
                  metrics: Metrics | None = None, admission: Admission | None = None, sla_ms: float = 100.0,
-                 sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0) -> None:
+                 sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0,
+                 max_batch: int | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -57,8 +52,11 @@ class Engine:
         self.sla_s, self.sla_tokens = sla_ms / 1e3, sla_tokens
         self.max_waiting = max_waiting
         self.wedge_timeout_s = wedge_timeout_s
-        self.scheduler = Scheduler(decoder.max_slots)
+        # requests decoded together (the decode batch), and KV slots: cached conversations, at least as many
+        self.max_batch = min(max_batch or decoder.max_slots, decoder.max_slots)
+        self.scheduler = Scheduler(KVSlots(decoder.max_slots), self.max_batch)
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._live: set[Request] = set()  # admitted, not ended: each gets its final delta, whatever fails
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the counts the API reads
         self._stopping = False
@@ -71,7 +69,7 @@ class Engine:
         self._prev_step: tuple[float, int] | None = None  # (start, batch) of the last step, while decoding goes on
         self._prefill_s_since = 0.0
         self.overlap = decoder.device.type == "cuda"  # run a step ahead (see _decode_step)
-        self._inflight: _Step | None = None
+        self._inflight: Step | None = None
         self._last_completed = 0.0
         self._slow_steps = SlowSteps()
         self._slow_prefills = 0  # the decoder's count, as last exported
@@ -80,6 +78,7 @@ class Engine:
         self.metrics.sla_seconds.set(self.sla_s)
         self.metrics.sla_headroom.set(self.sla_s)
         self.metrics.kv_slots_free.set(decoder.max_slots)
+        self.metrics.kv_slots_cached.set(0)
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +128,9 @@ class Engine:
                       output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
         if arrival is not None:
             req.arrival = arrival
+        req.prompt_blocks = block_hashes(req.prompt_ids)
+        req.cached_tokens = self.scheduler.slots.expected_cached(req.prompt_ids, req.prompt_blocks, session)
+        req.lags = self.overlap and self.sampler.needs_host(req)
         with self._lock:
             if self.stats.waiting >= self.max_waiting:
                 self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
@@ -137,6 +139,7 @@ class Engine:
             except Rejected as r:
                 self._reject(req, r)
             self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
+            self._live.add(req)
             self.stats.waiting += 1
             self.metrics.waiting.set(self.stats.waiting)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -158,8 +161,13 @@ class Engine:
         return Session()
 
     def close_session(self, session: Session) -> None:
-        self._inbox.put(session)  # type: ignore[arg-type]  # handled on the engine thread
-        self._wake.set()
+        """The conversation is over: its slot is unpinned, its K/V stay cached like any request's."""
+        self.scheduler.slots.close(session)
+
+    def truncate(self, session: Session, keep_tokens: int) -> None:
+        """Between turns (after a barge-in): the session's cached K/V keep only their first `keep_tokens` tokens,
+        before any later submit for it. A no-op where its slot was evicted or holds fewer."""
+        self.scheduler.slots.truncate(session, keep_tokens)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Delta]:
         """Blocking convenience for scripts and tests: the deltas of one request."""
@@ -178,17 +186,15 @@ class Engine:
                 self._iteration()
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
-                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._finish(req, "error", error="internal engine error")
-                self.scheduler.waiting.clear()
+                self._fail_all()
 
     def _iteration(self) -> None:
         sched = self.scheduler
         self._take_inbox()
         for req in sched.take_cancelled():
             self._finish(req, "cancelled")
-        while (req := sched.next_to_prefill()) is not None:
-            self._prefill(req)
+        while (placed := sched.next_to_prefill()) is not None:
+            self._prefill(*placed)
         self._update_gauges()
         if sched.running or self._inflight is not None:
             self._decode_step()
@@ -203,17 +209,41 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, Session):
-                self.scheduler.slots.close_session(item)
-            else:
+            if item.state is not State.FINISHED:  # else failed already, by _fail_all
                 self.scheduler.add(item)
 
-    def _prefill(self, req: Request) -> None:
+    def _fail_all(self) -> None:
+        """After an iteration failed: every admitted request that has not ended (waiting, running, or the one being
+        prefilled when it failed) ends now with an error, so that no client waits for ever."""
+        self._inflight, self._prev_step = None, None
+        with self._lock:
+            live = list(self._live)
+        for req in live:
+            try:
+                self._finish(req, "error", error="internal engine error")
+            except Exception:
+                log.exception("failing %s failed", req.id)
+                with self._lock:
+                    self._live.discard(req)
+                try:
+                    req.sink(Delta("", [], finish_reason="error", error="internal engine error", usage=req.usage()))
+                except Exception:
+                    log.exception("the final delta of %s could not be sent", req.id)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+
+    def _prefill(self, req: Request, placement: Placement) -> None:
+        """Prefill what follows the prompt's cached prefix (copied in first from another slot, where it sits in one
+        that must keep it) and choose the first token."""
         req.prefill_start = time.perf_counter()
         self.metrics.queue_time.observe(req.prefill_start - req.arrival)
         start = req.cached_tokens
+        self.metrics.prefix_cache_queries.inc(len(req.prompt_ids))
+        self.metrics.prefix_cache_hits.inc(start)
         self._busy_since = time.monotonic()
         try:
+            if placement.source is not None:
+                self.decoder.copy_prefix(placement.source, placement.slot, start)
             logits = self.decoder.prefill(req.slot, req.prompt_ids[start:], start)
             token = self.sampler.first(logits, req)  # reading it back waits for the prefill to run
         except Exception as e:  # a fault fails this request only; the engine goes on
@@ -227,7 +257,7 @@ class Engine:
         n = len(req.prompt_ids) - start
         self.metrics.prefill_time.observe(req.prefill_end - req.prefill_start)
         self.metrics.prefilled_tokens.inc(n)
-        self.admission.observe_prefill(n, req.prefill_end - req.prefill_start)
+        self.admission.observe_prefill(n, start, req.prefill_end - req.prefill_start)
         slow = self.decoder.slow_prefills
         if slow > self._slow_prefills:
             self.metrics.prefill_slow_path.inc(slow - self._slow_prefills)
@@ -237,22 +267,21 @@ class Engine:
         self._emit_or_fail(req, token)
 
     def _decode_step(self) -> None:
-        """One token for every running request. On a GPU, while the batch stays the same, the next step is launched
-        before this one's tokens are read back: they are chosen on the device (greedy, or sampled there) and fed
-        straight into it, so the host's work per token (streaming, detokenizing, bookkeeping) hides behind the
-        kernel. A request with a seed is sampled on the host, one step at a time."""
+        """One token for every running request (a lagging one: every other step). On a GPU, while the batch stays
+        the same, the next step is launched before this one's tokens are read back (run_ahead.py): they are chosen
+        on the device and fed straight into it, so the host's work per token hides behind the kernel."""
         batch = list(self.scheduler.running)
         pending, self._inflight = self._inflight, None
         if pending is not None:
             if pending.batch == batch and pending.tokens.ahead and self._can_run_ahead(batch):
-                self._inflight = self._launch(batch, pending.tokens.chosen, [r.kv_len + 1 for r in batch])
+                self._inflight = self._launch(batch, run_ahead.after(pending, self.sampler.needs_host))
                 self._complete(pending)
                 return
             self._complete(pending)
             batch = list(self.scheduler.running)
             if not batch:
                 return
-        launched = self._launch(batch, [r.output_ids[-1] for r in batch], [r.kv_len for r in batch])
+        launched = self._launch(batch, run_ahead.from_host(batch))
         if launched is None:
             return
         if launched.tokens.ahead:
@@ -261,11 +290,13 @@ class Engine:
             self._complete(launched)
 
     def _can_run_ahead(self, batch: list[Request]) -> bool:
-        """Whether the next tokens can be chosen on the device and one more position fits every sequence."""
+        """Whether the next step can be launched before this one is read: a GPU, one position more fits every
+        sequence, and not every request waits for the host between its tokens (those alone run step by step)."""
         ctx = self.decoder.max_context
-        return self.overlap and self.sampler.on_device(batch) and all(r.kv_len + 2 < ctx for r in batch)
+        return (self.overlap and not all(self.sampler.needs_host(r) for r in batch)
+                and all(r.kv_len + 2 < ctx for r in batch))
 
-    def _launch(self, batch: list[Request], tokens: list[int] | torch.Tensor, positions: list[int]) -> _Step | None:
+    def _launch(self, batch: list[Request], rows: Rows) -> Step | None:
         t0 = time.perf_counter()
         if self._prev_step is not None:
             prev_start, prev_batch = self._prev_step
@@ -276,19 +307,19 @@ class Engine:
             slots = [r.slot for r in batch]
             draws = self.sampler.draws(batch)
             if draws is None:
-                out = self.decoder.decode(slots, tokens, positions)
+                out = self.decoder.decode(slots, rows.tokens, rows.positions)
             else:
-                out = self.decoder.decode(slots, tokens, positions, draws)
+                out = self.decoder.decode(slots, rows.tokens, rows.positions, draws)
             # running ahead: the tokens are chosen on the device now; _complete waits for them
-            next_tokens = self.sampler.step(out, batch, ahead=self._can_run_ahead(batch))
+            tokens = self.sampler.step(out, batch, ahead=self._can_run_ahead(batch), void=rows.void)
         except Exception as e:  # fail the requests of this step, keep serving the rest
             self._fail_step(batch, e)
             return None
         finally:
             self._busy_since = None
-        return _Step(batch, next_tokens, t0)
+        return Step(batch, rows, tokens, t0)
 
-    def _complete(self, step: _Step) -> None:
+    def _complete(self, step: Step) -> None:
         """Read a launched step's tokens back and stream them."""
         self._busy_since = time.monotonic()
         try:
@@ -299,7 +330,8 @@ class Engine:
         finally:
             self._busy_since = None
         for i, req in enumerate(step.batch):
-            if req.state is State.FINISHED:  # cancelled, or ended while this step ran ahead: its token is void
+            # cancelled, or ended while this step ran ahead; or a lagging request's row between two of its tokens
+            if req.state is State.FINISHED or step.rows.void[i]:
                 continue
             try:
                 token = step.tokens.token(i)
@@ -385,6 +417,8 @@ class Engine:
         self.metrics.e2e_latency.observe(now - req.arrival)
         self.admission.release(req)
         self.metrics.sla_headroom.set(self.admission.headroom(now))
+        with self._lock:
+            self._live.discard(req)
         req.sink(Delta(text, [] if token is None else [token], finish_reason=reason, error=error,
                        usage=req.usage(), timings=req.timings(now)))
 
@@ -394,6 +428,8 @@ class Engine:
             s.running = len(sched.running)
             s.waiting = len(sched.waiting) + self._inbox.qsize()
             s.free_slots = sched.slots.num_free
+            s.cached_slots = sched.slots.num_cached
         self.metrics.running.set(s.running)
         self.metrics.waiting.set(s.waiting)
         self.metrics.kv_slots_free.set(s.free_slots)
+        self.metrics.kv_slots_cached.set(s.cached_slots)

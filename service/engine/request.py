@@ -27,6 +27,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # A grammar for this request alone (it keeps the grammar's state): the Request takes it as its `constraint`.
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
@@ -37,7 +39,7 @@ class SamplingParams:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens whose KV came from the session's cache (not prefilled)
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache (not prefilled)
 
     @property
     def total_tokens(self) -> int:
@@ -94,11 +96,13 @@ class Request:
     state: State = State.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
+    prompt_blocks: list[int] = field(default_factory=list)  # prefix_cache.block_hashes of the prompt
+    cached_tokens: int = 0  # prompt tokens whose K/V come from the prefix cache: expected at submit, exact once placed
     kv_len: int = 0  # positions of this request's slot holding valid K/V
     cancelled: bool = False
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)
+    lags: bool = False  # sampled on the host while its batch runs ahead: a token every other step (sampler.py)
     draw_seed: int = field(default_factory=lambda: random.getrandbits(63))  # keys draws made inside a step
     prefill_start: float | None = None
     prefill_end: float | None = None
@@ -107,6 +111,8 @@ class Request:
     last_token_at: float | None = None
 
     def __post_init__(self) -> None:
+        if self.constraint is None:
+            self.constraint = self.params.constraint
         if self.params.seed is not None:  # a seeded request draws the same tokens every time
             self.draw_seed = self.params.seed & (2**63 - 1)
 

@@ -1,20 +1,23 @@
 """Scheduler: continuous batching over the decoder's KV slots.
 
-Requests join between steps (waiting → running once a slot is free and they are prefilled) and leave between
-steps (finished or cancelled → their slot is free for the next step). Only the engine thread touches it.
+Requests join between steps (waiting → running once a decode row and a KV slot are free and they are prefilled) and
+leave between steps (finished or cancelled → their slot goes idle, its K/V cached for later requests). At most
+`max_batch` requests run (decode) together; the KV slots (kv_slots.KVSlots) may be more: cached conversations.
+Only the engine thread touches it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from service.engine.kv_slots import Session, SlotManager
+from service.engine.kv_slots import KVSlots, Placement, Session
 from service.engine.request import Request, State
 
 
 class Scheduler:
-    def __init__(self, num_slots: int) -> None:
-        self.slots = SlotManager(num_slots)
+    def __init__(self, slots: KVSlots, max_batch: int) -> None:
+        self.slots = slots
+        self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -31,24 +34,27 @@ class Scheduler:
                 self.release(r)
         return gone
 
-    def next_to_prefill(self) -> Request | None:
-        """The oldest waiting request whose session is not mid-turn, given a slot; None if none can start."""
+    def next_to_prefill(self) -> tuple[Request, Placement] | None:
+        """The oldest waiting request whose session is not mid-turn, placed in a slot (the prompt tokens found there
+        are its cached_tokens); None if none can start now."""
+        if len(self.running) >= self.max_batch:
+            return None
         for req in self.waiting:
             session: Session | None = req.session  # type: ignore[assignment]
             if session is not None and session.busy:
                 continue
-            slot = self.slots.acquire(session)
-            if slot is None:
+            placement = self.slots.place(req.prompt_ids, req.prompt_blocks, session)
+            if placement is None:
                 return None
             self.waiting.remove(req)
-            req.slot, req.state = slot, State.RUNNING
-            if session is not None:
-                session.busy = True
-                req.cached_tokens = _reusable_prefix(session.cached_ids, req.prompt_ids)
-            return req
+            req.slot, req.state, req.cached_tokens = placement.slot, State.RUNNING, placement.cached
+            return req, placement
         return None
 
     def start(self, req: Request) -> None:
+        """`req` has been prefilled: it decodes from the next step, and its slot holds its prompt."""
+        assert req.slot is not None
+        self.slots.filled(req.slot, req.prompt_ids, req.prompt_blocks)
         self.running.append(req)
 
     def finish(self, req: Request) -> None:
@@ -58,21 +64,7 @@ class Scheduler:
 
     def release(self, req: Request) -> None:
         req.state = State.FINISHED
-        session: Session | None = req.session  # type: ignore[assignment]
-        if session is not None:
-            session.busy = False
-        if req.slot is not None:
-            cached = (req.prompt_ids + req.output_ids)[: req.kv_len]
-            self.slots.release(req.slot, session, cached)
+        if req.slot is not None:  # the tokens fed: the last one generated never is
+            fed = (req.prompt_ids + req.output_ids)[: req.kv_len]
+            self.slots.release(req.slot, fed, req.session)  # type: ignore[arg-type]
             req.slot = None
-
-
-def _reusable_prefix(cached: list[int], prompt: list[int]) -> int:
-    """How many leading prompt tokens already sit in the cache; at least one is always prefilled anew,
-    since its logits give the first output token."""
-    n = 0
-    for a, b in zip(cached, prompt):
-        if a != b:
-            break
-        n += 1
-    return min(n, len(prompt) - 1)

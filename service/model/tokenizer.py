@@ -11,6 +11,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -49,6 +50,8 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(self.chat_template)
+        # Whether the template renders `tools` itself (Llama-3.x, Qwen2.5); others get them from the API as text.
+        self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(self.chat_template))
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
@@ -75,16 +78,25 @@ class Tokenizer:
         i = token_id - self.vocab_size
         return self.extra_tokens[i] if 0 <= i < len(self.extra_tokens) else ""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face's tokenizer.json (what a grammar engine builds its vocabulary from)."""
+        return self.hf.to_str()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools` (OpenAI's tool objects) reach templates that take them (takes_tools); without tools, the template
+        sees none defined, as transformers renders it."""
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **({"tools": tools} if tools is not None else {}),
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         # The template writes the BOS itself where the model wants one.
         return self._encode(text, add_special_tokens=False)
 

@@ -1,0 +1,159 @@
+"""Does a constrained request slow its neighbours? Inter-token latency of N unconstrained streams decoded together,
+without and then with one constrained request (response_format json_schema, masked by its grammar on every token)
+in the same batch, and of the constrained request itself, as clients see them (parley-loadtest's HTTP client).
+
+    python bench/constrained_gpu.py                       # the GPU: synthetic Llama-3.2-1B shapes, the megakernel
+    python bench/constrained_gpu.py --model synthetic:tiny --backend reference --device cpu --neighbours 2 \\
+        --tokens 24 --repeats 1 --serve-args "--sla-ms 60000" --out /tmp/constrained   # a quick check on a CPU
+
+It starts `parley serve` (or measures --url), runs the two scenarios in turn `--repeats` times, and writes
+<out>/constrained-<device>.json and .md: the device, the versions, and ITL p50/p99 of the neighbours without a
+constrained request (the baseline), of the neighbours beside one, and of the constrained request. The synthetic
+models tokenize as SmolLM2 does, so the grammar works over a real 49k vocabulary; their random weights never stop on
+their own, and the schema (an array of at least --tokens items) keeps the grammar at work for every token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # loadtest and bench, run as a script from anywhere
+
+from bench.soak import spawn  # noqa: E402
+from loadtest.clients import ClientPool, Target, http_turn  # noqa: E402
+from loadtest.record import RequestRecord, finish  # noqa: E402
+from loadtest.stats import describe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [{"role": "user", "content": "List words with a number for each, as JSON."}]
+
+
+def long_schema(items: int) -> dict[str, Any]:
+    """JSON that takes more than `items` tokens to complete: the grammar masks every token of the run."""
+    return {"type": "array", "minItems": items, "items": {
+        "type": "object", "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["word", "n"]}}
+
+
+async def scenario(url: str, neighbours: int, tokens: int, constrained: bool) -> list[tuple[bool, RequestRecord]]:
+    """`neighbours` unconstrained streams of `tokens` tokens, and with `constrained` one more under a json_schema
+    grammar, all sent at once: (constrained?, its record) each."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": long_schema(tokens)}}
+    targets = [Target(url, "chat", extra_body={"temperature": 1.0}) for _ in range(neighbours)]
+    if constrained:
+        targets.append(Target(url, "chat", extra_body={"temperature": 1.0, "response_format": fmt}))
+    async with ClientPool(targets[0]) as pool:
+        records = await asyncio.gather(*(http_turn(pool.take(), t, PROMPT, tokens, RequestRecord(i, 0))
+                                         for i, t in enumerate(targets)))
+    return [(i == neighbours, finish(r, sla_tokens=64, sla_ms=100.0)) for i, r in enumerate(records)]
+
+
+def figures(itl_ms: list[float]) -> dict[str, Any]:
+    d = describe(itl_ms)
+    return {"n": d["n"], **{k: None if d[k] is None else round(d[k], 3) for k in ("p50", "p99", "mean")}}
+
+
+async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    await scenario(url, 1, 8, constrained=True)  # warm-up: the grammar engine's vocabulary is built once
+    itl: dict[str, list[float]] = {"baseline": [], "beside": [], "constrained": []}
+    refused: list[str] = []
+    for _ in range(args.repeats):
+        for mixed in (False, True):
+            for constrained, r in await scenario(url, args.neighbours, args.tokens, mixed):
+                if r.outcome != "ok":
+                    refused.append(f"{r.status} {r.error or ''}".strip())
+                itl["constrained" if constrained else "beside" if mixed else "baseline"] += r.itl_ms
+    base, beside = figures(itl["baseline"]), figures(itl["beside"])
+    slowdown = beside["p50"] / base["p50"] - 1 if base["p50"] and beside["p50"] is not None else None
+    return {"itl_ms": {"baseline_neighbours": base, "neighbours_beside_constrained": beside,
+                       "constrained": figures(itl["constrained"])},
+            "neighbour_p50_slowdown": slowdown, "refused": refused}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "llguidance"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    try:
+        out["parley"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return out
+
+
+def device_name(args: argparse.Namespace) -> str:
+    import torch
+
+    return "cpu" if args.device == "cpu" or not torch.cuda.is_available() else torch.cuda.get_device_name()
+
+
+def markdown(result: dict[str, Any]) -> str:
+    names = {"baseline_neighbours": "neighbours, no constrained request (the baseline)",
+             "neighbours_beside_constrained": "neighbours beside one constrained request",
+             "constrained": "the constrained request (json_schema)"}
+    cfg = result["config"]
+    lines = [f"# Inter-token latency beside a constrained request — {result['device']}", "",
+             f"`{cfg['model']}`, backend `{cfg['backend']}`, {cfg['neighbours']} unconstrained streams of "
+             f"{cfg['tokens']} tokens (+ one json_schema stream), {cfg['repeats']} repeats; "
+             + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
+             "| streams | ITL p50 (ms) | ITL p99 (ms) | mean (ms) | gaps |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {names[k]} | {s['p50']} | {s['p99']} | {s['mean']} | {s['n']} |" for k, s in result["itl_ms"].items()]
+    if result["neighbour_p50_slowdown"] is not None:
+        lines += ["", f"Neighbours' ITL p50 beside a constrained request: {result['neighbour_p50_slowdown']:+.1%} "
+                      "against the baseline."]
+    if result["refused"]:
+        lines += ["", f"{len(result['refused'])} requests were refused or failed, and are not measured: "
+                      f"{result['refused'][0]}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="synthetic:llama-3.2-1b")
+    p.add_argument("--backend", default="megakernel")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: the server's choice)")
+    p.add_argument("--neighbours", type=int, default=7, help="unconstrained streams decoded with it")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--serve-args", default="", help="more `parley serve` flags")
+    p.add_argument("--url", default=None, help="measure a running server instead of starting one")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device_name(args)
+    stem = out / f"constrained-{device.replace(' ', '-')}"
+    proc, url = None, args.url
+    if url is None:
+        flags = ["--model", args.model, "--backend", args.backend, "--max-batch", str(args.neighbours + 1),
+                 "--max-context", str(args.max_context), *(["--device", args.device] if args.device else [])]
+        proc, url = spawn(f"{shlex.join(flags)} {args.serve_args}", stem.with_suffix(".log"), timeout_s=900)
+    try:
+        measured = asyncio.run(measure(args, url))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=120)
+    result = {"device": device, "versions": versions(),
+              "config": {k: getattr(args, k) for k in ("model", "backend", "neighbours", "tokens", "repeats")},
+              **measured}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
