@@ -43,17 +43,24 @@ def long_schema(items: int) -> dict[str, Any]:
         "required": ["word", "n"]}}
 
 
-async def scenario(url: str, neighbours: int, tokens: int, constrained: bool) -> list[tuple[bool, RequestRecord]]:
+async def scenario(url: str, neighbours: int, tokens: int, constrained: bool,
+                   stagger_s: float) -> list[tuple[bool, RequestRecord]]:
     """`neighbours` unconstrained streams of `tokens` tokens, and with `constrained` one more under a json_schema
-    grammar, all sent at once: (constrained?, its record) each."""
+    grammar (the first to start), started `stagger_s` apart: all at once, the later ones would be refused by
+    admission control (each prefill delays the streams already within their first 64 tokens). (constrained?, its
+    record) each."""
     fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": long_schema(tokens)}}
     targets = [Target(url, "chat", extra_body={"temperature": 1.0}) for _ in range(neighbours)]
     if constrained:
-        targets.append(Target(url, "chat", extra_body={"temperature": 1.0, "response_format": fmt}))
+        targets.insert(0, Target(url, "chat", extra_body={"temperature": 1.0, "response_format": fmt}))
+
+    async def start(i: int, target: Target, pool: ClientPool) -> RequestRecord:
+        await asyncio.sleep(i * stagger_s)
+        return await http_turn(pool.take(), target, PROMPT, tokens, RequestRecord(i, 0))
+
     async with ClientPool(targets[0]) as pool:
-        records = await asyncio.gather(*(http_turn(pool.take(), t, PROMPT, tokens, RequestRecord(i, 0))
-                                         for i, t in enumerate(targets)))
-    return [(i == neighbours, finish(r, sla_tokens=64, sla_ms=100.0)) for i, r in enumerate(records)]
+        records = await asyncio.gather(*(start(i, t, pool) for i, t in enumerate(targets)))
+    return [(constrained and i == 0, finish(r, sla_tokens=64, sla_ms=100.0)) for i, r in enumerate(records)]
 
 
 def figures(itl_ms: list[float]) -> dict[str, Any]:
@@ -62,12 +69,14 @@ def figures(itl_ms: list[float]) -> dict[str, Any]:
 
 
 async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    await scenario(url, 1, 8, constrained=True)  # warm-up: the grammar engine's vocabulary is built once
+    # warm-up: the grammar engine's vocabulary is built once
+    await scenario(url, 1, 8, constrained=True, stagger_s=0.0)
     itl: dict[str, list[float]] = {"baseline": [], "beside": [], "constrained": []}
     refused: list[str] = []
     for _ in range(args.repeats):
         for mixed in (False, True):
-            for constrained, r in await scenario(url, args.neighbours, args.tokens, mixed):
+            for constrained, r in await scenario(url, args.neighbours, args.tokens, mixed,
+                                                           args.stagger_ms / 1e3):
                 if r.outcome != "ok":
                     refused.append(f"{r.status} {r.error or ''}".strip())
                 itl["constrained" if constrained else "beside" if mixed else "baseline"] += r.itl_ms
@@ -106,7 +115,8 @@ def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"# Inter-token latency beside a constrained request — {result['device']}", "",
              f"`{cfg['model']}`, backend `{cfg['backend']}`, {cfg['neighbours']} unconstrained streams of "
-             f"{cfg['tokens']} tokens (+ one json_schema stream), {cfg['repeats']} repeats; "
+             f"{cfg['tokens']} tokens (+ one json_schema stream, the first), "
+             f"started {cfg.get('stagger_ms', 0):g} ms apart, {cfg['repeats']} repeats; "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
              "| streams | ITL p50 (ms) | ITL p99 (ms) | mean (ms) | gaps |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {names[k]} | {s['p50']} | {s['p99']} | {s['mean']} | {s['n']} |" for k, s in result["itl_ms"].items()]
@@ -127,6 +137,7 @@ def main() -> None:
     p.add_argument("--neighbours", type=int, default=7, help="unconstrained streams decoded with it")
     p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stagger-ms", type=float, default=25.0, help="between the streams' starts")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--serve-args", default="", help="more `parley serve` flags")
     p.add_argument("--url", default=None, help="measure a running server instead of starting one")
@@ -148,7 +159,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=120)
     result = {"device": device, "versions": versions(),
-              "config": {k: getattr(args, k) for k in ("model", "backend", "neighbours", "tokens", "repeats")},
+              "config": {k: getattr(args, k) for k in ("model", "backend", "neighbours", "tokens", "repeats",
+                                                                  "stagger_ms")},
               **measured}
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(result))

@@ -146,9 +146,17 @@ class AdmissionController:
                                                          ": admitting it would make a queued request late"),
                     self.retry_after_s(active, now))
             heapq.heappush(free_at, prefill_done + pace.steps(r, r.params.max_tokens - 1) * step)
+        # A running request that is late whatever happens (admitted as a probe, or slowed by a lag) holds nobody
+        # back: refusing the newcomer would not save its SLA. (A probe's first 64 tokens had kept a server refusing
+        # every other request.)
+        step_without = lat.step(max(1, len(active))) * stretch
+        pace_without = _Pace(active)
         for r in running:
             left = pace.steps(r, _left_to_nth(r))
-            if left and r.deadline is not None and now + prefills_now + left * step > r.deadline:
+            if not left or r.deadline is None or now + pace_without.steps(r, _left_to_nth(r)) * step_without > \
+                    r.deadline:
+                continue
+            if now + prefills_now + left * step > r.deadline:
                 raise Rejected("overloaded", "admitting this request would make a running one miss its SLA",
                                self.retry_after_s(active, now))
         return t_nth  # the newcomer's (it is the last of `waiting`)

@@ -393,3 +393,26 @@ def test_the_engine_predicts_with_what_the_prefix_cache_holds():
     finally:
         eng.stop()
     assert adm.seen == [0, len(first) + len(reply) - 1] == [0, last.usage.cached_tokens]
+
+
+def test_a_request_late_whatever_happens_holds_nobody_back():
+    """A running request that will miss its SLA token anyway (admitted as a probe) does not make the server refuse a
+    newcomer that keeps its own; one still on time is protected as before."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025}, max_batch=4)  # 147 ms to token 64
+    adm = AdmissionController(lat, 0.2, 64, 4, margin=0.05)
+    late = newcomer(state=State.RUNNING)
+    adm.check(late)
+    fits = newcomer()
+    late.output_ids = [0] * 10
+    late.deadline = time.perf_counter() + 0.01  # its 64th token comes 54 x 2.1 ms on: late whatever happens
+    adm.check(fits)  # 22 + 63 x 2.1 ms: on time, admitted beside the late one
+
+    adm = AdmissionController(lat, 0.2, 64, 4, margin=0.05)
+    on_time = newcomer(state=State.RUNNING)
+    adm.check(on_time)
+    pushing = newcomer(prompt_tokens=100)
+    on_time.deadline = time.perf_counter() + 0.15  # 64 x 2.1 ms alone: on time, with 16 ms to spare
+    with pytest.raises(Rejected, match="running one"):
+        adm.check(pushing)  # its 25 ms prefill ahead of those steps would make it miss

@@ -10,6 +10,7 @@ from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.engine.admission import Rejected
 from service.engine.engine import Engine
+from service.engine.grammar import grammars
 from service.engine.request import SamplingParams
 from service.latency_model import LatencyModel
 from service.metrics import Metrics
@@ -38,17 +39,21 @@ def test_startup_heap_is_frozen_and_collections_are_timed():
 
 
 def test_warm_up_runs_its_own_requests_whatever_the_sla():
-    """Warm-up runs greedy and sampled requests through a whole engine on the server's decoder before users come,
-    admitted whatever the SLA: a server whose strict SLA refuses every user still starts. Nothing of it reaches
-    the users' engine."""
+    """Warm-up runs greedy, sampled and grammar-constrained requests through a whole engine on the server's decoder
+    before users come, admitted whatever the SLA: a server whose strict SLA refuses every user still starts.
+    Nothing of it reaches the users' engine."""
     model = load_model("synthetic:tiny")
     decoder = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=2, max_context=64))
     latency = LatencyModel({1: 1.0}, {16: 1.0}, max_batch=2)  # nothing meets 100 ms
     users = Engine(decoder, model.tokenizer, admission=AdmissionController(latency, 0.1, 64, 2, strict=True))
     with pytest.raises(Rejected):
         users.submit([1, 2, 3], SamplingParams(max_tokens=4), lambda d: None)
-    warm_up(decoder, model.tokenizer, sla_ms=100.0, sla_tokens=64)
-    assert decoder.steps == 12  # four requests of four tokens: a prefill and three steps each
+    eos = frozenset(model.config.eos_token_ids)
+    warm_up(decoder, model.tokenizer, sla_ms=100.0, sla_tokens=64, eos_ids=eos)
+    # four requests of four tokens (a prefill and three steps each), then one under a grammar, which may end early
+    assert 12 + 2 <= decoder.steps <= 12 + 4
+    # the grammar compiler the API uses has its view of the vocabulary already (0.4 s on the first request else)
+    assert grammars(model.tokenizer, eos)._ll is not None
     assert latency.observed_steps == latency.observed_prefills == 0
     assert users.metrics.registry.get_sample_value("parley_generation_tokens_total") == 0
 

@@ -17,6 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from service.model.piece_cache import PieceCache
+
 LONG_TEXT_CHARS = 1024
 
 # A plain ChatML template, for checkpoints that ship none.
@@ -52,6 +54,9 @@ class Tokenizer:
         self._template = env.from_string(self.chat_template)
         # Whether the template renders `tools` itself (Llama-3.x, Qwen2.5); others get them from the API as text.
         self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(self.chat_template))
+        # A rendered conversation is encoded stretch by stretch between its special tokens, the stretches seen
+        # before (the system prompt, earlier turns) from a cache: only the new message costs an encoding.
+        self.pieces = PieceCache(tokenizer, lambda text: self._encode(text, add_special_tokens=False))
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
@@ -98,6 +103,8 @@ class Tokenizer:
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
         # The template writes the BOS itself where the model wants one.
+        if self.pieces.usable:
+            return self.pieces.encode(text)
         return self._encode(text, add_special_tokens=False)
 
     def detokenizer(self) -> IncrementalDetokenizer:
