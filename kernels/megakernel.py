@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -849,7 +850,7 @@ class Megakernel:
         self.err = z(1, dtype=torch.int32)
         self.prof: torch.Tensor | None = None
         self.schedules: dict[int, I.Schedule] = {}
-        self._sched_dev: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._sched_dev: dict[int, tuple[Any, ...]] = {}  # tasks, starts, counters, (LM-head partials), ssq
         # FP8 scales, or one placeholder float for every scale pointer
         placeholder = z(1, dtype=torch.float32)
         s = weights.scales or {}

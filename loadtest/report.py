@@ -127,9 +127,10 @@ def plot(path: str | Path, runs: list[dict[str, Any]], sla_tokens: int, sla_ms: 
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     recs: list[RequestRecord] = [r for r in runs[-1]["requests"] if r.outcome in ("ok", "cancelled")]
-    series = {"TTFT": [r.ttft_ms for r in recs], f"time to token {sla_tokens}": [r.ttfn_ms for r in recs],
-              "inter-token": [x for r in recs for x in r.itl_ms],
-              "end-to-end": [r.e2e_ms for r in recs if r.outcome == "ok"]}
+    series: dict[str, list[float | None]] = {
+        "TTFT": [r.ttft_ms for r in recs], f"time to token {sla_tokens}": [r.ttfn_ms for r in recs],
+        "inter-token": [x for r in recs for x in r.itl_ms],
+        "end-to-end": [r.e2e_ms for r in recs if r.outcome == "ok"]}
     for name, vals in series.items():
         xs = sorted(v for v in vals if v is not None)
         if xs:

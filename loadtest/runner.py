@@ -53,7 +53,7 @@ async def run_session(pool: ClientPool, target: Target, session: Session, load: 
             async with asyncio.timeout(target.timeout_s):
                 if client is not None:
                     await http_turn(client, target, conversation + messages, max_tokens, rec, cancel_after)
-                elif rt.ws is not None or await rt.open(rec):
+                elif rt is not None and (rt.ws is not None or await rt.open(rec)):
                     rec.start_s = time.perf_counter() - t0  # TTFT counts from response.create, not connect
                     await rt.turn(messages, max_tokens, rec, cancel_after, out_of_band=kind == "preemptive")
         except Exception as e:  # a timeout or a malformed reply fails this request, not the run

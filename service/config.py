@@ -77,7 +77,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.N
     """Every field of ServeConfig as a flag of `parser`. Returns what turns the parsed flags into the ServeConfig
     (defaults, then PARLEY_* variables, then the flags given); a bad value, from a flag or a variable, exits as
     argparse does (status 2), naming the flag and its variable."""
-    source = CliSettingsSource(ServeConfig, root_parser=parser)
+    source: CliSettingsSource[ServeConfig] = CliSettingsSource(ServeConfig, root_parser=parser)
 
     def config(args: argparse.Namespace) -> ServeConfig:
         try:

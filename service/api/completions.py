@@ -61,7 +61,7 @@ class Endpoint:
     id_prefix: str
     chunk_object: str  # the `object` of each streamed chunk
     prompt_param: str  # the field a prompt the model cannot take is blamed on
-    response: type[Completion]  # the answer without `stream`
+    response: Callable[..., Completion]  # the answer without `stream`
     choice: Callable[[Reply, str | None], Choice]  # its one choice, from the reply and the finish reason
     delta: Callable[[str, str | None], dict[str, Any]]  # a streamed chunk's choice, from a delta's text and finish
     prologue: dict[str, Any] | None = None  # a first chunk's choice, before any text

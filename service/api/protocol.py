@@ -34,6 +34,9 @@ MAX_STOP = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+
+ToolCallFormat = Literal["hermes", "llama3_json"]  # the tool-call syntaxes Parley parses and forces
+
 class SamplingFields(BaseModel):
     """The sampling fields, declared once for every endpoint: the HTTP bodies, the realtime session's settings and
     each response.create's overrides."""
@@ -167,9 +170,9 @@ class CompletionRequest(OpenAIRequest):
         if isinstance(p, str):
             return p
         if p and isinstance(p[0], str):
-            return p[0]  # type: ignore[return-value]
+            return p[0]
         if p and isinstance(p[0], list):
-            return p[0]  # type: ignore[return-value]
+            return p[0]
         return p  # type: ignore[return-value]
 
 
@@ -459,7 +462,7 @@ class ModelCapabilities(BaseModel):
 
     tools: bool = True
     tool_template: Literal["native", "hermes"]  # its chat template renders the tools, or Parley does (Hermes)
-    tool_call_format: Literal["hermes", "llama3_json"]  # how it writes a call (and Parley parses and forces one)
+    tool_call_format: ToolCallFormat  # how it writes a call (and Parley parses and forces one)
     parallel_tool_calls: bool  # whether it may make several calls in one turn
     tool_choice: list[str] = ["none", "auto", "required", "function"]
     response_format: list[str] = ["text", "json_object", "json_schema"]

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from service.api.protocol import FunctionDefinition, ModelCapabilities, NamedToolChoice, ToolFields
+from service.api.protocol import FunctionDefinition, ModelCapabilities, NamedToolChoice, ToolCallFormat, ToolFields
 from service.api.tool_formats import HERMES, LLAMA3_JSON, CallFormat
 from service.api.tool_parsers import ToolCallParser
 from service.engine.grammar import json_rule
@@ -49,8 +49,9 @@ class ToolDialect:
 
     def capabilities(self) -> ModelCapabilities:
         """What /v1/models says of the served model's tools."""
+        name = cast(ToolCallFormat, self.format.name)  # tool_formats.py names its formats so
         return ModelCapabilities(tool_template="native" if self.native else "hermes",
-                                 tool_call_format=self.format.name, parallel_tool_calls=self.format.several)
+                                 tool_call_format=name, parallel_tool_calls=self.format.several)
 
 
 @dataclass(frozen=True)

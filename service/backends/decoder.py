@@ -40,8 +40,10 @@ class Decoder(Protocol):
         writing their K/V. Returns the float32 logits [vocab] of the last token."""
         ...
 
-    slow_prefills: int  # prefills that took a slow path (on a GPU: eager, not a captured graph), exported as
-    # parley_prefill_slow_path_total
+    @property
+    def slow_prefills(self) -> int:
+        """Prefills that took a slow path (on a GPU: eager, not a captured graph): parley_prefill_slow_path_total."""
+        ...
 
     def prefill_graph_buckets(self) -> list[int] | None:
         """The sizes prefill graphs pad to, new tokens and cached length alike (GPU: a prefill's cost steps at them,

@@ -134,8 +134,9 @@ class MegakernelDecoder:
             parts = [self.decode(slots[i:i + top], token_ids[i:i + top], positions[i:i + top],
                                  None if draws is None else draws[i:i + top])
                      for i in range(0, n, top)]
+            sampled = [p.sampled for p in parts if p.sampled is not None]
             return DecodeOutput(torch.cat([p.logits for p in parts]), torch.cat([p.argmax for p in parts]),
-                                None if draws is None else torch.cat([p.sampled for p in parts]))
+                                None if draws is None else torch.cat(sampled))
         b = self.bucket(n)
         pad = b - n
         if self._copied is not None:
@@ -154,6 +155,7 @@ class MegakernelDecoder:
             self._host[4:, :n] = seed_words(torch.tensor([d.seed for d in draws])).T
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:
+            assert isinstance(token_ids, torch.Tensor)
             self.kernel.tokens[:n].copy_(token_ids)
         if self._copied is not None:
             self._copied.record()

@@ -200,6 +200,10 @@ class ReferenceDecoder:
         for cache in (self.cache.k, self.cache.v):
             cache[:, dst_slot, :, :n_tokens] = cache[:, src_slot, :, :n_tokens]
 
+    def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
+        """Never called: this decoder does not draw tokens (draws_tokens is False); the engine samples."""
+        raise NotImplementedError("the reference decoder does not draw tokens; the engine samples from its logits")
+
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
                draws: list[Draw] | None = None) -> DecodeOutput:

@@ -242,9 +242,10 @@ class Engine:
         self.metrics.prefix_cache_hits.inc(start)
         self._busy_since = time.monotonic()
         try:
+            slot = slot_of(req)
             if placement.source is not None:
-                self.decoder.copy_prefix(placement.source, placement.slot, start)
-            logits = self.decoder.prefill(req.slot, req.prompt_ids[start:], start)
+                self.decoder.copy_prefix(placement.source, slot, start)
+            logits = self.decoder.prefill(slot, req.prompt_ids[start:], start)
             token = self.sampler.first(logits, req)  # reading it back waits for the prefill to run
         except Exception as e:  # a fault fails this request only; the engine goes on
             log.exception("prefill failed for %s", req.id)
@@ -304,7 +305,7 @@ class Engine:
         self._prev_step, self._prefill_s_since = (t0, len(batch)), 0.0
         self._busy_since = time.monotonic()
         try:
-            slots = [r.slot for r in batch]
+            slots = [slot_of(r) for r in batch]
             draws = self.sampler.draws(batch)
             if draws is None:
                 out = self.decoder.decode(slots, rows.tokens, rows.positions)
@@ -374,7 +375,7 @@ class Engine:
         if req.first_token_at is None:
             req.first_token_at = now
             m.time_to_first_token.observe(now - req.arrival)
-        else:
+        elif req.last_token_at is not None:
             m.inter_token_latency.observe(now - req.last_token_at)
         req.last_token_at = now
         if n == req.sla_token_index:
@@ -433,3 +434,10 @@ class Engine:
         self.metrics.waiting.set(s.waiting)
         self.metrics.kv_slots_free.set(s.free_slots)
         self.metrics.kv_slots_cached.set(s.cached_slots)
+
+
+def slot_of(req: Request) -> int:
+    """The KV slot of a request the scheduler has placed (every running one)."""
+    if req.slot is None:
+        raise RuntimeError(f"{req.id} runs without a KV slot")
+    return req.slot

@@ -8,7 +8,7 @@ rotate-half RoPE layout that Hugging Face checkpoints use (GGUF's interleaved ro
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +32,7 @@ class LayerWeights:
     bv: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LayerWeights:
-        moved = {
+        moved: dict[str, Any] = {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device, dtype))
             for f in fields(self)
         }
