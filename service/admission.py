@@ -1,17 +1,12 @@
 """Admission control: admit a request only if its Nth token will land before its deadline AND every request already
-admitted still meets its own; otherwise refuse at once (429), before any prefill is spent.
+admitted still meets its own; otherwise refuse at once (429), before any prompt token is spent.
 
-The prediction follows what the engine does: it prefills every admitted request that has a decode row (at most
-max_batch run together) before the next decode step, then one step serves every running request. For a newcomer,
-with b = requests decoding once it joins:
-
-    t_N = now + wait for a row + Σ prefills ahead of it and its own + (N − 1) × step(b)
-
-and each admitted request i that has not reached its own Nth token is pushed back by the newcomer's prefill and
-by the slower steps of a bigger batch: t_i = now + prefills + k_i × step(b), where k_i tokens remain to its Nth.
-A prefill's cost is the latency model's for its new tokens on top of the tokens the prefix cache holds for it
-(Request.cached_tokens). A request that lags (sampled on the host beside requests sampled on the device: a
-grammar) takes two steps a token.
+The prediction is the planner's (service/engine/planner.py): its forecast plays the engine's own policy forward —
+seats, the token budget of a step, prompts chunked into steps beside the decode rows, long prompts launched on their
+own — with the latency model's cost of each step from its rows and the K/V positions they attend over. Admission
+keeps no simulator of its own: it asks "when would each admitted request, and this one, reach its SLA token if it
+joined?", and refuses when the newcomer would be late, or when a request that would be on time without it would not
+be with it (one late whatever happens holds nobody back).
 
 The margin that stretches predictions widens when SLA tokens come late (a busy host) and comes back to the configured
 one as tokens come on time and as time passes; one late token widens it by MAX_WIDEN at most. An idle server, which
@@ -20,7 +15,6 @@ delays nobody by admitting, always judges with the configured margin.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import threading
@@ -28,6 +22,9 @@ import time
 from collections.abc import Callable
 
 from service.engine.admission import Rejected
+from service.engine.commit import Event, Finished, StepDone, Token
+from service.engine.kv_slots import KVSlots
+from service.engine.planner import Planner
 from service.engine.request import Request, State
 from service.latency_model import LatencyModel
 
@@ -52,7 +49,9 @@ class AdmissionController:
                  strict: bool = False, margin: float = 0.10, clock: Callable[[], float] = time.monotonic) -> None:
         self.latency = latency
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
-        self.max_batch = max_batch  # requests decoded together
+        self.max_batch = max_batch  # requests seated together
+        # the policy admission forecasts with: the engine's own planner once bound (Engine binds it)
+        self.planner = Planner(KVSlots(max_batch), max_batch, latency.max_rows, max_context=1 << 30)
         self._clock = clock
         self.base_margin = margin  # predictions are stretched by this much: a miss costs more than a refusal
         self.margin = margin  # ...and more while SLA tokens come later than predicted
@@ -82,7 +81,9 @@ class AdmissionController:
         self._widening, self._widened_at = max(0.0, value - self.base_margin), self._clock()
 
     def idle_prediction_s(self, prompt_tokens: int = 32) -> float:
-        return self.latency.prefill(prompt_tokens) + (self.sla_tokens - 1) * self.latency.step(1)
+        """A prompt riding in one step on an idle server, then a token a step."""
+        lat = self.latency
+        return lat.step(min(prompt_tokens, lat.max_rows)) + (self.sla_tokens - 1) * lat.step(1)
 
     def idle_server_meets_sla(self) -> bool:
         """Whether an idle server keeps the SLA, as predicted (the margin is for the queueing and jitter of a busy
@@ -101,6 +102,9 @@ class AdmissionController:
         self.best_effort = False
 
     # -- the Engine's admission hooks (service.engine.admission.Admission) ----------------------------------
+    def bind(self, planner: Planner) -> None:
+        self.planner = planner
+
     def check(self, req: Request) -> None:
         req.deadline = req.arrival + self.sla_s
         now = time.perf_counter()
@@ -117,49 +121,33 @@ class AdmissionController:
             self._active[req.id] = req
 
     def _decide(self, req: Request, active: list[Request], now: float, stretch: float) -> float:
-        """Play the engine's next moves forward: slots free as running requests end, waiting ones (FIFO, the
-        newcomer last) take them and are prefilled one after another, every step serves the whole batch."""
+        """The newcomer's predicted SLA-token time, or Rejected: it would be late, or it would make late an admitted
+        request that would be on time without it."""
         lat = self.latency
-        running = [r for r in active if r.state is State.RUNNING]
-        waiting = [r for r in active if r.state is State.WAITING] + [req]
-        pace = _Pace(active + [req])
-        step = lat.step(min(len(active) + 1, self.max_batch)) * stretch
-        free_at = [now + pace.steps(r, _remaining(r)) * step for r in running] + \
-            [now] * (self.max_batch - len(running))
-        heapq.heapify(free_at)
-        prefill_done = now
-        prefills_now = 0.0  # prefills that run before the running requests' next steps
-        for r in waiting:
-            start = heapq.heappop(free_at)
-            prefill_done = max(prefill_done, start) + lat.prefill(_to_prefill(r), r.cached_tokens) * stretch
-            if start <= now:
-                prefills_now = prefill_done - now
-            t_nth = prefill_done + pace.steps(r, r.sla_token_index - 1) * step
-            if r.deadline is not None and t_nth > r.deadline:
-                own = r is req
-                if own and not active and self._probe(req, t_nth, now):
-                    break
-                raise Rejected(
-                    ("sla_unmeetable" if len(active) == 0 else "overloaded") if own else "overloaded",
-                    f"the server cannot deliver {req.sla_token_index} tokens within "
-                    f"{self.sla_s * 1e3:.0f} ms now" + (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if own else
-                                                         ": admitting it would make a queued request late"),
-                    self.retry_after_s(active, now))
-            heapq.heappush(free_at, prefill_done + pace.steps(r, r.params.max_tokens - 1) * step)
-        # A running request that is late whatever happens (admitted as a probe, or slowed by a lag) holds nobody
-        # back: refusing the newcomer would not save its SLA. (A probe's first 64 tokens had kept a server refusing
-        # every other request.)
-        step_without = lat.step(max(1, len(active))) * stretch
-        pace_without = _Pace(active)
-        for r in running:
-            left = pace.steps(r, _left_to_nth(r))
-            if not left or r.deadline is None or now + pace_without.steps(r, _left_to_nth(r)) * step_without > \
-                    r.deadline:
-                continue
-            if now + prefills_now + left * step > r.deadline:
-                raise Rejected("overloaded", "admitting this request would make a running one miss its SLA",
+
+        def step_s(rows: int, kv_positions: int) -> float:
+            return lat.step(rows, kv_positions) * stretch
+
+        def prefill_s(tokens: int, cached: int) -> float:
+            return lat.prefill(tokens, cached) * stretch
+
+        horizon = PROBE_WITHIN * self.sla_s
+        joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon)
+        t_nth = joined[id(req)]
+        if req.deadline is not None and t_nth > req.deadline:
+            if active or not self._probe(req, t_nth, now):
+                raise Rejected("overloaded" if active else "sla_unmeetable",
+                               f"the server cannot deliver {req.sla_token_index} tokens within "
+                               f"{self.sla_s * 1e3:.0f} ms now" +
+                               (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if t_nth < math.inf else ""),
                                self.retry_after_s(active, now))
-        return t_nth  # the newcomer's (it is the last of `waiting`)
+        if active:
+            alone = self.planner.forecast(active, step_s, prefill_s, now, horizon)
+            for r in active:
+                if r.deadline is not None and alone[id(r)] <= r.deadline < joined[id(r)]:
+                    raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
+                                   self.retry_after_s(active, now))
+        return t_nth
 
     def _probe(self, req: Request, t_nth: float, now: float) -> bool:
         """Admit a request predicted to miss, on an idle server (it can delay nobody), now and then: otherwise a
@@ -203,42 +191,39 @@ class AdmissionController:
             else:
                 self.margin = margin - MARGIN_DECAY * (margin - self.base_margin)
 
-    def observe_step(self, batch: int, seconds: float) -> None:
-        self.latency.observe_step(batch, seconds)
-
-    def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
-        self.latency.observe_prefill(tokens, cached, seconds)
+    def consume(self, event: Event) -> None:
+        """What a step committed: its time teaches the latency model (a step's, or the prefill launched before it),
+        an SLA token the margin and the bias, an end frees the request's place."""
+        if isinstance(event, StepDone):
+            if event.seconds <= 0:
+                return
+            if event.launched:  # the step's time is mostly the launches'
+                rest = max(0.0, event.seconds - self.latency.step(event.rows, event.kv_positions))
+                for tokens, cached in event.launched:
+                    self.latency.observe_prefill(tokens, cached, rest / len(event.launched))
+            else:
+                self.latency.observe_step(event.rows, event.seconds, event.kv_positions)
+        elif isinstance(event, Token | Finished):
+            if event.token is not None and event.n == event.req.sla_token_index:
+                self.observe_nth(event.req, event.at)
+            if isinstance(event, Finished):
+                self.release(event.req)
 
     # -- what operators and clients read ------------------------------------------------------------------
     def retry_after_s(self, active: list[Request], now: float) -> float:
         """When capacity will likely be back: the soonest any admitted request ends."""
-        step, pace = self.latency.step(max(1, len(active))), _Pace(active)
-        soonest = min((pace.steps(r, _remaining(r)) * step for r in active), default=0.0)
+        step = self.latency.step(max(1, len(active)))
+        soonest = min((_remaining(r) * step for r in active), default=0.0)
         return max(soonest, step)
 
     def headroom(self, now: float) -> float:
         """Smallest predicted slack before an admitted request's deadline; the whole SLA when idle."""
         with self._lock:
             active = [r for r in self._active.values() if r.state is not State.FINISHED]
-        step, pace = self.latency.step(max(1, len(active))), _Pace(active)
-        slack = [r.deadline - (now + pace.steps(r, _left_to_nth(r)) * step) for r in active
+        step = self.latency.step(max(1, len(active)))
+        slack = [r.deadline - (now + _left_to_nth(r) * step) for r in active
                  if r.deadline is not None and _left_to_nth(r) > 0]
         return min(slack, default=self.sla_s)
-
-
-class _Pace:
-    """Decode steps per token in a batch of these requests: two for a lagging one while any beside it does not lag
-    (sampler.py), one otherwise."""
-
-    def __init__(self, batch: list[Request]) -> None:
-        self._mixed = not all(r.lags for r in batch)
-
-    def steps(self, r: Request, tokens: int) -> int:
-        return tokens * (2 if r.lags and self._mixed else 1)
-
-
-def _to_prefill(r: Request) -> int:
-    return max(1, len(r.prompt_ids) - r.cached_tokens)
 
 
 def _remaining(r: Request) -> int:

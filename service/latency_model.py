@@ -1,45 +1,44 @@
-"""LatencyModel: how long a decode step takes at each batch size, and a prefill of so many new tokens on top of so
-many cached ones.
+"""LatencyModel: how long a step takes from its rows (decode rows and prompt tokens riding in it) and the K/V positions
+they attend over, and a separate prefill launch of so many new tokens on top of so many cached ones.
 
-Measured at start-up on the running backend (a calibration sweep), then corrected online from the steps and prefills
-the engine really takes (an exponentially weighted average per point, where one outlier counts as at most OUTLIER
-times the prediction), so that admission predicts with what the server does now, not what it did at boot.
+Measured at start-up on the running backend (service/calibration.py), then corrected online from the steps and
+prefills the engine really takes (an exponentially weighted average per point, where one outlier counts as at most
+OUTLIER times the prediction), so that admission predicts with what the server does now, not what it did at boot.
 
-A prefill's cost is a 2-D table: new tokens × the cached length it attends over (the K/V length, cached + new; 0
-for a fresh prompt, which attends only among its own tokens). On a GPU every prefill replays a graph captured at a
-(new tokens, K/V length) pair of buckets, so its cost is that pair's, measured at each pair it can use; on the CPU
-(eager) the cost grows smoothly, so a few points are measured and the rest interpolated.
+A step costs step_s[rows] at a short context, plus step_kv_s per K/V position its rows attend over (summed over the
+rows; a row at position p reads p positions): the weights are streamed once whatever the rows, attention reads grow
+with the context. On a GPU a step's rows are padded to a bucket (the measured points), so its cost is the bucket's.
+
+A prefill launch's cost is a 2-D table: new tokens × the cached length it attends over (the K/V length, cached + new;
+0 for a fresh prompt). On a GPU every prefill replays a graph captured at a (new tokens, K/V length) pair of buckets,
+so its cost is that pair's, measured at each pair it can use; on the CPU (eager) the cost grows smoothly, so a few
+points are measured and the rest interpolated.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
-import random
-import statistics
 import threading
-import time
 from typing import Any
-
-from service.backends.decoder import Decoder
-
-log = logging.getLogger("parley")
 
 EWMA = 0.1  # weight of one new observation
 OUTLIER = 1.5  # an observation over this many predicted ones is an outlier: alone it teaches nothing (one 10x-late
 # step had made an idle server whose prediction sat near the SLA refuse what it could serve); in a row, each counts
 # as this many
-CALIBRATION_TRIES = 3
+SHORT_CONTEXT = 64  # the positions step_s is measured at: step_kv_s counts what lies beyond
 
 
 class LatencyModel:
-    def __init__(self, step_s: dict[int, float], prefill_s: dict[int, float], max_batch: int,
-                 continued_s: dict[tuple[int, int], float] | None = None, buckets: list[int] | None = None) -> None:
-        """step_s: batch → seconds a step; prefill_s: tokens of a fresh prompt → seconds; continued_s: (new tokens,
-        K/V length) of a prefill on top of cached tokens → seconds; buckets: the graph buckets prefills pad to
-        (None: eager, interpolate)."""
-        self.max_batch = max_batch
-        self._step = dict(sorted(step_s.items()))  # batch → seconds per step (a whole engine iteration)
+    def __init__(self, step_s: dict[int, float], prefill_s: dict[int, float], max_rows: int,
+                 continued_s: dict[tuple[int, int], float] | None = None, buckets: list[int] | None = None,
+                 step_kv_s: float = 0.0) -> None:
+        """step_s: rows in a step → seconds at a short context; prefill_s: tokens of a fresh prompt → seconds;
+        continued_s: (new tokens, K/V length) of a prefill on top of cached tokens → seconds; buckets: the graph
+        buckets prefills pad to (None: eager, interpolate; steps too are then interpolated, not padded);
+        step_kv_s: seconds per K/V position a step's rows attend over beyond SHORT_CONTEXT each."""
+        self.max_rows = max_rows
+        self._step = dict(sorted(step_s.items()))  # rows → seconds per step (a whole engine iteration)
+        self.step_kv_s = step_kv_s
         # K/V length (0: a fresh prompt) → new tokens → seconds
         self._prefill: dict[int, dict[int, float]] = {0: dict(sorted(prefill_s.items()))}
         for (n, kv), seconds in sorted((continued_s or {}).items(), key=lambda item: (item[0][1], item[0][0])):
@@ -51,12 +50,25 @@ class LatencyModel:
         self.observed_prefills = 0
 
     # -- predictions ----------------------------------------------------------------------------------
-    def step(self, batch: int) -> float:
-        """Seconds per decode step with `batch` running requests; a bigger batch is never predicted faster."""
-        b = max(1, min(batch, self.max_batch))
+    def step(self, rows: int, kv_positions: int = 0) -> float:
+        """Seconds for a step of `rows` rows attending over `kv_positions` positions in all; more rows are never
+        predicted faster."""
+        r = max(1, rows)
         with self._lock:
-            floor = max((s for k, s in self._step.items() if k <= b), default=0.0)
-            return max(_interpolate(self._step, b), floor)
+            return self._base(r) + self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
+
+    def _base(self, rows: int) -> float:
+        point = self._point_of(rows)
+        floor = max((s for k, s in self._step.items() if k <= point), default=0.0)
+        if len(self._step) == 1:  # one point: a step streams the same weights whatever its rows
+            return floor or next(iter(self._step.values()))
+        return max(_interpolate(self._step, point), floor)
+
+    def _point_of(self, rows: int) -> int:
+        """The measured point a step of `rows` rows costs as: on a GPU the bucket it pads to."""
+        if self.buckets is None:
+            return rows
+        return next((k for k in self._step if k >= rows), rows)
 
     def prefill(self, tokens: int, cached: int = 0) -> float:
         """Seconds to prefill `tokens` new tokens on top of `cached` ones."""
@@ -87,13 +99,15 @@ class LatencyModel:
         return max(y, fresh)
 
     # -- online correction --------------------------------------------------------------------------
-    def observe_step(self, batch: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, kv_positions: int = 0) -> None:
         """One step of the engine's cadence. A one-off pause (the H100 run saw one step of 100+ ms among 3,500 of
         1.2) must not make an idle server look slow: a lone outlier teaches nothing, and a real slowdown still moves
         the average within a few dozen steps (a millisecond each)."""
         with self._lock:
             self.observed_steps += 1
-            self._step[batch] = self._learn((batch,), _interpolate(self._step, batch), seconds)
+            point = self._point_of(max(1, rows))
+            extra = self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * rows)
+            self._step[point] = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
             self._step = dict(sorted(self._step.items()))
 
     def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
@@ -132,8 +146,9 @@ class LatencyModel:
             mine = self._points()
             fastest = {p: min(s, prefills.get(p, s)) for p, s in mine.items()}
             return LatencyModel({b: min(s, steps.get(b, s)) for b, s in self._step.items()},
-                                {n: s for (n, kv), s in fastest.items() if not kv}, self.max_batch,
-                                {p: s for p, s in fastest.items() if p[1]}, self.buckets)
+                                {n: s for (n, kv), s in fastest.items() if not kv}, self.max_rows,
+                                {p: s for p, s in fastest.items() if p[1]}, self.buckets,
+                                min(self.step_kv_s, other.step_kv_s))
 
     def _points(self) -> dict[tuple[int, int], float]:
         """Every prefill point as (new tokens, K/V length) → seconds."""
@@ -153,7 +168,8 @@ class LatencyModel:
         """What operators read at GET /v1/latency_model."""
         with self._lock:
             return {
-                "decode_step_ms": {str(b): round(s * 1e3, 4) for b, s in self._step.items()},
+                "step_ms": {str(b): round(s * 1e3, 4) for b, s in self._step.items()},  # rows → ms
+                "step_kv_us_per_1k_positions": round(self.step_kv_s * 1e9, 4),
                 "prefill_ms": {str(n): round(s * 1e3, 4) for n, s in self._prefill[0].items()},
                 "prefill_on_cache_ms": {f"{n}@{kv}": round(s * 1e3, 4) for kv, row in self._prefill.items() if kv
                                         for n, s in row.items()},  # new tokens @ the K/V length they attend over
@@ -178,101 +194,3 @@ def _interpolate(table: dict[int, float], x: int) -> float:
     lo, hi = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1]) if i >= len(xs) else (xs[i - 1], xs[i])
     y = table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
     return max(y, 0.0)
-
-
-def calibrate(decoder: Decoder, max_batch: int | None = None, reps: int = 2) -> LatencyModel:
-    """Time decode steps at batch sizes 1, 2, 4, … max_batch (the decoder's slots by default), and prefills of fresh
-    prompts and on top of cached tokens: on a GPU at every pair of graph buckets a prefill can replay, on the CPU
-    at a few points. Run before serving: it writes into KV slots that no request holds yet."""
-    rng = random.Random(0)
-    vocab = decoder.config.vocab_size
-    max_batch = min(max_batch or decoder.max_slots, decoder.max_slots)
-    ctx = decoder.max_context
-    buckets = decoder.prefill_graph_buckets()
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(n)]
-
-    def prefill_seconds(n: int, cached: int) -> float:
-        """n new tokens on top of `cached` ones, in slot 0."""
-        if cached:
-            decoder.prefill(0, tokens(cached))
-        decoder.prefill(0, tokens(n), cached)  # untimed: the first prefill of a shape may compile or allocate
-        _sync(decoder)
-        times = []
-        for _ in range(reps if n <= 128 else 1):  # a long prefill is its own average
-            t0 = time.perf_counter()
-            decoder.prefill(0, tokens(n), cached)
-            _sync(decoder)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    fresh, continued = _prefill_points(ctx, buckets)
-    prefill_s = {n: prefill_seconds(n, 0) for n in fresh}
-    continued_s = {key: prefill_seconds(n, kv - n) for key, (n, kv) in continued.items()}
-
-    batches = sorted({1, 2, 4, 8, 16, max_batch} & set(range(1, max_batch + 1)))
-    pos = min(64, ctx - 2 * reps - 3)
-    for s in range(max_batch):
-        decoder.prefill(s, tokens(pos))
-    step_s: dict[int, float] = {}
-    for b in batches:
-        if decoder.device.type == "cuda":
-            # The engine runs a step ahead there, feeding each step the last one's tokens on the device: its
-            # cadence is the steps back to back (timed one by one, each paid a launch and a sync: 1.38 ms for a
-            # 1.22 ms step on the H100, enough to predict an idle server past its SLA).
-            out = decoder.decode(list(range(b)), tokens(b), [pos] * b)
-            _sync(decoder)
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for r in range(2 * reps + 1):
-                    out = decoder.decode(list(range(b)), out.argmax, [pos + 1 + r] * b)
-                out.argmax.tolist()
-                times.append((time.perf_counter() - t0) / (2 * reps + 1))
-            step_s[b] = min(times)
-            continue
-        times = []
-        for r in range(2 * reps + 1):
-            t0 = time.perf_counter()
-            out = decoder.decode(list(range(b)), tokens(b), [pos + r] * b)
-            out.argmax.tolist()  # the engine reads the tokens back every step, so must we
-            times.append(time.perf_counter() - t0)
-        step_s[b] = statistics.median(times[1:])
-    return LatencyModel(step_s, prefill_s, max_batch, continued_s, buckets)
-
-
-def _prefill_points(ctx: int, buckets: list[int] | None) -> tuple[list[int], dict[tuple[int, int], tuple[int, int]]]:
-    """Where to measure prefills: fresh prompt lengths, and (new tokens, K/V length) table keys of prefills on top of
-    cached tokens, each with the (new tokens, K/V length) to run for it. With graph buckets, every pair a prefill
-    can replay (new ≤ K/V), each run with a shape that replays that pair's graph (one that ends on the context's
-    last position would run eagerly); without, a few points (the CPU: start-up stays short)."""
-    if buckets is None:
-        fresh = sorted({16, 128, min(1024, ctx // 2)} & set(range(1, ctx // 2 + 1)))
-        return fresh, {(n, kv): (n, kv) for kv in sorted({ctx // 4, ctx // 2}) for n in (16, 128) if 0 < n < kv}
-    continued = {}
-    for kv_bucket in buckets:
-        kv = min(kv_bucket, ctx - 1)
-        for n_bucket in (b for b in buckets if b <= kv_bucket):
-            continued[n_bucket, kv_bucket] = (min(n_bucket, kv - 1), kv)
-    return list(buckets), continued
-
-
-def calibrate_robustly(decoder: Decoder, max_batch: int | None = None) -> LatencyModel:
-    """calibrate(), and again (at most CALIBRATION_TRIES in all, keeping each point's fastest time) while its numbers
-    contradict themselves. On a busy host one stalled sample can be a hundred times too slow; a latency model that
-    predicts everything too slow refuses everything, and then never observes the steps that would correct it."""
-    lat = calibrate(decoder, max_batch)
-    for _ in range(CALIBRATION_TRIES - 1):
-        if not lat.disturbed():
-            break
-        log.warning("the latency calibration looks disturbed (a busy host?): %s; measuring again", lat.snapshot())
-        lat = lat.fastest(calibrate(decoder, max_batch))
-    return lat
-
-
-def _sync(decoder: Decoder) -> None:
-    if decoder.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(decoder.device)

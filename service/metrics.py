@@ -6,8 +6,13 @@ Each Metrics object owns its registry, so that several engines (tests) never col
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from service.engine.commit import Event
 
 # 0.1 is an edge on purpose; dense around it.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5,
@@ -90,6 +95,46 @@ class Metrics:
         self.sla_tokens.set(sla_tokens)
         for outcome in OUTCOMES:  # so that rate() has a series from the start
             self.requests.labels(outcome=outcome, reason="")
+
+    def consume(self, event: Event) -> None:
+        """What a step committed (service/engine/commit.py), into the series above."""
+        from service.engine.commit import Finished, Started, StepDone
+        from service.engine.request import outcome_of
+
+        if isinstance(event, StepDone):
+            if event.seconds > 0:
+                self.decode_step.labels(batch_size=str(event.rows)).observe(event.seconds)
+            return
+        req = event.req
+        if isinstance(event, Started):
+            self.queue_time.observe(max(0.0, (req.prefill_start or event.at) - req.arrival))
+            self.prefix_cache_queries.inc(len(req.prompt_ids))
+            self.prefix_cache_hits.inc(event.cached)
+            self.prefilled_tokens.inc(len(req.prompt_ids) - event.cached)
+            return
+        if event.token is not None:  # a Token, or the last one with its Finished
+            self.generation_tokens.inc()
+            if event.n == 1:
+                self.time_to_first_token.observe(event.at - req.arrival)
+                if req.prefill_start is not None:
+                    self.prefill_time.observe(event.at - req.prefill_start)
+            elif event.gap is not None:
+                self.inter_token_latency.observe(event.gap)
+            if event.n == req.sla_token_index:
+                self.time_to_nth_token.observe(event.at - req.arrival)
+                self._check_sla(req.deadline, event.at)
+        if isinstance(event, Finished):
+            outcome = outcome_of(event.reason)
+            self.requests.labels(outcome=outcome, reason="" if outcome != "failed" else "engine_error").inc()
+            self.e2e_latency.observe(event.at - req.arrival)
+            if event.reason in ("stop", "length") and event.n < req.sla_token_index:
+                self._check_sla(req.deadline, event.at)  # ended before the SLA token: the SLA was about its last
+
+    def _check_sla(self, deadline: float | None, at: float) -> None:
+        if deadline is not None:
+            self.sla_checked.inc()
+            if at > deadline:
+                self.sla_violations.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

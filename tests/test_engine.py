@@ -1,9 +1,11 @@
 """The engine on the CPU: continuous batching, sampling parameters, stop sequences, cancellation, sessions, faults."""
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,11 +13,12 @@ import torch
 from service.backends.decoder import DecodeOutput
 from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
+from service.engine import sampler
 from service.engine.admission import AdmitAll
 from service.engine.engine import Engine
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams
-from service.engine.sampler import Sampler, SamplingError
+from service.engine.sampler import SamplingError
 from service.engine.slow_steps import SlowSteps
 from service.model.loader import load_model
 from service.model.synthetic import byte_tokenizer
@@ -302,25 +305,22 @@ def test_running_a_step_ahead_changes_no_token(tiny, overlap):
         eng.stop()
 
 
-class HostDecoder:
-    """What a Sampler asks of a decoder that draws nothing inside its step."""
-
-    draws_tokens = False
-
-
 def request(tiny, params, prompt=(1,)):
-    return Request(list(prompt), params, lambda d: None, TextOutput(tiny.tokenizer.detokenizer()))
+    """A request as the engine makes it for a decoder that draws nothing inside its step."""
+    req = Request(list(prompt), params, lambda d: None, TextOutput(tiny.tokenizer.detokenizer()))
+    req.choice = sampler.choice_of(req, draws_tokens=False)
+    return req
 
 
-def step_tokens(logits, reqs, ahead):
-    """A decode step's tokens as the Sampler chooses them, every row read."""
-    tokens = Sampler(HostDecoder()).step(DecodeOutput(logits, logits.argmax(-1)), reqs, ahead=ahead)
+def step_tokens(logits, reqs):
+    """A step's tokens as the sampler chooses them, every row read."""
+    tokens = sampler.choose(DecodeOutput(logits, logits.argmax(-1)), reqs)
     tokens.read()
     return [tokens.token(i) for i in range(len(reqs))]
 
 
 def test_sampling_on_the_device_follows_the_same_truncation(tiny):
-    """Chosen on the device (running ahead), a step draws only tokens that the host could draw (top-k, top-p),
+    """Chosen on the device, a step draws only tokens that a request alone could draw (top-k, top-p),
     greedy rows stay greedy, and an engine running ahead with unseeded sampling streams the tokens it chose."""
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3),
@@ -328,7 +328,7 @@ def test_sampling_on_the_device_follows_the_same_truncation(tiny):
     reqs = [request(tiny, p) for p in params]
     seen = [set(), set(), set()]
     for _ in range(300):
-        for i, t in enumerate(step_tokens(logits, reqs, ahead=True)):
+        for i, t in enumerate(step_tokens(logits, reqs)):
             seen[i].add(t)
     assert seen[0] == {int(logits[0].argmax())}
     assert seen[1] <= set(torch.topk(logits[1], 3).indices.tolist()) and len(seen[1]) > 1
@@ -349,7 +349,7 @@ def test_untruncated_sampling_on_the_device_draws_by_the_softmax(tiny):
     """With no top-k/top-p (the fast path), the draw frequencies follow softmax(logits / T)."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     req = request(tiny, SamplingParams(temperature=0.7))
-    out = torch.tensor(step_tokens(logits, [req] * 4000, ahead=True))
+    out = torch.tensor(step_tokens(logits, [req] * 4000))
     freq = torch.bincount(out, minlength=4).float() / 4000
     torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.03, rtol=0)
 
@@ -379,8 +379,8 @@ class DrawingDecoder:
             self.drawn += 1
         return torch.tensor(out)
 
-    def decode(self, slots, token_ids, positions, draws=None):
-        out = self.inner.decode(slots, token_ids, positions)
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None):
+        out = self.inner.decode(slots, token_ids, positions, sampled_rows=sampled_rows)
         if draws is None:
             return out
         sampled = out.argmax.clone()
@@ -406,9 +406,9 @@ def test_sampled_requests_draw_inside_the_decode_step(tiny, overlap):
     try:
         alone = [t for d in eng.generate([3, 1, 4], seeded) for t in d.token_ids]
         greedy_alone = [t for d in eng.generate([2, 7], GREEDY) for t in d.token_ids]
-        # all 16 drawn by the decoder, the first over the prefill's logits (running ahead: one more step is
-        # launched before the host sees that the request has ended)
-        assert dec.drawn == (17 if overlap else 16)
+        # all 16 drawn by the decoder, the first from the prompt's last row; running ahead, no row is planned past
+        # max_tokens
+        assert dec.drawn == 16
         qs = [queue.SimpleQueue() for _ in range(3)]
         eng.submit([2, 7], GREEDY, qs[0].put)
         eng.submit([3, 1, 4], seeded, qs[1].put)
@@ -426,26 +426,21 @@ def test_sampled_requests_draw_inside_the_decode_step(tiny, overlap):
 
 
 def test_a_failed_sampling_raises_for_its_request_alone(tiny):
-    """A row whose sampling fails (NaN logits, sampled with a seed: on the host) raises SamplingError carrying its
-    request, after the step was read; the rows beside it get their tokens, and so does the first token of another
-    request. The engine fails that request alone (tests/test_reliability_faults.py)."""
+    """A row whose sampling fails (NaN logits, sampled with its own seeded generator) raises SamplingError carrying its
+    request, after the step was read; the rows beside it get their tokens. The engine fails that request alone
+    (tests/test_reliability_faults.py)."""
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     logits[1] = float("nan")
     reqs = [request(tiny, SamplingParams(temperature=0.0)),
             request(tiny, SamplingParams(temperature=1.0, seed=3)),
             request(tiny, SamplingParams(temperature=1.0, top_p=0.9, seed=4))]
-    sampler = Sampler(HostDecoder())
-    tokens = sampler.step(DecodeOutput(logits, logits.argmax(-1)), reqs, ahead=False)
+    tokens = sampler.choose(DecodeOutput(logits, logits.argmax(-1)), reqs)
     tokens.read()
     assert tokens.token(0) == int(logits[0].argmax())
     with pytest.raises(SamplingError) as e:
         tokens.token(1)
     assert e.value.request is reqs[1]
     assert 0 <= tokens.token(2) < 50
-    with pytest.raises(SamplingError) as e:
-        sampler.first(logits[1], reqs[1])
-    assert e.value.request is reqs[1]
-    assert sampler.first(logits[2], reqs[2]) in range(50)
 
 
 class OnlyTokens:
@@ -468,12 +463,12 @@ class OnlyTokens:
 
 
 def submit_all(eng, jobs):
-    """Submit (prompt, params, constraint) jobs to an engine not started yet, so each constraint is on its request
-    before its prefill; start the engine and collect every request's deltas."""
+    """Submit (prompt, params, constraint) jobs to an engine not started yet (each constraint in its params, as the API
+    hands a grammar in); start the engine and collect every request's deltas."""
     qs = []
     for prompt, params, constraint in jobs:
         q = queue.SimpleQueue()
-        eng.submit(prompt, params, q.put).constraint = constraint
+        eng.submit(prompt, dataclasses.replace(params, constraint=constraint), q.put)
         qs.append(q)
     eng.start()
     return [collect(q) for q in qs]
@@ -553,21 +548,33 @@ def test_timings_say_which_token_they_time(tiny):
 
 # -- lagging: a request sampled on the host beside a batch that runs ahead ------------------------------------------
 class RecordingDecoder(ReferenceDecoder):
-    """The reference decoder, recording each decode step: its slots, positions, and whether its tokens came from the
-    device (the last step's, chosen there: the step was launched before that one was read) or from the host."""
+    """The reference decoder, recording each step: its rows' slots and positions, its sampled rows, and whether its
+    tokens came (some of them) from the device (chosen by the step before, launched before that one was read)."""
 
     def __init__(self, model, slots=4, ctx=256):
         super().__init__(model.config, model.weights, max_slots=slots, max_context=ctx)
         self.steps = []
 
-    def decode(self, slots, token_ids, positions, draws=None):
-        self.steps.append((list(slots), list(positions), isinstance(token_ids, torch.Tensor)))
-        return super().decode(slots, token_ids, positions, draws)
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None):
+        self.steps.append(Recorded(list(slots), list(positions), isinstance(token_ids, torch.Tensor),
+                                   len(slots) if sampled_rows is None else sampled_rows))
+        return super().decode(slots, token_ids, positions, draws, sampled_rows)
 
 
-def recorded_engine(model, overlap, slots=4, max_batch=None):
+@dataclass
+class Recorded:
+    slots: list
+    positions: list
+    from_device: bool
+    sampled: int
+
+    def positions_of(self, slot):
+        return sorted(p for s, p in zip(self.slots, self.positions) if s == slot)
+
+
+def recorded_engine(model, overlap, slots=4, max_batch=None, max_rows=None):
     dec = RecordingDecoder(model, slots)
-    eng = Engine(dec, model.tokenizer, eos_token_ids=(), sla_tokens=8, max_batch=max_batch)
+    eng = Engine(dec, model.tokenizer, eos_token_ids=(), sla_tokens=8, max_batch=max_batch, max_rows=max_rows)
     eng.overlap = overlap
     return eng, dec
 
@@ -588,29 +595,30 @@ def constrained_job(prompt=(5, 6), max_tokens=6):
 
 def test_a_constrained_request_lags_and_its_neighbour_keeps_running_ahead(tiny):
     """Beside a greedy request, a constrained one (its grammar needs each token on the host before the next choice)
-    lags: the batch keeps running ahead (every step but the first fed from the device), the constrained request's
-    row is void every other step and rewrites that position in the next, and it gets exactly the tokens it gets
-    alone, run step by step; the neighbour gets its tokens in as many steps as alone."""
+    lags: the batch keeps running ahead (every step but the first fed, in part, from the device), the constrained
+    request has a row every other step, each at the position after its last (nothing computed twice), and it gets
+    exactly the tokens it gets alone, run step by step; the neighbour gets its tokens in as many steps as alone."""
     (alone,), _ = run_jobs(tiny, False, [constrained_job()])
     (greedy_alone,), solo = run_jobs(tiny, True, [([9, 9, 9], GREEDY, None)])
     got, dec = run_jobs(tiny, True, [constrained_job(), ([9, 9, 9], GREEDY, None)])
     assert got == [alone, greedy_alone]
-    constrained_slot, greedy_slot = dec.steps[0][0]
-    together = [s for s in dec.steps if constrained_slot in s[0]]
-    assert sum(not from_device for _, _, from_device in together) == 1  # only the first step came from the host
-    positions = [pos[slots.index(constrained_slot)] for slots, pos, _ in together]
-    start = len([5, 6])
-    assert positions[:7] == [start, start + 1, start + 1, start + 2, start + 2, start + 3, start + 3]
-    assert len([s for s in dec.steps if greedy_slot in s[0]]) == len(solo.steps)  # its cadence, unchanged
+    first = dec.steps[0]
+    constrained_slot, greedy_slot = first.slots[0], first.slots[1]  # the sampled rows come first, in arrival order
+    assert first.positions_of(constrained_slot) == [0, 1] and first.positions_of(greedy_slot) == [0, 1, 2]
+    assert [s.from_device for s in dec.steps[1:]] == [True] * (len(dec.steps) - 1)
+    rows = [s.positions_of(constrained_slot) for s in dec.steps if greedy_slot in s.slots]
+    assert rows[1:10] == [[], [2], [], [3], [], [4], [], [5], []]  # every other step, each position once
+    assert len([s for s in dec.steps if greedy_slot in s.slots]) == len(solo.steps)  # its cadence, unchanged
 
 
 def test_a_batch_of_constrained_requests_runs_step_by_step(tiny):
     """Every row needing the host: nothing to run ahead of, so no row lags: every step is fed from the host, one
-    token a step each, the same tokens as alone."""
+    token a step each (both prompts in the first), the same tokens as alone."""
     alone = [run_jobs(tiny, False, [constrained_job(p)])[0][0] for p in ((5, 6), (8, 1, 2))]
     got, dec = run_jobs(tiny, True, [constrained_job((5, 6)), constrained_job((8, 1, 2))])
     assert got == alone
-    assert not any(from_device for _, _, from_device in dec.steps) and len(dec.steps) == 5
+    assert not any(s.from_device for s in dec.steps) and len(dec.steps) == 6
+    assert [s.sampled for s in dec.steps] == [2] * 6
 
 
 def test_a_seeded_request_is_sampled_on_the_device_and_neither_lags_nor_slows_the_batch(tiny):
@@ -620,9 +628,34 @@ def test_a_seeded_request_is_sampled_on_the_device_and_neither_lags_nor_slows_th
     (alone,), _ = run_jobs(tiny, False, [([3, 1, 4], seeded, None)])
     got, dec = run_jobs(tiny, True, [([3, 1, 4], seeded, None), ([9, 9, 9], GREEDY, None)])
     assert got[0] == alone
-    seeded_slot = dec.steps[0][0][0]
-    mine = [s for s in dec.steps if seeded_slot in s[0]]
-    assert len(mine) <= 10 and sum(not d for _, _, d in mine) == 1
+    seeded_slot = dec.steps[0].slots[0]
+    mine = [s for s in dec.steps if seeded_slot in s.slots]
+    assert len(mine) == 10 and sum(not s.from_device for s in mine) == 1
+
+
+def test_a_prompt_rides_in_the_step_beside_running_decodes_chunked_by_the_token_budget(tiny):
+    """Mixed steps: a long prompt arriving while another request decodes is cut into chunks of the token budget and
+    rides in the running request's steps (no step without its decode row), and both get the tokens they get alone."""
+    prompt = list(range(1, 40))
+    (alone_long,), _ = run_jobs(tiny, False, [(prompt, GREEDY, None)])
+    (alone_short,), _ = run_jobs(tiny, False, [([9, 9, 9], GREEDY, None)])
+    eng, dec = recorded_engine(tiny, overlap=True, max_rows=16)
+    try:
+        q1, q2 = queue.SimpleQueue(), queue.SimpleQueue()
+        eng.submit([9, 9, 9], GREEDY, q1.put)
+        eng.start()
+        assert wait_until(lambda: len(dec.steps) >= 2)
+        eng.submit(prompt, GREEDY, q2.put)
+        short, long = [t for d in collect(q1) for t in d.token_ids], [t for d in collect(q2) for t in d.token_ids]
+    finally:
+        eng.stop()
+    assert short == alone_short and long == alone_long
+    short_slot = dec.steps[0].slots[0]
+    long_slot = next(s for step in dec.steps for s in step.slots if s != short_slot)
+    with_prompt = [s for s in dec.steps if len(s.positions_of(long_slot)) > 1]
+    assert len(with_prompt) >= 3 and all(len(s.slots) <= 16 for s in dec.steps)
+    assert sum(len(s.positions_of(long_slot)) for s in with_prompt) >= len(prompt) - 1
+    assert all(short_slot in s.slots for s in with_prompt[:3])  # the running request decodes in each of them
 
 
 # -- decode rows and KV slots ----------------------------------------------------------------------------------------
@@ -637,7 +670,7 @@ def test_the_decode_batch_never_exceeds_max_batch_however_many_slots(tiny):
         assert eng.stats.cached_slots == 4  # each conversation's K/V stays cached
     finally:
         eng.stop()
-    assert max(len(slots) for slots, _, _ in dec.steps) == 2
+    assert max(s.sampled for s in dec.steps) == 2 and max(len(set(s.slots)) for s in dec.steps) == 2
     base = make_engine(tiny)
     try:
         assert together == [[t for d in base.generate(p, GREEDY) for t in d.token_ids] for p in prompts]
@@ -675,21 +708,21 @@ def test_truncate_keeps_only_the_tokens_heard(tiny):
 
 # -- robustness ------------------------------------------------------------------------------------------------------
 class BreaksOnce(AdmitAll):
-    """Admission whose prefill hook raises the first time (as a double missing a method would)."""
+    """Admission that raises the first time a step is handed to it (as a double missing a method would)."""
 
     def __init__(self):
         super().__init__(1.0)
         self.broken = False
 
-    def observe_prefill(self, tokens, cached, seconds):
+    def consume(self, event):
         if not self.broken:
             self.broken = True
-            raise AttributeError("observe_prefill")
+            raise AttributeError("consume")
 
 
 def test_a_request_whose_iteration_fails_still_gets_its_final_delta(tiny):
-    """An engine iteration that raises while a request is between its prefill and the running batch (neither
-    waiting nor running) fails that request too: the client gets a final delta, nothing hangs, the engine goes on."""
+    """An engine iteration that raises while a request's first step is being committed (its prompt ran, its token is
+    not out) fails that request too: the client gets a final delta, nothing hangs, the engine goes on."""
     dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
     eng = Engine(dec, tiny.tokenizer, admission=BreaksOnce())
     eng.start()

@@ -60,13 +60,15 @@ class Decoder(Protocol):
     draws_tokens: bool  # whether decode() honours `draws` (returns `sampled`) and draw() exists
 
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None) -> DecodeOutput:
-        """One step for a batch of any size up to max_slots: token_ids[i] sits at positions[i] of slots[i].
-        Writes its K/V (a row's own position first, then its attention reads positions [0, positions[i]], so a row
-        may rewrite a position an earlier step wrote); returns the logits and the greedy token of each sequence,
-        and where the decoder draws tokens and `draws` is given, each row's drawn token. Asynchronous on a GPU:
-        nothing waits for the device. `token_ids` may be a device tensor (the previous step's tokens), so that a
-        step can be launched before the last one's tokens reach the host."""
+               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+        """One step over rows: token_ids[i] sits at positions[i] of slots[i]. Several rows may share a slot (a prompt
+        chunk at consecutive positions). Every row writes its K/V before any row's attention reads positions
+        [0, positions[i]] of its slot, so the rows of one slot attend causally among themselves (and a row may rewrite
+        a position an earlier step wrote). Returns, for rows [0, sampled_rows) (None: every row), the logits and the
+        greedy token, and where the decoder draws tokens and `draws` is given (one per such row), each one's drawn
+        token; the other rows' logits are never computed. Asynchronous on a GPU: nothing waits for the device.
+        `token_ids` may be a device tensor (tokens chosen by the step before), so that a step can be launched before
+        the last one's tokens reach the host."""
         ...
 
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:

@@ -28,6 +28,7 @@ class FaultInjectingDecoder:
         self.steps = 0
         self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
         self.device, self.name, self.draws_tokens = inner.device, inner.name, inner.draws_tokens
+        self.max_rows = getattr(inner, "max_rows", None)
 
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         return self.inner.prefill(slot, token_ids, start_pos)
@@ -46,7 +47,7 @@ class FaultInjectingDecoder:
         return self.inner.draw(logits, draws, positions)
 
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None) -> DecodeOutput:
+               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
         if self.armed:
             self.steps += 1
         if self.armed and self.steps == self.fail_step:
@@ -55,4 +56,4 @@ class FaultInjectingDecoder:
             time.sleep(self.hang_s)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return self.inner.decode(slots, token_ids, positions, draws)
+        return self.inner.decode(slots, token_ids, positions, draws, sampled_rows)

@@ -206,19 +206,40 @@ class ReferenceDecoder:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None) -> DecodeOutput:
-        """The Decoder's step; `draws` is not honoured here (draws_tokens is False): the engine samples."""
-        if not slots or not len(slots) == len(token_ids) == len(positions):
+               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+        """The Decoder's step; `draws` is not honoured here (draws_tokens is False): the engine samples. The rows of
+        one slot (a prompt chunk) run as one sequence, attending causally among themselves; the other rows run as one
+        batch of single tokens."""
+        n = len(slots)
+        if not slots or not n == len(token_ids) == len(positions):
             raise ValueError(f"decode of {len(slots)} slots, {len(token_ids)} tokens, {len(positions)} positions")
         kv_len = max(positions) + 1
         if kv_len > self.max_context or min(positions) < 0:
             raise ValueError(f"decode at positions {positions} does not fit a context of {self.max_context}")
+        k = n if sampled_rows is None else sampled_rows
+        if not 0 <= k <= n:
+            raise ValueError(f"{k} sampled rows of {n}")
         dev = self.device
-        slot_t = torch.tensor(slots, device=dev)
-        pos_t = torch.tensor(positions, device=dev)
         ids = token_ids.to(dev) if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=dev)
-        x = self.weights.embed[ids].unsqueeze(1)  # [b, 1, hidden]
-        logits = self.decode_tensors(x, slot_t, pos_t, kv_len)
+        by_slot: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            by_slot.setdefault(s, []).append(i)
+        singles = [rows[0] for rows in by_slot.values() if len(rows) == 1]
+        runs = [sorted(rows, key=lambda i: positions[i]) for rows in by_slot.values() if len(rows) > 1]
+        hidden = torch.empty(n, self.config.hidden_size, device=dev, dtype=self.dtype)
+        if singles:
+            at = torch.tensor(singles, device=dev)
+            pos = torch.tensor([positions[i] for i in singles], device=dev)
+            x = self.weights.embed[ids[at]].unsqueeze(1)  # [b, 1, hidden]
+            hidden[at] = self.forward(x, pos[:, None], torch.tensor([slots[i] for i in singles], device=dev),
+                                      max(positions[i] for i in singles) + 1)[:, 0]
+        for rows in runs:
+            at = torch.tensor(rows, device=dev)
+            pos = torch.tensor([positions[i] for i in rows], device=dev)
+            x = self.weights.embed[ids[at]].unsqueeze(0)  # [1, m, hidden]
+            hidden[at] = self.forward(x, pos[None], torch.tensor([slots[rows[0]]], device=dev),
+                                      positions[rows[-1]] + 1)[0]
+        logits = self.logits(hidden[:k])
         return DecodeOutput(logits, logits.argmax(-1))
 
     def decode_tensors(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

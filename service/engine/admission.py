@@ -1,11 +1,15 @@
-"""What the engine asks of admission control (service/admission.py implements it): a verdict on each new request,
-and what the engine observes as it runs, to learn from. AdmitAll admits everything (tests, warm-up)."""
+"""What the engine asks of admission control (service/admission.py implements it): a verdict on each new request, and
+the events each step commits, to learn from. AdmitAll admits everything (tests, warm-up)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from service.engine.request import Request
+
+if TYPE_CHECKING:
+    from service.engine.commit import Event
+    from service.engine.planner import Planner
 
 
 class Rejected(Exception):
@@ -17,27 +21,21 @@ class Rejected(Exception):
 
 
 class Admission(Protocol):
-    def check(self, req: Request) -> None:
-        """Admit `req`, setting its deadline, or raise Rejected. Its cached_tokens are those the prefix cache holds
-        for it now; `lags`: it would get a token every other step beside requests chosen on the device."""
+    def bind(self, planner: Planner) -> None:
+        """The engine's planner: admission asks it what would happen if a request joined."""
         ...
 
-    def release(self, req: Request) -> None:
-        """`req` has ended (any way)."""
+    def check(self, req: Request) -> None:
+        """Admit `req`, setting its deadline, or raise Rejected. Its cached_tokens are those the prefix cache holds
+        for it now; its choice says whether it lags (a grammar)."""
+        ...
+
+    def consume(self, event: Event) -> None:
+        """What a step committed (service/engine/commit.py): steps to learn from, SLA tokens, ends."""
         ...
 
     def headroom(self, now: float) -> float:
         """The smallest predicted slack to its deadline among admitted requests, in seconds."""
-        ...
-
-    def observe_step(self, batch: int, seconds: float) -> None: ...
-
-    def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
-        """A prefill of `tokens` new tokens on top of `cached` ones took `seconds`."""
-        ...
-
-    def observe_nth(self, req: Request, at: float) -> None:
-        """`req`'s SLA token came out at `at` (time.perf_counter)."""
         ...
 
 
@@ -47,16 +45,12 @@ class AdmitAll:
     def __init__(self, sla_s: float) -> None:
         self.sla_s = sla_s
 
+    def bind(self, planner: Planner) -> None: ...
+
     def check(self, req: Request) -> None:
         req.deadline = req.arrival + self.sla_s
 
-    def release(self, req: Request) -> None: ...
+    def consume(self, event: Event) -> None: ...
 
     def headroom(self, now: float) -> float:
         return self.sla_s
-
-    def observe_step(self, batch: int, seconds: float) -> None: ...
-
-    def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None: ...
-
-    def observe_nth(self, req: Request, at: float) -> None: ...

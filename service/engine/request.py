@@ -8,14 +8,11 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.constraint import TokenConstraint
 from service.engine.output import TextOutput
-
-if TYPE_CHECKING:
-    from service.engine.sampler import TokenConstraint
 
 
 @dataclass(frozen=True)
@@ -73,6 +70,14 @@ def outcome_of(finish_reason: str | None) -> str:
     return {"stop": "completed", "length": "completed", "cancelled": "cancelled"}.get(finish_reason or "", "failed")
 
 
+class Choice(enum.Enum):
+    """How a request's tokens are chosen from its sampled rows (sampler.choice_of decides, once)."""
+
+    STEP = "step"  # the step's own output: its argmax, or drawn inside the step (Decoder.draws_tokens)
+    DEVICE = "device"  # sampled from its row's logits on the device (top-k, top-p, a seed the decoder cannot draw)
+    HOST = "host"  # needs its last token on the host first (a grammar advances with each): never fed from the device
+
+
 class State(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -98,11 +103,12 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     prompt_blocks: list[int] = field(default_factory=list)  # prefix_cache.block_hashes of the prompt
     cached_tokens: int = 0  # prompt tokens whose K/V come from the prefix cache: expected at submit, exact once placed
-    kv_len: int = 0  # positions of this request's slot holding valid K/V
+    kv_len: int = 0  # positions of this request's slot holding valid K/V (committed: read back)
+    prefilled: int = 0  # prompt positions planned into steps (or a launch) so far
     cancelled: bool = False
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)
-    lags: bool = False  # sampled on the host while its batch runs ahead: a token every other step (sampler.py)
+    choice: Choice = Choice.STEP
     draw_seed: int = field(default_factory=lambda: random.getrandbits(63))  # keys draws made inside a step
     prefill_start: float | None = None
     prefill_end: float | None = None

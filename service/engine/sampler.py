@@ -1,22 +1,16 @@
-"""Sampler: how each request's next token is chosen, for the first token after its prefill and for every step.
+"""Sampler: how each request's tokens are chosen from its sampled rows of a step (its first token from its prompt's
+last row, then one per decode row).
 
-A token comes one of four ways, chosen per request:
-- greedy: the decoder's argmax;
-- drawn inside the decoder's step (Decoder.draws_tokens): temperature sampling keyed by the request's seed and the
-  position, so a seed reproduces whatever the batch;
-- pooled: on the device, for a whole batch at once, when the engine runs a step ahead (temperature, top-k, top-p
-  with no seed to honour);
-- one request at a time, from its logits: seeded requests that the decoder cannot draw (with the request's own
-  generator), constrained ones (a grammar masks the logits first), and every non-greedy request of an engine that
-  does not run ahead.
-Every choice is made on the logits' device as soon as the step is launched, without waiting for it: the tokens come
-to the host together, in the one wait of a step (StepTokens.read), and the next step can be fed them before that.
-
-A constrained request is the exception: its grammar advances with each token on the host (accept), so its next
-choice can be masked only once its last token has been read back. In a batch that runs ahead it lags instead of
-holding everyone back (run_ahead.py): its token is fed into the step after next, its row of the step in between is
-void, it gets a token every other step and its neighbours keep their cadence. A batch of such requests only runs one
-step at a time, with no lag.
+A request's Choice is decided once (choice_of):
+- STEP: the step's own output: greedy (its argmax), or drawn inside the step where the decoder can
+  (Decoder.draws_tokens: temperature sampling keyed by the request's seed and the position, so a seed reproduces
+  whatever the batch);
+- DEVICE: from its row's logits on the device: unseeded top-k/top-p requests together, in a few batched kernels;
+  seeded ones that the decoder cannot draw with their own generator;
+- HOST: constrained requests: a grammar masks the logits first, and advances with each token on the host, so the
+  request's next row can be planned only once its last token has been read back (it lags: planner.py).
+Every choice is made on the logits' device as soon as the step is launched, without waiting for it: the tokens come to
+the host together, in the one wait of a step (StepTokens.read), and the next step can be fed them before that.
 
 A request whose sampling fails (its logits hold NaN, its grammar breaks or allows nothing) raises SamplingError for
 that request alone.
@@ -25,24 +19,14 @@ that request alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from service.backends.decoder import DecodeOutput, Decoder, Draw
-from service.engine.request import Request, SamplingParams
+from service.backends.decoder import DecodeOutput, Draw
+from service.engine.constraint import TokenConstraint
+from service.engine.request import Choice, Request, SamplingParams
 
-
-class TokenConstraint(Protocol):
-    """What a grammar plugs in (Request.constraint, handed in as SamplingParams.constraint): the logits it allows
-    before each choice, and the token chosen, so that it can advance. Once the grammar is complete, `mask` allows
-    only end-of-sequence tokens: the request ends as any does at its EOS (service/engine/grammar.py)."""
-
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """float32 logits [vocab] → the same, with disallowed tokens at -inf."""
-        ...
-
-    def accept(self, token: int) -> None: ...
+__all__ = ["Choice", "SamplingError", "StepTokens", "TokenConstraint", "choice_of", "choose", "draws"]
 
 
 class SamplingError(Exception):
@@ -58,108 +42,76 @@ def untruncated(params: SamplingParams) -> bool:
     return params.top_k <= 0 and params.top_p >= 1.0
 
 
-class Sampler:
-    def __init__(self, decoder: Decoder) -> None:
-        self.decoder = decoder
+def choice_of(req: Request, draws_tokens: bool) -> Choice:
+    """How the request's tokens are chosen, given whether the decoder draws tokens inside its step."""
+    p = req.params
+    if req.constraint is not None:
+        return Choice.HOST
+    if p.greedy or (draws_tokens and untruncated(p)):
+        return Choice.STEP
+    return Choice.DEVICE
 
-    # -- which way a request's tokens come --------------------------------------------------------------
-    def drawn_in_step(self, req: Request) -> bool:
-        return (self.decoder.draws_tokens and not req.params.greedy and untruncated(req.params)
-                and req.constraint is None)
 
-    def decided_in_step(self, req: Request) -> bool:
-        """The decode step's own output is this request's token (greedy, or drawn inside the step)."""
-        return (req.params.greedy and req.constraint is None) or self.drawn_in_step(req)
+def draws(requests: list[Request]) -> list[Draw] | None:
+    """What the decoder should draw inside its step for these sampled rows (temperature 0: its argmax); None: nothing
+    to draw."""
+    drawn = [r.choice is Choice.STEP and not r.params.greedy for r in requests]
+    if not any(drawn):
+        return None
+    return [Draw(r.params.temperature if d else 0.0, r.draw_seed) for r, d in zip(requests, drawn)]
 
-    def pooled(self, req: Request) -> bool:
-        """Sampled with the whole batch on the device, when running ahead: nothing of its own to honour."""
-        return not self.decided_in_step(req) and req.params.seed is None and req.constraint is None
 
-    @staticmethod
-    def needs_host(req: Request) -> bool:
-        """Its next choice waits for its last token on the host (a grammar advances with each): it lags in a batch
-        that runs ahead."""
-        return req.constraint is not None
+def choose(out: DecodeOutput, requests: list[Request]) -> StepTokens:
+    """The tokens of a step's sampled rows (row i is requests[i]'s), chosen on the device now: the step need not have
+    run. Their trip to the host starts at once; read() waits for it."""
+    chosen = out.sampled if out.sampled is not None else out.argmax
+    pooled = [r.choice is Choice.DEVICE and r.params.seed is None for r in requests]
+    chosen = _sample_on_device(out.logits, chosen, requests, keep=[not p for p in pooled])
+    own: dict[int, torch.Tensor] = {}
+    errors: dict[int, Exception] = {}
+    for i, req in enumerate(requests):
+        if req.choice is Choice.HOST or (req.choice is Choice.DEVICE and not pooled[i]):
+            try:
+                own[i] = _choose(out.logits[i], req)
+            except Exception as e:  # this row alone: it fails when read
+                errors[i] = e
+    if own:
+        at = to_device(list(own), torch.int64, chosen.device)
+        chosen = chosen.index_copy(0, at, torch.stack(list(own.values())).to(chosen.dtype))
+    tokens = StepTokens(requests, chosen, set(own), errors)
+    if chosen.is_cuda:  # start the tokens' trip to the host now; read() waits for it
+        tokens.host, tokens.ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
+        tokens.ready.record()
+    return tokens
 
-    def draws(self, batch: list[Request]) -> list[Draw] | None:
-        """What the decoder should draw inside its step (greedy rows at temperature 0); None: nothing."""
-        drawn = [self.drawn_in_step(r) for r in batch]
-        if not any(drawn):
-            return None
-        return [Draw(r.params.temperature if d else 0.0, r.draw_seed) for r, d in zip(batch, drawn)]
 
-    # -- choosing -------------------------------------------------------------------------------------
-    def first(self, logits: torch.Tensor, req: Request) -> int:
-        """The token after a prefill (its logits [vocab]), the way the request's steps will choose theirs."""
-        if self.drawn_in_step(req):
-            draw = Draw(req.params.temperature, req.draw_seed)
-            return int(self.decoder.draw(logits[None], [draw], [len(req.prompt_ids) - 1])[0])
-        return self.on_host(logits, req)
+def _choose(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """The request's token from its logits [vocab], on their device, without waiting for them: -1 where they allow no
+    choice."""
+    return _sample_one(logits if req.constraint is None else req.constraint.mask(logits.float()), req)
 
-    def step(self, out: DecodeOutput, batch: list[Request], ahead: bool, void: list[bool] | None = None
-             ) -> StepTokens:
-        """A decode step's tokens, chosen on the device now (the step need not have run). `ahead`: the engine runs a
-        step ahead, so pooled rows are sampled together and the tokens start their trip to the host at once. `void`
-        rows (a lagging request's row between two of its tokens) get none."""
-        void = void or [False] * len(batch)
-        chosen = out.sampled if out.sampled is not None else out.argmax
-        decided = [self.decided_in_step(r) for r in batch]
-        pooled = [ahead and not v and self.pooled(r) for r, v in zip(batch, void)]
-        chosen = _sample_on_device(out.logits, chosen, batch, keep=[not p for p in pooled])
-        own: dict[int, torch.Tensor] = {}
-        errors: dict[int, Exception] = {}
-        for i, req in enumerate(batch):
-            if not (decided[i] or pooled[i] or void[i]):
-                try:
-                    own[i] = self._choose(out.logits[i], req)
-                except Exception as e:  # this row alone: it fails when read
-                    errors[i] = e
-        if own:
-            at = _to_device(list(own), torch.int64, chosen.device)
-            chosen = chosen.index_copy(0, at, torch.stack(list(own.values())).to(chosen.dtype))
-        tokens = StepTokens(self, batch, chosen, set(own), errors, ahead)
-        if ahead and chosen.is_cuda:  # start the tokens' trip to the host now; read() waits for it
-            tokens.host, tokens.ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
-            tokens.ready.record()
-        return tokens
 
-    def on_host(self, logits: torch.Tensor, req: Request) -> int:
-        """One request's token from its logits [vocab], now: temperature, top-k, top-p, its seed, its constraint."""
-        try:
-            token = int(self._choose(logits, req))
-        except Exception as e:
-            raise SamplingError(req, e) from e
-        return self.accept(req, token)
-
-    def accept(self, req: Request, token: int) -> int:
-        """A token chosen by _choose, on the host: checked, and told to the request's constraint."""
-        try:
-            if token < 0:
-                raise ValueError("its logits allow no choice (NaN, or nothing the constraint allows)")
-            if req.constraint is not None:
-                req.constraint.accept(token)
-        except Exception as e:
-            raise SamplingError(req, e) from e
-        return token
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, req: Request) -> torch.Tensor:
-        """The request's token from its logits [vocab], on their device, without waiting for them: -1 where they
-        allow no choice."""
-        return _sample_one(logits if req.constraint is None else req.constraint.mask(logits.float()), req)
+def accept(req: Request, token: int) -> int:
+    """A token chosen for `req`, on the host: checked, and told to its constraint."""
+    try:
+        if token < 0:
+            raise ValueError("its logits allow no choice (NaN, or nothing the constraint allows)")
+        if req.constraint is not None:
+            req.constraint.accept(token)
+    except Exception as e:
+        raise SamplingError(req, e) from e
+    return token
 
 
 @dataclass
 class StepTokens:
-    """One decode step's tokens, on the device in `chosen` [batch] (void rows: nothing meaningful). read() brings
-    them to the host, the one wait of a step; token(i) gives row i's."""
+    """One step's tokens, one per sampled row, on the device in `chosen`. read() brings them to the host, the one wait
+    of a step; token(i) gives row i's."""
 
-    sampler: Sampler
-    batch: list[Request]
+    requests: list[Request]
     chosen: torch.Tensor
     own: set[int]  # rows chosen one request at a time: checked, and told to their constraint, when read
     errors: dict[int, Exception]  # rows whose choice failed
-    ahead: bool = False  # chosen as for running ahead: the next step may be fed them before they are read
     host: torch.Tensor | None = None  # `chosen` on its way to the host, there once `ready` has fired
     ready: torch.cuda.Event | None = None
     _read: list[int] = field(default_factory=list)
@@ -172,19 +124,10 @@ class StepTokens:
     def token(self, i: int) -> int:
         """Row i's token (after read()); raises SamplingError for row i's request alone."""
         if i in self.errors:
-            raise SamplingError(self.batch[i], self.errors[i])
+            raise SamplingError(self.requests[i], self.errors[i])
         if i in self.own:
-            return self.sampler.accept(self.batch[i], self._read[i])
+            return accept(self.requests[i], self._read[i])
         return self._read[i]
-
-    def feed(self, rows: dict[int, int]) -> torch.Tensor:
-        """The next step's input, without waiting for this one: the chosen tokens, with `rows` (row → token) given
-        from the host instead."""
-        if not rows:
-            return self.chosen
-        dev = self.chosen.device
-        at, values = _to_device(list(rows), torch.int64, dev), _to_device(list(rows.values()), self.chosen.dtype, dev)
-        return self.chosen.index_copy(0, at, values)
 
 
 def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
@@ -217,7 +160,7 @@ def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return torch.where(valid, (scores.softmax(-1) / noise).argmax(), -1)
 
 
-def _to_device(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     """A host list on the device without waiting for it (pinned, so the copy does not sync; torch.tensor(values,
     device=...) would wait for every step queued before it)."""
     return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
@@ -233,7 +176,7 @@ def _sample_on_device(logits: torch.Tensor, chosen: torch.Tensor, requests: list
         return chosen
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return _to_device(values, dtype, dev)[:, None]
+        return to_device(values, dtype, dev)[:, None]
 
     vocab = logits.shape[-1]
     temp = column([r.params.temperature if not r.params.greedy else 1.0 for r in requests], torch.float32)

@@ -1,0 +1,246 @@
+"""Planner: who runs in the next step, and how (a StepPlan); and, for admission, when each request's SLA token would
+come if a newcomer joined (forecast). One policy serves both, so admission never simulates an engine of its own.
+
+The policy, Sarathi-Serve's inside one launch:
+- at most `max_batch` requests hold a seat (a prompt being prefilled or a reply being decoded): the sampled rows of a
+  step (decode rows and prompts' last rows) never exceed it;
+- every seated request that can take a token gets a decode row; a request whose choice needs its last token on the
+  host (a grammar) and whose last row is still in flight sits this step out (it lags: a token every other step);
+- prompt tokens fill what is left of the token budget (`max_rows` rows a step), oldest prompt first: a long prompt
+  is chunked across steps, so no running stream waits more than one step for it;
+- a prompt with at least `launch_min_tokens` new tokens, or one that will not fit a step while nobody is decoding,
+  runs as a separate prefill launch (all its tokens but the last, which rides in the step): cuBLAS and SDPA do a long
+  prompt faster than many steps of rows (README: the numbers).
+Requests join a seat oldest first, a session's next turn once its last one has ended; KVSlots places each (its cached
+prefix, a copy from another slot). Only the engine thread plans; admission (any thread) forecasts from snapshots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.engine.kv_slots import KVSlots, Session
+from service.engine.request import Choice, Request, State
+from service.engine.step_plan import Copy, Launch, PromptChunk, StepPlan
+
+LAUNCH_MIN_TOKENS = 256  # new prompt tokens from which a separate prefill launch beats riding in steps (README)
+
+
+class Planner:
+    def __init__(self, slots: KVSlots, max_batch: int, max_rows: int, max_context: int,
+                 launch_min_tokens: int = LAUNCH_MIN_TOKENS) -> None:
+        self.slots = slots
+        self.max_batch = max_batch  # seats: requests prefilling or decoding
+        self.max_rows = max(max_rows, max_batch)  # rows a step: the token budget
+        self.max_context = max_context
+        self.launch_min_tokens = launch_min_tokens
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # seated, prompt not all planned yet
+        self.running: list[Request] = []  # prompt all planned: decoding
+
+    # -- the queues ---------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def seated(self) -> list[Request]:
+        return self.prefilling + self.running
+
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    def take_cancelled(self) -> list[Request]:
+        """Cancelled requests, out of every queue; their slots are free from now on."""
+        gone = [r for r in (*self.waiting, *self.prefilling, *self.running) if r.cancelled]
+        for r in gone:
+            self.finish(r)
+        return gone
+
+    def finish(self, req: Request) -> None:
+        """`req` ended: out of its queue, its slot keeps the K/V of every token it fed."""
+        for queue in (self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.state = State.FINISHED
+        if req.slot is not None:
+            fed = (req.prompt_ids + req.output_ids)[: req.kv_len]
+            self.slots.release(req.slot, fed, req.session)  # type: ignore[arg-type]
+            req.slot = None
+
+    # -- planning -----------------------------------------------------------------------------------------
+    def plan(self, inflight: StepPlan | None = None, now: float = 0.0) -> StepPlan:
+        """The next step. `inflight`: the step launched before it whose tokens the host has not read yet (its
+        sampled rows feed this step's decode rows on the device)."""
+        pending = {} if inflight is None else {id(r): i for i, r in enumerate(inflight.sampled)}
+        plan = StepPlan()
+        prompt_rows: list[tuple[int, int, int]] = []  # (slot, position, token) of prompt rows that sample nothing
+        for req in self.running:
+            at = pending.get(id(req))
+            if not self._decodes(req, at is not None):
+                continue
+            done = len(req.output_ids) + (at is not None)  # tokens it will have once `inflight` is read
+            row = plan.add_row(_slot(req), len(req.prompt_ids) + done - 1, req.output_ids[-1] if req.output_ids
+                               else req.prompt_ids[-1])
+            plan.sampled.append(req)
+            if at is not None:
+                plan.feed[row] = at
+        self._seat_waiting(plan, now)
+        rows_left = self.max_rows - plan.rows
+        for req in list(self.prefilling):
+            if rows_left <= 0:
+                break
+            start, end = req.prefilled, len(req.prompt_ids)
+            n = min(end - start, rows_left)
+            if start + n == end and len(plan.sampled) >= self.max_batch:
+                n -= 1  # its last row must sample, and the step's sampled rows are full: next step
+            if n <= 0:
+                continue
+            chunk = PromptChunk(req, start, start + n)
+            plan.chunks.append(chunk)
+            rows_left -= n
+            req.prefilled = chunk.end
+            slot = _slot(req)
+            prompt_rows += [(slot, p, req.prompt_ids[p]) for p in range(chunk.start, chunk.end - chunk.last)]
+            if chunk.last:  # its last row samples its first token; from the next step it decodes
+                plan.add_row(slot, end - 1, req.prompt_ids[end - 1])
+                plan.sampled.append(req)
+                self.prefilling.remove(req)
+                self.running.append(req)
+                self.slots.filled(slot, req.prompt_ids, req.prompt_blocks)
+        for slot, pos, tok in prompt_rows:
+            plan.add_row(slot, pos, tok)
+        return plan
+
+    def _decodes(self, req: Request, in_flight: bool) -> bool:
+        """Whether a running request takes a decode row in the next step."""
+        if req.state is State.FINISHED or req.cancelled:
+            return False
+        if in_flight and req.choice is Choice.HOST:
+            return False  # its next choice needs its last token on the host
+        done = len(req.output_ids) + in_flight
+        return 0 < done < req.params.max_tokens and len(req.prompt_ids) + done - 1 < self.max_context
+
+    def _seat_waiting(self, plan: StepPlan, now: float) -> None:
+        """Seat waiting requests, oldest first, while seats and slots last: placed in a slot (its cached prefix, a
+        copy), a long prompt launched on its own."""
+        for req in list(self.waiting):
+            if len(self.prefilling) + len(self.running) >= self.max_batch:
+                return
+            session: Session | None = req.session  # type: ignore[assignment]
+            if session is not None and session.busy:
+                continue
+            placement = self.slots.place(req.prompt_ids, req.prompt_blocks, session)
+            if placement is None or placement.slot is None:
+                return
+            self.waiting.remove(req)
+            req.slot, req.state, req.cached_tokens = placement.slot, State.RUNNING, placement.cached
+            req.prefilled, req.prefill_start = placement.cached, now
+            plan.started.append(req)
+            if placement.source is not None:
+                plan.copies.append(Copy(placement.source, placement.slot, placement.cached))
+            new = len(req.prompt_ids) - placement.cached
+            if new - 1 >= self.launch_min_tokens or (not plan.sampled and new > self.max_rows):
+                plan.launches.append(Launch(req, placement.cached, len(req.prompt_ids) - 1))
+                req.prefilled = len(req.prompt_ids) - 1
+            self.prefilling.append(req)
+
+    # -- forecasting, for admission -------------------------------------------------------------------------
+    def forecast(self, requests: list[Request], step_s: Callable[[int, int], float],
+                 prefill_s: Callable[[int, int], float], now: float, horizon_s: float) -> dict[int, float]:
+        """When each of `requests` (admitted ones, and a newcomer last) would have its SLA token, playing this policy
+        forward from now: id(request) → time (inf past `horizon_s`). step_s(rows, kv_positions) and
+        prefill_s(new tokens, cached) are the latency model's, stretched as admission wants them. The same seats,
+        budget, chunking and launches as plan(); the cached prefix each waiting request expects; a lagging request
+        takes two steps a token beside requests that do not."""
+        sims = [_Sim.of(r) for r in requests]
+        out = {id(s.req): (math.inf if s.to_nth > 0 else now) for s in sims}
+        if not sims:
+            return out
+        t, end = now, now + horizon_s
+        while t < end and any(s.to_nth > 0 for s in sims):
+            seated = [s for s in sims if s.seated and not s.done]
+            for s in sims:
+                if not s.seated and not s.done and len(seated) < self.max_batch:
+                    s.seated = True
+                    seated.append(s)
+                    if s.prompt_left - 1 >= self.launch_min_tokens or (
+                            not any(o.prompt_left == 0 for o in seated) and s.prompt_left > self.max_rows):
+                        t += prefill_s(s.prompt_left - 1, s.cached)
+                        s.cached += s.prompt_left - 1
+                        s.prompt_left = 1
+            mixed = not all(s.lags for s in seated)
+            rows = kv = sampled = 0
+            decoding, chunks = [], []
+            for s in seated:
+                if s.prompt_left == 0:
+                    s.turn += 1
+                    if not (s.lags and mixed and s.turn % 2 == 0):
+                        decoding.append(s)
+                        rows, sampled, kv = rows + 1, sampled + 1, kv + s.cached
+            for s in seated:
+                if s.prompt_left == 0 or rows >= self.max_rows:
+                    continue
+                n = min(s.prompt_left, self.max_rows - rows)
+                if n == s.prompt_left and sampled >= self.max_batch:
+                    n -= 1
+                if n > 0:
+                    chunks.append((s, n))
+                    rows, kv = rows + n, kv + n * s.cached + n * (n - 1) // 2
+                    sampled += n == s.prompt_left
+            if not rows:
+                break
+            t += step_s(rows, kv)
+            for s in decoding:
+                s.token(t, out)
+            for s, n in chunks:
+                s.cached += n
+                s.prompt_left -= n
+                if s.prompt_left == 0:
+                    s.token(t, out)
+        return out
+
+
+@dataclass
+class _Sim:
+    """A request as forecast() plays it: prompt tokens left, tokens to its SLA token and to its end."""
+
+    req: Request
+    prompt_left: int
+    cached: int
+    to_nth: int
+    to_end: int
+    seated: bool
+    lags: bool
+    turn: int = 0
+    done: bool = False
+
+    @classmethod
+    def of(cls, r: Request) -> _Sim:
+        out = len(r.output_ids)
+        if r.state is State.WAITING:  # at least its last prompt token is prefilled
+            left, cached = max(1, len(r.prompt_ids) - r.cached_tokens), r.cached_tokens
+        else:
+            left, cached = len(r.prompt_ids) - r.prefilled, r.prefilled + max(0, out - 1)
+        return cls(r, left, cached, max(0, r.sla_token_index - out), max(0, r.params.max_tokens - out),
+                   seated=r.state is State.RUNNING, lags=r.choice is Choice.HOST)
+
+    def token(self, t: float, out: dict[int, float]) -> None:
+        self.cached += 1
+        self.to_end -= 1
+        if self.to_nth > 0:
+            self.to_nth -= 1
+            if self.to_nth == 0:
+                out[id(self.req)] = t
+        if self.to_end <= 0:
+            self.done = True
+
+
+def _slot(req: Request) -> int:
+    if req.slot is None:
+        raise RuntimeError(f"{req.id} runs without a KV slot")
+    return req.slot

@@ -1,0 +1,186 @@
+"""The planner's step plans and forecasts, and commit's stop rule, on plain requests (no decoder)."""
+
+import math
+
+import pytest
+
+from service.engine.commit import Finished, Started, StepDone, Token, commit
+from service.engine.kv_slots import KVSlots
+from service.engine.output import TextOutput
+from service.engine.planner import Planner
+from service.engine.prefix_cache import block_hashes
+from service.engine.request import Choice, Request, SamplingParams, State
+from service.model.synthetic import byte_tokenizer
+
+TOKENIZER = byte_tokenizer(300)
+
+
+def request(prompt_len, max_tokens=64, choice=Choice.STEP, first=1):
+    req = Request(list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  lambda d: None, TextOutput(TOKENIZER.detokenizer()))
+    req.prompt_blocks, req.choice = block_hashes(req.prompt_ids), choice
+    return req
+
+
+def planner(max_batch=4, max_rows=16, slots=4, launch_min=256):
+    return Planner(KVSlots(slots), max_batch, max_rows, max_context=4096, launch_min_tokens=launch_min)
+
+
+def run(p, plan, token=7):
+    """Commit a plan as if every sampled row chose `token`; end what ended."""
+    events = commit(plan, lambda row: token, frozenset(), p.max_context, now=0.0)
+    for ev in events:
+        if isinstance(ev, Finished):
+            p.finish(ev.req)
+    return events
+
+
+def test_a_step_carries_decode_rows_first_then_prompt_chunks_within_the_token_budget():
+    p = planner(max_rows=16)
+    running = request(5, first=100)
+    p.add(running)
+    run(p, p.plan())  # its prompt rides alone, and samples its first token
+    assert running.state is State.RUNNING and running.output_ids == [7]
+    long = request(40)
+    p.add(long)
+    chunks = []
+    while long.prefilled < 40 or not long.output_ids:
+        plan = p.plan()
+        assert plan.rows <= 16 and plan.sampled[0] is running  # the running request decodes in every step
+        assert plan.positions[0] == 5 + len(running.output_ids) - 1 and plan.tokens[0] == 7
+        chunks += [(c.start, c.end) for c in plan.chunks]
+        own = sorted(pos for slot, pos in zip(plan.slots, plan.positions) if slot == long.slot)
+        assert own == list(range(plan.chunks[0].start, plan.chunks[0].end))  # each prompt position once
+        run(p, plan)
+    assert chunks == [(0, 15), (15, 30), (30, 40)]  # 15 prompt rows beside the decode row, then the rest
+    assert long.kv_len == 40 and long.output_ids == [7]
+
+
+def test_the_last_prompt_row_samples_and_comes_with_the_sampled_rows():
+    p = planner(max_rows=16)
+    a, b = request(3, first=10), request(4, first=20)
+    p.add(a)
+    p.add(b)
+    plan = p.plan()
+    assert plan.sampled == [a, b] and plan.rows == 7
+    # sampled rows: each prompt's last token at its last position; then the other prompt rows
+    assert plan.positions[:2] == [2, 3] and plan.tokens[:2] == [12, 23]
+    assert sorted(zip(plan.slots[2:], plan.positions[2:])) == sorted([(a.slot, 0), (a.slot, 1), (b.slot, 0),
+                                                                      (b.slot, 1), (b.slot, 2)])
+
+
+def test_seats_cap_the_sampled_rows_and_the_rest_wait():
+    p = planner(max_batch=2, max_rows=64, slots=4)
+    reqs = [request(3, first=10 * i + 1) for i in range(3)]
+    for r in reqs:
+        p.add(r)
+    plan = p.plan()
+    assert plan.sampled == reqs[:2] and list(p.waiting) == [reqs[2]]
+    run(p, plan)
+    assert len(p.plan().sampled) == 2 and reqs[2].state is State.WAITING
+
+
+def test_a_long_prompt_is_launched_on_its_own_and_its_last_token_rides():
+    p = planner(max_rows=16, launch_min=32)
+    busy = request(4, first=200)
+    p.add(busy)
+    run(p, p.plan())
+    long = request(100)
+    p.add(long)
+    plan = p.plan()
+    assert [(lc.start, lc.end) for lc in plan.launches] == [(0, 99)]
+    assert plan.sampled == [busy, long] and plan.positions[1] == 99 and plan.rows == 2
+    run(p, plan)
+    assert long.kv_len == 100 and long.output_ids == [7]
+
+
+def test_on_an_idle_server_a_prompt_longer_than_a_step_is_launched():
+    p = planner(max_rows=16)
+    req = request(40)
+    p.add(req)
+    plan = p.plan()
+    assert [(lc.start, lc.end) for lc in plan.launches] == [(0, 39)] and plan.rows == 1
+
+
+def test_a_request_that_needs_its_token_on_the_host_sits_out_the_step_after_its_own():
+    p = planner()
+    host, dev = request(3, choice=Choice.HOST, first=1), request(3, first=50)
+    p.add(host)
+    p.add(dev)
+    first = p.plan()
+    second = p.plan(inflight=first)  # planned before `first` is read
+    assert second.sampled == [dev] and second.feed == {0: 1}  # fed the token `first` chose for it, on the device
+    run(p, first)
+    third = p.plan(inflight=second)
+    assert third.sampled == [host, dev] and third.feed == {1: 0} and third.tokens[0] == 7
+
+
+def test_no_row_is_planned_past_max_tokens_or_the_context():
+    p = planner()
+    req = request(3, max_tokens=2)
+    p.add(req)
+    first = p.plan()
+    second = p.plan(inflight=first)
+    assert second.sampled == [req]
+    run(p, first)
+    assert not p.plan(inflight=second)  # its second (last) token is in flight: nothing more to plan
+    near_end = Planner(KVSlots(2), 2, 16, max_context=5)
+    req = request(3, max_tokens=10)
+    near_end.add(req)
+    run(near_end, near_end.plan())
+    assert near_end.plan().positions == [3]
+    run(near_end, near_end.plan())  # token 2: the context (5) keeps no position for the row that would feed it
+    assert req.state is State.FINISHED and not near_end.plan()
+
+
+def test_commit_applies_tokens_and_the_stop_rule():
+    p = planner()
+    req = request(3, max_tokens=3)
+    p.add(req)
+    events = run(p, p.plan())
+    assert [type(e) for e in events] == [StepDone, Started, Token]
+    assert events[2].n == 1 and req.kv_len == 3
+    run(p, p.plan())
+    events = run(p, p.plan())
+    assert isinstance(events[-1], Finished) and events[-1].reason == "length" and events[-1].n == 3
+    assert req.state is State.FINISHED and req.slot is None
+    assert req.output_ids == [7, 7, 7] and req.kv_len == 5
+
+
+def test_an_eos_token_ends_the_request_and_a_finished_requests_row_is_dropped():
+    p = planner()
+    req = request(3, max_tokens=10)
+    req.params = SamplingParams(max_tokens=10)  # honours EOS
+    p.add(req)
+    first = p.plan()
+    second = p.plan(inflight=first)
+    events = commit(first, lambda row: 99, frozenset({99}), 4096, now=1.0)
+    assert events[-1] == Finished(req, "stop", 1.0, "", 99, 1, None)
+    p.finish(req)
+    assert [type(e) for e in commit(second, lambda row: 5, frozenset(), 4096, 2.0)] == [StepDone]
+
+
+def test_forecast_a_riding_prompt_delays_nobody_a_launched_one_does():
+    p = planner(max_rows=64, launch_min=256)
+    running = request(8)
+    p.add(running)
+    run(p, p.plan())
+
+    def step_s(rows, kv):
+        return 0.001
+
+    def prefill_s(tokens, cached):
+        return 0.020
+
+    alone = p.forecast([running], step_s, prefill_s, now=0.0, horizon_s=1.0)
+    riding = request(50, first=300)
+    launched = request(400, first=300)
+    with_riding = p.forecast([running, riding], step_s, prefill_s, now=0.0, horizon_s=1.0)
+    with_launch = p.forecast([running, launched], step_s, prefill_s, now=0.0, horizon_s=1.0)
+    assert alone[id(running)] == pytest.approx(0.063)  # 63 more tokens, one a step
+    assert with_riding[id(running)] == pytest.approx(alone[id(running)])
+    assert with_riding[id(riding)] == pytest.approx(0.064)  # its prompt in one step, then 63 tokens
+    assert with_launch[id(running)] == pytest.approx(0.083)  # stalled by the 20 ms launch
+    assert with_launch[id(launched)] == pytest.approx(0.084)
+    far = request(8, first=600)
+    assert p.forecast([far], step_s, prefill_s, now=0.0, horizon_s=0.01)[id(far)] == math.inf  # past the horizon
