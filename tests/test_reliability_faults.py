@@ -128,11 +128,15 @@ class NaNLogitsDecoder:
         (self.poisoned.add if token_ids[0] == POISON else self.poisoned.discard)(slot)
         return self.inner.prefill(slot, token_ids, start_pos)
 
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeOutput:
-        out = self.inner.decode(slots, token_ids, positions)
+    def decode(self, slots: list[int], token_ids: list[int], positions: list[int], draws: object = None,
+               sampled_rows: int | None = None) -> DecodeOutput:
+        for s, t, p in zip(slots, token_ids, positions):  # a prompt's first token rides in a step
+            if p == 0:
+                (self.poisoned.add if t == POISON else self.poisoned.discard)(s)
+        out = self.inner.decode(slots, token_ids, positions, sampled_rows=sampled_rows)
         logits = out.logits.clone()
-        for i, s in enumerate(slots):
-            if s in self.poisoned:
+        for i in range(len(logits)):
+            if slots[i] in self.poisoned:
                 logits[i] = float("nan")
         return DecodeOutput(logits, out.argmax)
 
