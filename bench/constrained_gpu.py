@@ -2,37 +2,33 @@
 without and then with one constrained request (response_format json_schema, masked by its grammar on every token)
 in the same batch, and of the constrained request itself, as clients see them (parley-loadtest's HTTP client).
 
-    python bench/constrained_gpu.py                       # the GPU: synthetic Llama-3.2-1B shapes, the megakernel
-    python bench/constrained_gpu.py --model synthetic:tiny --backend reference --device cpu --neighbours 2 \\
+    python -m bench constrained                        # the GPU: synthetic Llama-3.2-1B shapes, the megakernel
+    python -m bench constrained --model synthetic:tiny --backend reference --device cpu --neighbours 2 \\
         --tokens 24 --repeats 1 --serve-args "--sla-ms 60000" --out /tmp/constrained   # a quick check on a CPU
 
-It starts `parley serve` (or measures --url), runs the two scenarios in turn `--repeats` times, and writes
-<out>/constrained-<device>.json and .md: the device, the versions, and ITL p50/p99 of the neighbours without a
-constrained request (the baseline), of the neighbours beside one, and of the constrained request. The synthetic
-models tokenize as SmolLM2 does, so the grammar works over a real 49k vocabulary; their random weights never stop on
-their own, and the schema (an array of at least --tokens items) keeps the grammar at work for every token.
+It starts `parley serve` (its log in bench/results/raw/; or measures --url), runs the two scenarios in turn
+`--repeats` times, and writes <out>/constrained-<device>.json and .md: the device, the versions, and ITL p50/p99 of
+the neighbours without a constrained request (the baseline), of the neighbours beside one, and of the constrained
+request. The synthetic models tokenize as SmolLM2 does, so the grammar works over a real 49k vocabulary; their
+random weights never stop on their own, and the schema (an array of at least --tokens items) keeps the grammar at
+work for every token.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # loadtest and bench, run as a script from anywhere
+from bench.device import describe, file_stem
+from bench.publish import RAW, RESULTS, publish
+from bench.server import serving
+from loadtest.clients import ClientPool, Target, http_turn
+from loadtest.record import RequestRecord, finish
+from loadtest.stats import describe as spread
 
-from bench.soak import spawn  # noqa: E402
-from loadtest.clients import ClientPool, Target, http_turn  # noqa: E402
-from loadtest.record import RequestRecord, finish  # noqa: E402
-from loadtest.stats import describe  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [{"role": "user", "content": "List words with a number for each, as JSON."}]
 
 
@@ -64,8 +60,9 @@ async def scenario(url: str, neighbours: int, tokens: int, constrained: bool,
 
 
 def figures(itl_ms: list[float]) -> dict[str, Any]:
-    d = describe(itl_ms)
-    return {"n": d["n"], **{k: None if d[k] is None else round(d[k], 3) for k in ("p50", "p99", "mean")}}
+    d = spread(itl_ms)
+    rounded = {k: round(v, 3) if (v := d[k]) is not None else None for k in ("p50", "p99", "mean")}
+    return {"n": d["n"], **rounded}
 
 
 async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -87,27 +84,6 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "neighbour_p50_slowdown": slowdown, "refused": refused}
 
 
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "llguidance"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    try:
-        out["parley"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return out
-
-
-def device_name(args: argparse.Namespace) -> str:
-    import torch
-
-    return "cpu" if args.device == "cpu" or not torch.cuda.is_available() else torch.cuda.get_device_name()
-
-
 def markdown(result: dict[str, Any]) -> str:
     names = {"baseline_neighbours": "neighbours, no constrained request (the baseline)",
              "neighbours_beside_constrained": "neighbours beside one constrained request",
@@ -117,7 +93,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"`{cfg['model']}`, backend `{cfg['backend']}`, {cfg['neighbours']} unconstrained streams of "
              f"{cfg['tokens']} tokens (+ one json_schema stream, the first), "
              f"started {cfg.get('stagger_ms', 0):g} ms apart, {cfg['repeats']} repeats; "
-             + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
+             + ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v), "",
              "| streams | ITL p50 (ms) | ITL p99 (ms) | mean (ms) | gaps |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {names[k]} | {s['p50']} | {s['p99']} | {s['mean']} | {s['n']} |" for k, s in result["itl_ms"].items()]
     if result["neighbour_p50_slowdown"] is not None:
@@ -129,8 +105,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench constrained", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="synthetic:llama-3.2-1b")
     p.add_argument("--backend", default="megakernel")
     p.add_argument("--device", default=None, help="cuda or cpu (default: the server's choice)")
@@ -141,29 +118,24 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--serve-args", default="", help="more `parley serve` flags")
     p.add_argument("--url", default=None, help="measure a running server instead of starting one")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = device_name(args)
-    stem = out / f"constrained-{device.replace(' ', '-')}"
-    proc, url = None, args.url
-    if url is None:
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    info = describe(args.device)
+    device = str(info["device"])
+    stem = file_stem("constrained", device)
+    if args.url is None:
         flags = ["--model", args.model, "--backend", args.backend, "--max-batch", str(args.neighbours + 1),
-                 "--max-context", str(args.max_context), *(["--device", args.device] if args.device else [])]
-        proc, url = spawn(f"{shlex.join(flags)} {args.serve_args}", stem.with_suffix(".log"), timeout_s=900)
-    try:
-        measured = asyncio.run(measure(args, url))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=120)
-    result = {"device": device, "versions": versions(),
+                 "--max-context", str(args.max_context), *(["--device", args.device] if args.device else []),
+                 *shlex.split(args.serve_args)]
+        with serving(flags, RAW / f"{stem}.log", timeout_s=900) as url:  # logs are no result
+            measured = asyncio.run(measure(args, url))
+    else:
+        measured = asyncio.run(measure(args, args.url))
+    result = {"device": device, "versions": {k: v for k, v in info.items() if k != "device"},
               "config": {k: getattr(args, k) for k in ("model", "backend", "neighbours", "tokens", "repeats",
                                                                   "stagger_ms")},
               **measured}
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
+    publish(Path(args.out), stem, result, markdown(result))
     print(markdown(result))
 
 

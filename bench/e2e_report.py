@@ -1,32 +1,30 @@
-"""Fold the runs of bench/e2e_gpu.sh into bench/results/e2e-<device>.{json,md,png}.
+"""The end-to-end report: fold a raw folder of `python -m bench e2e` into <out>/<name>-<device>.{json,md,png}.
 
-    python bench/e2e_report.py RAW_DIR
+    python -m bench e2e --report-only [--raw bench/results/raw/e2e] [--out bench/results]
+
+The raw folder holds one parley-loadtest JSON per (server, loadtest), named <label>-<kind>.json (`kind` is
+single-32, single-1000 or sweep-32), device.json, and plan.json (the servers' flags and the issue's targets).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+from bench.device import describe, file_stem
+from bench.publish import publish, pyplot
+
+# A target's figure: the loadtest it is read from, and which way it must hold.
+TARGETS = {"goodput_rps": ("sweep-32", ">="), "ttft_ms_p50": ("single-32", "<=")}
 
 
-def device_info() -> dict[str, str]:
-    import torch
-    import triton
-
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": name, "torch": torch.__version__, "triton": triton.__version__}
-
-
-def record(backend: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str, Any]:
+def record(label: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str, Any]:
     runs = doc["runs"]
     best = doc["sweep"]["best"] if doc.get("sweep") else runs[0]["summary"]
     s = best or runs[-1]["summary"]
     rec = {
-        "backend": backend, "model": model, "kind": kind,
+        "backend": label, "model": model, "kind": kind,
         "prompt_tokens": round(s["mean_prompt_tokens"] or 0),
         "requests": s["requests"],
         "ttf64_ms_p50": s["ttfn_ms"]["p50"], "ttf64_ms_p99": s["ttfn_ms"]["p99"],
@@ -35,17 +33,35 @@ def record(backend: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str
         "sla_attainment": s["sla_attainment"], "rejection_rate": s["rejection_rate"],
         "output_tokens_per_s": s["output_throughput"], "usd_per_1m_tokens": s["usd_per_1m_output_tokens"],
         "reject_ms_p99": s["reject_ms"]["p99"],
+        "client_lag_ms_p99": s.get("client_loop_lag_ms", {}).get("p99"),
     }
     if doc.get("sweep"):
         rec["goodput_rps"] = doc["sweep"]["best_rate"]
-        rec["sweep"] = [{"rate": r["rate"], "sla_attainment": r["summary"]["sla_attainment"],
+        rec["sweep"] = [{"rate": r["rate"], "requests": r["summary"]["requests"],
+                         "sla_attainment": r["summary"]["sla_attainment"],
                          "sla_attainment_all": r["summary"]["sla_attainment_all"],
                          "rejection_rate": r["summary"]["rejection_rate"],
-                         "ttf64_ms_p50": r["summary"]["ttfn_ms"]["p50"], "ttf64_ms_p99": r["summary"]["ttfn_ms"]["p99"]}
+                         "ttf64_ms_p50": r["summary"]["ttfn_ms"]["p50"], "ttf64_ms_p99": r["summary"]["ttfn_ms"]["p99"],
+                         "usd_per_1m_tokens": r["summary"]["usd_per_1m_output_tokens"],
+                         "client_lag_ms_p99": r["summary"].get("client_loop_lag_ms", {}).get("p99")}
                         for r in sorted(runs, key=lambda r: r["rate"] or 0)]
         admitted = [p["sla_attainment"] for p in rec["sweep"] if p["sla_attainment"] is not None]
         rec["min_sla_attainment_over_sweep"] = min(admitted) if admitted else None
     return rec
+
+
+def targets(servers: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each server's targets (plan.json) with what was measured and whether it holds (None: nothing measured)."""
+    out = []
+    for server in servers:
+        for figure, goal in server.get("targets", {}).items():
+            kind, way = TARGETS[figure]
+            rec = next((r for r in records if r["backend"] == server["label"] and r["kind"] == kind), None)
+            measured = None if rec is None else rec.get(figure)
+            met = None if measured is None else measured >= goal if way == ">=" else measured <= goal
+            out.append({"backend": server["label"], "figure": figure, "target": f"{way} {goal:g}",
+                        "measured": measured, "met": met})
+    return out
 
 
 def fmt(x: Any, digits: int = 1) -> str:
@@ -54,73 +70,91 @@ def fmt(x: Any, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def main(raw: str) -> None:
-    raw_dir = Path(raw)
-    info_file = raw_dir / "device.json"  # written on the GPU host; the report may be made elsewhere
-    info = json.loads(info_file.read_text()) if info_file.exists() else device_info()
+def build(raw: Path) -> dict[str, Any]:
+    info_file = raw / "device.json"  # written on the GPU host; the report may be made elsewhere
+    info = json.loads(info_file.read_text()) if info_file.exists() else describe()
+    plan_file = raw / "plan.json"
+    plan = json.loads(plan_file.read_text()) if plan_file.exists() else {"servers": []}
+    servers = plan["servers"]
+    if servers:  # the plan's loadtests, in its order (not what an earlier run left in the folder)
+        paths = [p for p in (raw / f"{t['name']}.json" for s in servers for t in s["loadtests"]) if p.exists()]
+    else:
+        paths = [p for p in sorted(raw.glob("*-*.json")) if not p.stem.endswith("-latency-model")]
     records = []
-    for path in sorted(raw_dir.glob("*-*.json")):
-        if "latency-model" in path.name or "pyspy" in path.name:
-            continue
-        backend, kind = path.stem.split("-", 1)
+    for path in paths:
+        label, kind = path.stem.split("-", 1)
         doc = json.loads(path.read_text())
-        records.append(record(backend, doc["config"]["model"], kind, doc))
-    out = {**info, "records": records}
-    stem = f"e2e-{info['device'].replace(' ', '-')}"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1))
+        records.append(record(label, doc["config"]["model"], kind, doc))
+    serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
+    startup = raw / "startup.json"
+    return {**info, "servers": serve, "startup_s": json.loads(startup.read_text()) if startup.exists() else {},
+            "records": records, "targets": targets(servers, records)}
+
+
+def markdown(doc: dict[str, Any]) -> str:
     lines = [
-        f"# End to end: client-measured latency of `parley serve` on {info['device']}",
+        f"# End to end: client-measured latency of `parley serve` on {doc['device']}",
         "",
-        f"torch {info['torch']}, Triton {info['triton']}. Model: synthetic weights with the real shapes "
-        "(decode cost does not depend on weight values). SLA: 64 tokens within 100 ms. Measured by parley-loadtest "
-        "on the same host over loopback; `single` = one stream at a time, `sweep` = Poisson arrivals at the highest "
-        "rate where ≥ 99% of all requests met the SLA (goodput).",
+        f"torch {doc.get('torch')}, Triton {doc.get('triton')}, Parley {doc.get('parley') or '?'}. Model: synthetic "
+        "weights with the real shapes (decode cost does not depend on weight values). SLA: 64 tokens within 100 ms. "
+        "Measured by parley-loadtest on the same host over loopback; `single` = one stream at a time, `sweep` = "
+        "Poisson arrivals at the highest rate where ≥ 99% of all requests met the SLA (goodput).",
         "",
         "| backend | run | prompt tok | TTF64 p50 ms | TTF64 p99 ms | TTFT p50 ms | ITL p50 ms | SLA att. (admitted) "
         "| rejected | goodput req/s | out tok/s | USD / 1M tok |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
+    for r in doc["records"]:
         lines.append(
             f"| {r['backend']} | {r['kind']} | {r['prompt_tokens']} | {fmt(r['ttf64_ms_p50'])} | "
             f"{fmt(r['ttf64_ms_p99'])} | {fmt(r['ttft_ms_p50'])} | {fmt(r['itl_ms_p50'], 2)} | "
             f"{fmt(r['sla_attainment'], 3)} | {fmt(r['rejection_rate'], 3)} | {fmt(r.get('goodput_rps'))} | "
             f"{fmt(r['output_tokens_per_s'], 0)} | {fmt(r['usd_per_1m_tokens'], 3)} |")
-    sweeps = [r for r in records if r.get("sweep")]
-    for r in sweeps:
+    for r in (r for r in doc["records"] if r.get("sweep")):
         lines += ["", f"Sweep, {r['backend']} {r['kind']}: rate → SLA attainment of admitted (of all), rejection "
-                      "rate, TTF64 p99",
-                  "", "| rate /s | attainment admitted | attainment all | rejected | TTF64 p99 ms |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {fmt(p['rate'])} | {fmt(p['sla_attainment'], 3)} | {fmt(p['sla_attainment_all'], 3)} | "
-                  f"{fmt(p['rejection_rate'], 3)} | {fmt(p['ttf64_ms_p99'])} |" for p in r["sweep"]]
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    plot(sweeps, RESULTS / f"{stem}.png")
-    print("\n".join(lines))
+                      "rate, TTF64 p99, cost, the client's event-loop lag p99",
+                  "", "| rate /s | requests | attainment admitted | attainment all | rejected | TTF64 p99 ms | "
+                      "USD / 1M tok | client lag p99 ms |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {fmt(p['rate'])} | {p.get('requests', '–')} | {fmt(p['sla_attainment'], 3)} | "
+                  f"{fmt(p['sla_attainment_all'], 3)} | {fmt(p['rejection_rate'], 3)} | {fmt(p['ttf64_ms_p99'])} | "
+                  f"{fmt(p.get('usd_per_1m_tokens'), 3)} | {fmt(p.get('client_lag_ms_p99'))} |" for p in r["sweep"]]
+    if doc["servers"]:
+        startup = doc.get("startup_s", {})
+        lines += ["", "Servers (seconds from start to /health 200): " + "; ".join(
+            f"{label}: `parley serve {' '.join(flags)}` ({fmt(startup.get(label))} s)"
+            for label, flags in doc["servers"].items())]
+    if doc["targets"]:
+        lines += ["", "Targets:", "", "| target | backend | measured | met |", "|---|---|---|---|"]
+        lines += [f"| {t['figure']} {t['target']} | {t['backend']} | {fmt(t['measured'])} | "
+                  f"{'–' if t['met'] is None else 'yes' if t['met'] else 'no'} |" for t in doc["targets"]]
+    return "\n".join(lines) + "\n"
 
 
-def plot(sweeps: list[dict[str, Any]], path: Path) -> None:
-    if not sweeps:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """TTF64 p99 and p50 against the arrival rate, one line per swept server."""
+    sweeps = [r for r in doc["records"] if r.get("sweep")]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
     for r in sweeps:
-        rates = [p["rate"] for p in r["sweep"]]
-        ax.plot(rates, [p["ttf64_ms_p99"] for p in r["sweep"]], marker="o", label=f"{r['backend']} TTF64 p99")
-        ax.plot(rates, [p["ttf64_ms_p50"] for p in r["sweep"]], marker=".", linestyle=":",
+        points = [p for p in r["sweep"] if p["ttf64_ms_p99"] is not None]  # a rate where nothing was served: none
+        rates = [p["rate"] for p in points]
+        ax.plot(rates, [p["ttf64_ms_p99"] for p in points], marker="o", label=f"{r['backend']} TTF64 p99")
+        ax.plot(rates, [p["ttf64_ms_p50"] for p in points], marker=".", linestyle=":",
                 label=f"{r['backend']} TTF64 p50")
+        plotted = plotted or bool(points)
     ax.axhline(100, color="red", linestyle="--", label="SLA 100 ms")
-    ax.set(xscale="log", xlabel="arrival rate (requests/s)", ylabel="ms (admitted requests)",
-           title="Time to the 64th token against load")
+    ax.set(xscale="log" if plotted else "linear", xlabel="arrival rate (requests/s)",
+           ylabel="ms (admitted requests)", title="Time to the 64th token against load")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/e2e-raw")
+def write(raw: Path, out: Path, name: str = "e2e") -> list[Path]:
+    """<out>/<name>-<device>.{json,md} and, where a sweep ran, .png; the paths."""
+    doc = build(raw)
+    draw = (lambda path: plot(doc, path)) if any(r.get("sweep") for r in doc["records"]) else None
+    return publish(out, file_stem(name, doc["device"]), doc, markdown(doc), draw)

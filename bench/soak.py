@@ -1,8 +1,8 @@
 """Soak: hours of mixed, misbehaving traffic against one Parley server, then a verdict.
 
-    python bench/soak.py --spawn "--model synthetic:tiny --max-batch 8"     # starts its own server (30 min)
-    python bench/soak.py --url http://127.0.0.1:8000 --pid 12345 --minutes 60
-    python bench/soak.py --spawn "--model synthetic:tiny" --minutes 0.6     # the CI variant (tests/)
+    python -m bench soak --spawn "--model synthetic:tiny --max-batch 8"     # starts its own server (30 min)
+    python -m bench soak --url http://127.0.0.1:8000 --pid 12345 --minutes 60
+    python -m bench soak --spawn "--model synthetic:tiny" --minutes 0.6     # the CI variant (tests/)
 
 Workers loop until the time is up, each request drawn at random: /v1/completions or /v1/chat/completions (JSON or
 SSE) or a realtime WebSocket session of one to three turns; most run to the end, some hang up early (after k SSE
@@ -18,7 +18,8 @@ At the end, every one of these must hold, or the exit status is 1:
   the end of the warm-up (the first --warmup-s seconds) to the end;
 - a spawned server exits 0 on SIGTERM, with no traceback in its log.
 
-It uses httpx, websockets and prometheus_client only (no torch, no Parley imports), so it runs from any client box.
+It uses httpx, websockets and prometheus_client only (no torch, no imports of service/), so it runs from any client
+box.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ import json
 import os
 import random
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,9 @@ from prometheus_client.samples import Sample
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.server import ServerFailed
+from bench.server import start as start_server
+from bench.server import stop as stop_server
 
 BAD_BODIES = [  # (path, body, the status it must get)
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
@@ -349,35 +350,9 @@ async def soak(base: str, pid: int | None, args: argparse.Namespace) -> tuple[Ta
     return t, problems
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(serve_args: str, log: Path, timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *shlex.split(serve_args)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"soak: the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"soak: the server was not healthy after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--spawn", metavar="ARGS", help='start `parley serve ARGS` on a free port, e.g. '
@@ -397,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     log: Path | None = None
     if args.spawn is not None:
         log = Path(tempfile.mkdtemp(prefix="parley-soak-")) / "server.log"
-        proc, base = spawn(args.spawn, log, args.start_timeout_s)
+        try:
+            started = start_server(shlex.split(args.spawn), log, args.start_timeout_s)
+        except ServerFailed as e:
+            raise SystemExit(f"soak: {e}") from None
+        proc, base = started.proc, started.base
         pid: int | None = proc.pid
         print(f"soak: spawned parley serve {args.spawn} at {base} (pid {pid}, log {log})")
     else:
@@ -405,13 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, problems = asyncio.run(soak(base, pid, args))
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        if proc is not None:
+            stop_server(proc)
     if proc is not None and log is not None:
         if proc.returncode != 0:
             problems.append(f"the server exited {proc.returncode} on SIGTERM")

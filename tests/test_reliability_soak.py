@@ -1,4 +1,4 @@
-"""The soak script's short variant: bench/soak.py spawns its own server on the tiny synthetic model and runs mixed,
+"""The soak's short variant: `python -m bench soak` spawns its own server on the tiny synthetic model and runs mixed,
 misbehaving traffic (completions, chat, realtime; hang-ups, cancels, bad input) for ~36 s, then checks that every
 request was answered without a 5xx, nothing is left running, every KV slot is free and the RSS stayed bounded.
 Users run the same script for 30 minutes (its default) or more against any server (--url)."""
@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_soak_short_variant() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--spawn",
+    cmd = [sys.executable, "-m", "bench", "soak", "--spawn",
            "--model synthetic:tiny --max-batch 4 --max-context 512", "--minutes", "0.6", "--concurrency", "12",
            "--warmup-s", "12", "--max-rss-growth-mb", "30", "--start-timeout-s", "120"]
     try:
         run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"bench/soak.py did not finish in 240 s:\n{e.stdout!r}")
+        pytest.fail(f"python -m bench soak did not finish in 240 s:\n{e.stdout!r}")
     print(run.stdout[-4000:])
     assert run.returncode == 0, f"{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
     assert "OK: every request answered" in run.stdout

@@ -1,0 +1,128 @@
+"""The benchmarks' entry point (`python -m bench`): its list, the plans declared in bench/runs.py (what the GPU runs
+of issue 21 start and measure, and that each fits one 10-minute GPU call), `--set`, a whole e2e run against the
+scripted server (report, targets, archive) and, slow, against a real `parley serve` on the tiny synthetic model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import main
+from bench.runs import e2e, voice, with_flags
+from tests.server_support import ROOT
+from tests.test_loadtest_scripted import scripted_server, url  # noqa: F401  (fixtures)
+
+GPU_CALL_S = 600
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_list_names_every_benchmark(capsys) -> None:
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("e2e", "voice", "voice-fp8", "decode", "sm90-compile", "fp8-quality", "constrained", "soak"):
+        assert f"  {name} " in listed
+    assert main(["no-such-bench"]) == 2
+
+
+def test_e2e_plan_is_issue_21s() -> None:
+    plan = e2e()
+    servers = {s.label: s for s in plan.servers}
+    assert list(servers) == ["megakernel.bf16", "megakernel.fp8", "reference.bf16", "qwen.megakernel.bf16"]
+    for label, s in servers.items():
+        flags = " ".join(s.serve)
+        assert ("--max-batch 16 --max-rows 64" in flags) == ("megakernel" in label)
+        swept = [t for t in s.loadtests if "--sweep" in t.args]
+        assert bool(swept) == (label in ("megakernel.bf16", "megakernel.fp8"))
+        for t in swept:  # the sweep searches upward without a cap: doubling from 10/s, then bisecting
+            assert "--sweep-rates" not in t.args and t.args[t.args.index("--sweep-start") + 1] == "10"
+    assert servers["megakernel.bf16"].targets["goodput_rps"] == 40
+    assert servers["megakernel.fp8"].targets["goodput_rps"] == 50
+    assert "--weights fp8" in " ".join(servers["megakernel.fp8"].serve)
+    assert "synthetic:qwen2.5-1.5b" in servers["qwen.megakernel.bf16"].serve
+    assert plan.estimate_s() < GPU_CALL_S - 60
+
+
+def test_voice_plan_fits_one_call() -> None:
+    plan = voice()
+    [server] = plan.servers
+    assert "--max-rows" in server.serve and "--max-context" in server.serve
+    names = [t.name for t in server.loadtests]
+    assert names == ["session-chat", "session-realtime", "fresh-32", "fresh-1000", "fresh-2000", "fresh-4000",
+                     "sweep-chat", "sweep-realtime"]
+    sweep = server.loadtests[-1].args
+    assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8"
+    assert plan.estimate_s() < GPU_CALL_S - 60
+    assert "fp8" in " ".join(voice(weights="fp8").servers[0].serve)
+
+
+def test_with_flags_replaces_and_adds() -> None:
+    flags = ("--model", "synthetic:llama-3.2-1b", "--batch-invariant", "--max-batch", "16")
+    assert with_flags(flags, "--model synthetic:tiny --device cpu --batch-invariant") == (
+        "--model", "synthetic:tiny", "--batch-invariant", "--max-batch", "16", "--device", "cpu")
+
+
+def test_dry_run_prints_the_commands_and_set_changes_them() -> None:
+    out = bench("e2e", "--dry-run", "--set", "only=megakernel.fp8", "--set", "sweep_s=3")
+    assert out.returncode == 0, out.stderr
+    assert "megakernel.fp8: parley serve --model synthetic:llama-3.2-1b --backend megakernel" in out.stdout
+    assert "megakernel.bf16" not in out.stdout and "--duration 3 " in out.stdout
+    bad = bench("e2e", "--dry-run", "--set", "sweep_s=fast")
+    assert bad.returncode == 2 and "sweep_s is a float" in bad.stderr
+    unknown = bench("voice", "--dry-run", "--set", "rates=1")
+    assert unknown.returncode == 2 and "sweep_rates" in unknown.stderr
+
+
+def test_e2e_against_the_scripted_server(tmp_path: Path, url: str) -> None:  # noqa: F811
+    raw, results, archive = tmp_path / "raw", tmp_path / "results", tmp_path / "e2e-raw.tgz"
+    out = bench("e2e", "--url", url, "--raw", str(raw), "--out", str(results), "--archive", str(archive),
+                "--set", "only=megakernel.bf16", "--set", "single_requests=4", "--set", "sweep_s=2",
+                "--set", "sweep_start=4", "--set", "sweep_max_rate=8", "--set", "sweep_workers=1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [report] = results.glob("e2e-*.json")
+    assert {p.suffix for p in results.iterdir()} == {".json", ".md", ".png"}  # results only; raw data elsewhere
+    doc = json.loads(report.read_text())
+    assert [(r["backend"], r["kind"]) for r in doc["records"]] == [
+        ("megakernel.bf16", k) for k in ("single-32", "single-1000", "sweep-32")]
+    single, _, sweep = doc["records"]
+    assert single["requests"] == 4 and single["prompt_tokens"] == 32 and single["sla_attainment"] == 1.0
+    # the scripted server keeps the SLA at every rate: the sweep doubles 4 -> 8 and stops at its cap
+    assert [p["rate"] for p in sweep["sweep"]] == [4, 8] and sweep["goodput_rps"] == 8
+    goodput = next(t for t in doc["targets"] if t["figure"] == "goodput_rps")
+    assert goodput["measured"] == 8 and goodput["met"] is False  # 8 < 40
+    assert doc["servers"] == {}  # at --url the flags were the server's own, not the plan's
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"raw/plan.json", "raw/device.json", "raw/megakernel.bf16-sweep-32.json"} <= names
+    # the raw folder folds again into the same report
+    again = bench("e2e", "--report-only", "--raw", str(raw), "--out", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "again" / report.name).read_text())["records"] == doc["records"]
+
+
+@pytest.mark.slow
+def test_e2e_starts_parley(tmp_path: Path) -> None:
+    """One run of the table on a real server: the runner starts `parley serve` with the run's flags (the tiny model
+    on the CPU instead of Llama), measures it, keeps its log, latency model and metrics, and stops it."""
+    raw, results = tmp_path / "raw", tmp_path / "results"
+    out = bench("e2e", "--raw", str(raw), "--out", str(results), "--set", "only=reference.bf16",
+                "--set", "serve_args=--model synthetic:tiny --device cpu", "--set", "single_requests=3")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    log = (raw / "server-reference.bf16.log").read_text()
+    assert "model synthetic:tiny, backend reference, device cpu, 16 slots" in log
+    assert json.loads((raw / "reference.bf16-latency-model.json").read_text())
+    assert "parley_requests_total" in (raw / "reference.bf16-metrics.txt").read_text()
+    single = json.loads((raw / "reference.bf16-single-32.json").read_text())["runs"][0]["requests"]
+    assert len(single) == 3 and all(r["outcome"] == "ok" and r["output_tokens"] == 64 for r in single)
+    [report] = results.glob("e2e-*.json")
+    doc = json.loads(report.read_text())
+    assert "--model synthetic:tiny" in " ".join(doc["servers"]["reference.bf16"])
+    assert 0 < doc["startup_s"]["reference.bf16"] < 300  # the start-up, as issue 21 bounds it
