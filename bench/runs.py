@@ -16,7 +16,7 @@ LLAMA = ("--model", "synthetic:llama-3.2-1b")
 QWEN = ("--model", "synthetic:qwen2.5-1.5b")
 # Mixed steps (issue 21): up to 16 requests decode together and a step carries up to 64 rows, so a new prompt's
 # tokens ride in the decode step beside them.
-MEGAKERNEL = ("--backend", "megakernel", "--max-batch", "16", "--max-rows", "64")
+MEGAKERNEL = ("--backend", "megakernel", "--max-batch", "16", "--max-rows", "16")
 REFERENCE = ("--backend", "reference", "--max-batch", "16")
 PRICE = ("--gpu-hourly-usd", "2.5")  # the same price the load tester assumes: its cost figures and the server's agree
 SLA = ("--sla-tokens", "64", "--sla-ms", "100")

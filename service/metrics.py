@@ -84,6 +84,14 @@ class Metrics:
             "parley_kv_slots_cached", "KV-cache slots caching an idle conversation's K/V (a later request that "
             "extends it prefills only what follows)", registry=r)
         self.kv_slots_total = Gauge("parley_kv_slots_total", "KV-cache slots in all (--kv-slots)", registry=r)
+        # What a router or the Gateway API endpoint picker reads as KV-cache use (vLLM's kv_cache_usage_perc). KV
+        # memory is reserved a slot at a time (--max-context positions each), so the share of slots is the share of
+        # KV memory that running requests hold; slots caching an idle conversation count as free, as vLLM counts
+        # cached blocks no request holds. Derived from the slot gauges: whoever sets those keeps this right.
+        self.kv_cache_usage = Gauge(
+            "parley_kv_cache_usage_perc", "Share (0-1) of KV-cache slots held by running requests",
+            registry=r)
+        self.kv_cache_usage.set_function(self._kv_cache_usage)
         self.sla_headroom = Gauge(
             "parley_sla_headroom_seconds",
             "Smallest predicted slack to its deadline among running requests (the SLA itself when idle)",
@@ -103,7 +111,8 @@ class Metrics:
 
         if isinstance(event, StepDone):
             if event.seconds > 0:
-                self.decode_step.labels(batch_size=str(event.rows)).observe(event.seconds)
+                # by the requests it served a token (its rows, prompt tokens included, are in the latency model)
+                self.decode_step.labels(batch_size=str(event.sampled)).observe(event.seconds)
             return
         req = event.req
         if isinstance(event, Started):
@@ -136,5 +145,14 @@ class Metrics:
             if at > deadline:
                 self.sla_violations.inc()
 
+    def _kv_cache_usage(self) -> float:
+        total = _value(self.kv_slots_total)
+        return 0.0 if total <= 0 else min(1.0, max(0.0, 1.0 - _value(self.kv_slots_free) / total))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _value(gauge: Gauge) -> float:
+    """An unlabelled gauge's current value, through the public collect()."""
+    return gauge.collect()[0].samples[0].value

@@ -94,12 +94,16 @@ def test_a_long_prompt_is_launched_on_its_own_and_its_last_token_rides():
     assert long.kv_len == 100 and long.output_ids == [7]
 
 
-def test_on_an_idle_server_a_prompt_longer_than_a_step_is_launched():
+def test_on_an_idle_server_a_prompt_of_more_than_three_steps_is_launched_a_shorter_one_rides():
     p = planner(max_rows=16)
-    req = request(40)
-    p.add(req)
+    short, long = request(40), request(60, first=100)
+    p.add(short)
     plan = p.plan()
-    assert [(lc.start, lc.end) for lc in plan.launches] == [(0, 39)] and plan.rows == 1
+    assert not plan.launches and plan.rows == 16 and plan.chunks[0].end == 16
+    q = planner(max_rows=16)
+    q.add(long)
+    plan = q.plan()
+    assert [(lc.start, lc.end) for lc in plan.launches] == [(0, 59)] and plan.rows == 1
 
 
 def test_a_request_that_needs_its_token_on_the_host_sits_out_the_step_after_its_own():
@@ -158,6 +162,23 @@ def test_an_eos_token_ends_the_request_and_a_finished_requests_row_is_dropped():
     assert events[-1] == Finished(req, "stop", 1.0, "", 99, 1, None)
     p.finish(req)
     assert [type(e) for e in commit(second, lambda row: 5, frozenset(), 4096, 2.0)] == [StepDone]
+
+
+def test_a_prompt_sharing_a_prefix_being_written_waits_for_it_and_copies_it():
+    """Two callers with one system prompt at once: the second is seated once the first's prompt has been planned
+    (its slot then holds it), and copies it instead of prefilling it again."""
+    p = planner(max_rows=64)
+    system = list(range(1, 41))
+    first, second = request(0), request(0)
+    first.prompt_ids, second.prompt_ids = system + [100, 101], system + [200]
+    first.prompt_blocks, second.prompt_blocks = block_hashes(first.prompt_ids), block_hashes(second.prompt_ids)
+    p.add(first)
+    p.add(second)
+    plan = p.plan()
+    assert plan.started == [first] and list(p.waiting) == [second]
+    plan = p.plan(inflight=plan)
+    assert plan.started == [second] and second.cached_tokens == 40  # the whole system prompt, copied
+    assert [(c.src, c.dst, c.tokens) for c in plan.copies] == [(first.slot, second.slot, 40)]
 
 
 def test_forecast_a_riding_prompt_delays_nobody_a_launched_one_does():

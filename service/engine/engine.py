@@ -35,7 +35,7 @@ from service.model.tokenizer import Tokenizer
 
 log = logging.getLogger("parley.engine")
 
-DEFAULT_MAX_ROWS = 64  # rows a step carries (decode rows and prompt tokens): the token budget
+DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
 @dataclass

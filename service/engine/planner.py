@@ -23,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.engine.kv_slots import KVSlots, Session
+from service.engine.prefix_cache import BLOCK_TOKENS
 from service.engine.request import Choice, Request, State
 from service.engine.step_plan import Copy, Launch, PromptChunk, StepPlan
 
 LAUNCH_MIN_TOKENS = 256  # new prompt tokens from which a separate prefill launch beats riding in steps (README)
+IDLE_LAUNCH_STEPS = 3  # with nobody decoding, a prompt that would take more steps than this is launched (README)
 
 
 class Planner:
@@ -111,9 +113,16 @@ class Planner:
                 plan.sampled.append(req)
                 self.prefilling.remove(req)
                 self.running.append(req)
+                req.visible = end
                 self.slots.filled(slot, req.prompt_ids, req.prompt_blocks)
         for slot, pos, tok in prompt_rows:
             plan.add_row(slot, pos, tok)
+        # What the prompts planned so far will hold, for later plans to copy (a copy runs before its plan's rows, so
+        # not for this one); a finished prompt's slot holds it all (filled above).
+        for req in self.prefilling:
+            if req.slot is not None and req.visible < req.prefilled:
+                req.visible = req.prefilled
+                self.slots.filled(req.slot, req.prompt_ids[: req.prefilled], req.prompt_blocks)
         return plan
 
     def _decodes(self, req: Request, in_flight: bool) -> bool:
@@ -132,22 +141,36 @@ class Planner:
             if len(self.prefilling) + len(self.running) >= self.max_batch:
                 return
             session: Session | None = req.session  # type: ignore[assignment]
-            if session is not None and session.busy:
+            if session is not None and session.busy or self._shares_unwritten_prefix(req):
                 continue
             placement = self.slots.place(req.prompt_ids, req.prompt_blocks, session)
             if placement is None or placement.slot is None:
                 return
             self.waiting.remove(req)
             req.slot, req.state, req.cached_tokens = placement.slot, State.RUNNING, placement.cached
-            req.prefilled, req.prefill_start = placement.cached, now
+            req.prefilled = req.visible = placement.cached
+            req.prefill_start = now
             plan.started.append(req)
             if placement.source is not None:
                 plan.copies.append(Copy(placement.source, placement.slot, placement.cached))
             new = len(req.prompt_ids) - placement.cached
-            if new - 1 >= self.launch_min_tokens or (not plan.sampled and new > self.max_rows):
+            if new - 1 >= self.launch_min_tokens or (not plan.sampled and new > IDLE_LAUNCH_STEPS * self.max_rows):
                 plan.launches.append(Launch(req, placement.cached, len(req.prompt_ids) - 1))
                 req.prefilled = len(req.prompt_ids) - 1
             self.prefilling.append(req)
+
+    def _shares_unwritten_prefix(self, req: Request) -> bool:
+        """Whether a prompt being prefilled shares a longer prefix with `req` than its slot holds yet: `req` waits
+        until it is written and copies it (two callers with one system prompt prefill it once)."""
+        blocks = req.prompt_blocks
+        for other in self.prefilling:
+            if other.prompt_blocks[:1] != blocks[:1]:
+                continue
+            shared = next((i for i, (a, b) in enumerate(zip(blocks, other.prompt_blocks)) if a != b),
+                          min(len(blocks), len(other.prompt_blocks)))
+            if other.visible < min(shared * BLOCK_TOKENS, len(req.prompt_ids) - 1):
+                return True
+        return False
 
     # -- forecasting, for admission -------------------------------------------------------------------------
     def forecast(self, requests: list[Request], step_s: Callable[[int, int], float],
@@ -168,8 +191,9 @@ class Planner:
                 if not s.seated and not s.done and len(seated) < self.max_batch:
                     s.seated = True
                     seated.append(s)
-                    if s.prompt_left - 1 >= self.launch_min_tokens or (
-                            not any(o.prompt_left == 0 for o in seated) and s.prompt_left > self.max_rows):
+                    if s.prompt_left - 1 >= self.launch_min_tokens or (not any(o.prompt_left == 0 for o in seated)
+                                                                       and s.prompt_left > IDLE_LAUNCH_STEPS
+                                                                       * self.max_rows):
                         t += prefill_s(s.prompt_left - 1, s.cached)
                         s.cached += s.prompt_left - 1
                         s.prompt_left = 1

@@ -105,6 +105,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose K/V come from the prefix cache: expected at submit, exact once placed
     kv_len: int = 0  # positions of this request's slot holding valid K/V (committed: read back)
     prefilled: int = 0  # prompt positions planned into steps (or a launch) so far
+    visible: int = 0  # of those, the ones its slot says it holds, for later requests to copy
     cancelled: bool = False
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)

@@ -186,7 +186,7 @@ def _sample_on_device(logits: torch.Tensor, chosen: torch.Tensor, requests: list
         noise = torch.empty_like(logits, dtype=torch.float32).exponential_()
         sampled = ((logits.float() / temp).softmax(-1) / noise).argmax(-1)
         return torch.where(keep_rows, chosen, sampled)
-    top_k = column([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], torch.int64)
+    top_k = column([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests], torch.int64)
     top_p = column([r.params.top_p for r in requests], torch.float32)
     scores, order = torch.sort(logits.float() / temp, dim=-1, descending=True)
     rank = torch.arange(vocab, device=dev)[None, :]
