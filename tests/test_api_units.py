@@ -4,6 +4,10 @@ model."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
@@ -96,7 +100,7 @@ def test_realtime_settings_are_the_sampling_fields() -> None:
     assert settings.model_dump(include=SESSION_SETTINGS) == {
         "instructions": None, "max_tokens": None, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": [],
         "seed": None, "ignore_eos": False, "chunking": "none", "tools": None, "tool_choice": None,
-        "parallel_tool_calls": None}
+        "parallel_tool_calls": None, "response_format": None}
     settings = settings.updated(RealtimeSessionConfig(instructions="be brief", temperature=0.2, seed=7, stop="."))
     # null leaves what has no null of its own as it is, and clears what has one
     settings = settings.updated(RealtimeSessionConfig.model_validate({"temperature": None, "seed": None}))
@@ -154,3 +158,89 @@ def test_draining_answers_503(app_client) -> None:
     finally:
         st.draining = False
     assert client.get("/health").status_code == 200
+
+
+CTX, VOCAB = 256, 512  # app_client's model
+
+
+@pytest.mark.parametrize("body,code,param", [
+    ({"prompt": [1] * 250, "max_tokens": 7}, "context_length_exceeded", "max_tokens"),
+    ({"prompt": [1] * CTX}, "context_length_exceeded", "prompt"),
+    ({"prompt": []}, "empty_prompt", "prompt"),
+    ({"prompt": [1, VOCAB]}, "invalid_token_id", "prompt"),
+    ({"prompt": "hi", "max_tokens": 10**30}, "context_length_exceeded", "max_tokens"),
+], ids=["max_tokens past the context", "prompt fills the context", "empty", "id past the vocabulary", "10**30"])
+def test_a_prompt_the_engine_refuses_is_a_400_naming_the_field(app_client, body: dict, code: str, param: str
+                                                                ) -> None:
+    client, _ = app_client
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, param)
+
+
+def test_the_context_is_the_engines_up_to_its_last_token(app_client) -> None:
+    client, _ = app_client
+    r = client.post("/v1/completions", json={"prompt": [1] * 250, "max_tokens": 6, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == CTX
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * CTX}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def realtime_events(ws, until: str) -> list[dict]:
+    events = [ws.receive_json()]
+    while events[-1]["type"] not in (until, "error"):
+        events.append(ws.receive_json())
+    return events
+
+
+PERSON = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}}, "required": ["ok", "n"]}
+
+
+def test_a_realtime_turn_follows_response_format(app_client) -> None:
+    """The same turn as chat's: response_format on the session (or one response) makes the reply JSON valid for the
+    schema, whatever the (random) model would say, for a conversation and for a text prompt."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client, _ = app_client
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with client.websocket_connect("/v1/realtime") as ws:
+        assert ws.receive_json()["type"] == "session.created"
+        ws.send_json({"type": "session.update", "session": {"response_format": fmt, "max_tokens": 40}})
+        [updated] = realtime_events(ws, "session.updated")
+        assert updated["session"]["response_format"]["json_schema"]["schema"] == PERSON
+        for prompt in ([{"role": "user", "content": "hi"}], "Once upon a time"):
+            ws.send_json({"type": "response.create", "response": {"input": prompt}})
+            done = realtime_events(ws, "response.done")[-1]
+            assert done["type"] == "response.done", done
+            jsonschema.validate(json.loads(done["response"]["output_text"]), PERSON)
+        ws.send_json({"type": "response.create", "response": {"input": "hi", "response_format": None,
+                                                               "max_tokens": 3, "ignore_eos": True}})
+        done = realtime_events(ws, "response.done")[-1]
+        assert not done["response"]["output_text"].startswith('{"')  # a response's override: free text
+
+
+@pytest.mark.parametrize("event,param", [
+    ({"type": "session.update", "session": {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}},
+     "session.response_format.json_schema.schema"),
+    ({"type": "response.create", "response": {"input": "hi", "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "object", "properties": 5}}]}},
+     "response.tools.0.function.parameters"),
+    ({"type": "response.create", "response": {"input": [{"role": "user", "content": "hi"}],
+                                              "tool_choice": "required"}}, "response.tool_choice"),
+])
+def test_realtime_turns_are_checked_as_chat_requests_are(app_client, event: dict, param: str) -> None:
+    client, _ = app_client
+    with client.websocket_connect("/v1/realtime") as ws:
+        ws.receive_json()
+        ws.send_json(event)
+        e = ws.receive_json()
+        assert e["type"] == "error" and e["error"]["param"] == param, e
+        assert e["error"]["code"] == "invalid_value" and e["error"]["type"] == "invalid_request_error"
+
+
+def test_the_request_models_do_not_import_the_grammar_engine() -> None:
+    """protocol.py's validators check shapes; schemas are checked where a turn is built (turn.py)."""
+    code = "import sys, service.api.protocol, service.api.answers; print('llguidance' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

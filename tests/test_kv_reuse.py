@@ -98,8 +98,10 @@ def test_a_prompt_diverging_midway_reuses_the_shared_prefix_and_the_original_sta
 
 
 def test_eviction_under_slot_pressure_never_serves_another_conversations_kv(tiny) -> None:
-    """Six conversations over three slots, two turns each, interleaved: slots are evicted and reused all the time;
-    every reply is the cold one, and a turn finds cached exactly its own conversation or nothing."""
+    """Six conversations over three slots, two turns each: slots are evicted and reused all the time; every reply is
+    the cold one, and a turn finds cached exactly its own conversation or nothing. The second turns come newest
+    first: the three conversations used last are still cached (hits), each of those second turns evicts the least
+    recently used slot, and the three older conversations are gone (misses)."""
     eng = start_engine(tiny, slots=3)
     try:
         turns = {c: ids(20, 10 + c) for c in range(6)}
@@ -107,14 +109,14 @@ def test_eviction_under_slot_pressure_never_serves_another_conversations_kv(tiny
             reply, cached = ask(eng, prompt)
             assert cached == 0 and reply == cold(tiny, prompt)
             turns[c] = prompt + reply + ids(4, 20 + c)
-        hits = 0
-        for c, prompt in turns.items():
-            reply, cached = ask(eng, prompt)
+        found = {}
+        for c in reversed(turns):
+            prompt = turns[c]
+            reply, found[c] = ask(eng, prompt)
             assert reply == cold(tiny, prompt)
-            assert cached in (0, len(prompt) - 4 - 1), (c, cached)
-            hits += cached > 0
-        assert hits < len(turns)  # some were evicted...
-        assert eng.stats.cached_slots == 3  # ...and the slots stay full of conversations
+        own = {c: len(turns[c]) - 4 - 1 for c in turns}  # its first turn: every token fed (not the reply's last)
+        assert found == {c: own[c] if c >= 3 else 0 for c in turns}
+        assert eng.stats.cached_slots == 3  # the slots stay full of conversations
     finally:
         eng.stop()
 
@@ -211,16 +213,23 @@ def test_a_prompt_diverging_midway_is_prefilled_from_the_divergence(warm: Server
 @pytest.mark.slow
 def test_eviction_under_slot_pressure_over_http(warm: Server, cold_server: Server) -> None:
     """More conversations than KV slots: each second turn finds its own conversation cached or nothing, and answers
-    as a cold server does."""
+    as a cold server does. Newest first: the conversations used last are still cached (hits), the two used first
+    were evicted (misses). (A second turn here is the first prompt and new tokens, not the reply: its slot keeps
+    the reply's branch and the prefix is copied into the least recently used slot, evicting one more.)"""
     conversations = [ids(24, 50 + c) for c in range(SLOTS + 2)]
     for c, prompt in enumerate(conversations):
         text, usage = complete(warm, prompt)
         assert cached(usage) == 0
         conversations[c] = prompt + ids(6, 60 + c)  # the next turn, not the reply: its tokens are what the client has
-    for prompt in conversations:
+    found = {}
+    for c in reversed(range(len(conversations))):
+        prompt = conversations[c]
         text, usage = complete(warm, prompt)
-        assert cached(usage) in (0, len(prompt) - 6)
+        found[c] = cached(usage)
         assert text == complete(cold_server, prompt)[0]
+    assert set(found.values()) <= {0, 24}, found  # its own conversation, or nothing
+    last, first = len(conversations) - 1, 0
+    assert found[last] == found[last - 1] == 24 and found[first] == found[first + 1] == 0, found
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """Tool calls read out of replies as models of each family write them (tool_parsers.py), fed as a server streams them:
 one detokenized token at a time (SmolLM2's tokenizer), one character at a time, and whole. Text before a call is
-content; a call is its name, then arguments whose pieces join into the JSON the model wrote; what no parser
-recognises is content."""
+content; a call is its name, then arguments whose pieces join into the JSON the model wrote; what the parser does
+not recognise as a call is content to it. What is spoken (reply.py: chat content, realtime output_text) never holds
+tool-protocol markup: a call of an offered tool is a call, any other markup is withheld — Hermes's blocks, a bare
+Llama call under tool_choice "none", Llama's <|python_tag|> (which the detokenizer shows for that)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import json
 from collections.abc import Callable
 
 import pytest
+from tokenizers import AddedToken
 
+from service.api.reply import ReplyReader
 from service.api.tool_formats import HERMES, LLAMA3_JSON, CallFormat
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolCallParser, ToolEvent
-from service.model.synthetic import smollm2_tokenizer
+from service.model.synthetic import byte_tokenizer, smollm2_tokenizer
+from service.model.tokenizer import Tokenizer
 
 TOOLS = ("get_weather", "get_time", "transfer_call")
 
@@ -157,3 +162,76 @@ def test_text_is_unchanged_without_calls(by_token: Callable[[str], list[str]]) -
     reply = "  Hello!\n\nIt is 21 degrees, {sunny}.\n  "
     for fmt in (HERMES, LLAMA3_JSON):
         assert parse(fmt, by_token(reply))[0] == reply
+
+
+# -- what is spoken -------------------------------------------------------------------------------------------------
+def speak(fmt: CallFormat | None, tools: tuple[str, ...], deltas: list[str]) -> tuple[str, list[str]]:
+    """A reply through the reader a spoken turn uses: (what is spoken, the names of the calls). `fmt` None: the model
+    was told of no tools; `tools` (): tool_choice "none"."""
+    reader = ReplyReader(None if fmt is None else ToolCallParser(fmt, tools))
+    events = [e for d in deltas for e in reader.feed(d)] + reader.finish()
+    return "".join(e.text for e in events if isinstance(e, Content)), [c.name for c in reader.calls]
+
+
+NONE: tuple[str, ...] = ()
+SPOKEN = [
+    ("a tool's result echoed back (SmolLM2 after a round trip)", HERMES, TOOLS,
+     'It is 21 degrees.\n<tool_response>\n{"temperature_c": 21}\n</tool_response>\nAnything else?',
+     "It is 21 degrees.\nAnything else?", []),
+    ("a call of a function nobody offered", HERMES, TOOLS,
+     'One moment.\n<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>', "One moment.\n", []),
+    ("a marker with no JSON after it, to the end", HERMES, TOOLS, "Use the <tool_call> tag.", "Use the ", []),
+    ("a closing tag on its own", HERMES, TOOLS, "Done.</tool_call> Bye.", "Done. Bye.", []),
+    ("tool_choice none: a call is withheld", HERMES, NONE,
+     'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Sure.\n", []),
+    ("an offered call is a call", HERMES, TOOLS, 'Sure <tool_call>\n{"name": "get_time"}\n</tool_call>', "Sure",
+     ["get_time"]),
+    ("a call inside an echoed result is still a call", HERMES, TOOLS,
+     '<tool_response>ok</tool_response>\n<tool_call>\n{"name": "get_time"}\n</tool_call>', "", ["get_time"]),
+    ("an echoed result cut short (max_tokens)", HERMES, TOOLS, 'OK.\n<tool_response>\n{"temperature_c": 2',
+     "OK.\n", []),
+    ("no tools at all: markup is withheld all the same", None, NONE,
+     "Hello <tool_response>x</tool_response> there, <tools>[]</tools>friend.", "Hello there, friend.", []),
+    ("tool_choice none: a bare Llama call is withheld", LLAMA3_JSON, NONE,
+     '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", []),
+    ("a bare call of a function nobody offered", LLAMA3_JSON, TOOLS, '{"name": "launch", "parameters": {}}', "", []),
+    ("JSON that is no call is spoken", LLAMA3_JSON, NONE, '{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}',
+     []),
+    ("python_tag: a call", LLAMA3_JSON, TOOLS, 'Checking.<|python_tag|>{"name": "get_time", "parameters": {}}',
+     "Checking.", ["get_time"]),
+    ("python_tag: code for the interpreter, to the end", LLAMA3_JSON, TOOLS,
+     "Let me compute.<|python_tag|>print(6 * 7)", "Let me compute.", []),
+    ("python_tag with no tools", None, NONE, 'Sure.<|python_tag|>{"name": "get_time", "parameters": {}}', "Sure.",
+     []),
+]
+
+
+@pytest.mark.parametrize("name,fmt,tools,reply,spoken,calls", SPOKEN, ids=[r[0] for r in SPOKEN])
+def test_markup_is_never_spoken(split: Callable[[str], list[str]], name: str, fmt: CallFormat | None,
+                                tools: tuple[str, ...], reply: str, spoken: str, calls: list[str]) -> None:
+    assert speak(fmt, tools, split(reply)) == (spoken, calls)
+
+
+def test_speech_without_markup_is_unchanged(by_token: Callable[[str], list[str]]) -> None:
+    reply = "  Hello!\n\nIt is 21 degrees, {sunny} <b>today</b> <tool.\n  "
+    for fmt, tools in ((None, NONE), (HERMES, TOOLS), (HERMES, NONE), (LLAMA3_JSON, TOOLS)):
+        assert speak(fmt, tools, by_token(reply)) == (reply, [])
+
+
+@pytest.fixture(scope="module")
+def llama_like() -> Tokenizer:
+    """A byte-level tokenizer with Llama-3.x's special tokens: <|python_tag|> and the end of a turn."""
+    base = byte_tokenizer(256 + 2)
+    base.hf.add_special_tokens([AddedToken(t, special=True) for t in ("<|python_tag|>", "<|eot_id|>")])
+    return Tokenizer(base.hf, chat_template=None, bos_token=None, eos_token="<|eot_id|>")
+
+
+def test_the_detokenizer_shows_python_tag_so_that_the_call_is_read(llama_like: Tokenizer) -> None:
+    """Llama-3.x opens a call with <|python_tag|>, a special token: skipped like the others, the call after it would
+    be bare JSON after text — spoken. Shown, it opens the call."""
+    ids = llama_like.encode('Sure.<|python_tag|>{"name": "get_time", "parameters": {}}<|eot_id|>')
+    detok = llama_like.detokenizer()
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    text = 'Sure.<|python_tag|>{"name": "get_time", "parameters": {}}'
+    assert "".join(deltas) == llama_like.decode(ids) == text  # the tag shown, <|eot_id|> not
+    assert speak(LLAMA3_JSON, TOOLS, deltas) == ("Sure.", ["get_time"])

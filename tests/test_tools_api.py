@@ -103,8 +103,36 @@ def test_auto_answers_and_a_conversation_goes_on_after_a_tool_result(client: ope
                                                tool_choice="none", max_tokens=24, temperature=0)
             text, usage = r.choices[0].message.content or "", r.usage
             assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
-        assert text.strip() and usage is not None
+        # an answer, whatever the model says: none at all where SmolLM2 greedily echoes the <tool_response> block,
+        # which is withheld (test_tool_markup_is_never_spoken)
+        assert "<tool" not in text and usage is not None and usage.completion_tokens > 0
         assert usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>",
+          "<|python_tag|>")
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_tool_markup_is_never_spoken(client: openai.OpenAI, tool_choice: str) -> None:
+    """As a voice agent asks (Pipecat: the tools on every turn, after a tool's result): whatever the model writes,
+    the content holds no tool-protocol markup — SmolLM2 echoes the <tool_response> block its prompt showed it. A
+    call is a call (under "auto"), never text."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    for temperature, seed in ((0.0, None), (0.9, 4), (0.9, 0)):  # greedy and seed 4 echo the block; seed 0 speaks
+        kwargs: Any = {"model": MODEL, "messages": history, "tools": [GET_WEATHER], "tool_choice": tool_choice,
+                       "max_tokens": 64, "temperature": temperature, "seed": seed}
+        whole = client.chat.completions.create(**kwargs)
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == (whole.choices[0].message.content or "")  # seeded: the same reply either way
+        assert not [m for m in MARKUP if m in streamed], streamed
+        if tool_choice == "none":
+            assert not whole.choices[0].message.tool_calls and not streamed_calls(chunks)
 
 
 @pytest.mark.parametrize("fields,param", [

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import completions, errors, realtime
+from service.api.answers import ModelCard, ModelList
 from service.api.errors import APIError
-from service.api.protocol import ModelCard, ModelList
 from service.api.state import ServerState, server_state
 from service.api.tools import ToolDialect
 from service.metrics import CONTENT_TYPE

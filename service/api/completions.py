@@ -1,8 +1,9 @@
-"""POST /v1/completions and POST /v1/chat/completions: one path for both — the prompt's token ids, engine.submit,
-then the deltas streamed as SSE chunks or collected into one JSON answer. What tells the two endpoints apart (object
-names, the shape of a choice, chat's first chunk, the response model) is data: an `Endpoint`. A chat request with
-tools or a response_format may follow a grammar (tools.py), and reads tool calls out of its reply (tool_parsers.py):
-streamed as `delta.tool_calls`, whole as `message.tool_calls`."""
+"""POST /v1/completions and POST /v1/chat/completions: one path for both — a turn built (turn.py), submitted, then
+its deltas streamed as SSE chunks or collected into one JSON answer. What tells the two endpoints apart (object
+names, the shape of a choice, chat's first chunk, the answer's models, whether the reply is spoken content) is data:
+an `Endpoint`. A chat reply goes through a ReplyReader (reply.py): tool calls streamed as `delta.tool_calls`, whole as
+`message.tool_calls`, and tool-protocol markup never in `content`; /v1/completions streams the raw text.
+"""
 
 from __future__ import annotations
 
@@ -17,30 +18,40 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from service.api import prompts
-from service.api.errors import error_body, from_unfinished
-from service.api.protocol import (
+from service.api.answers import (
     ChatChoice,
-    ChatCompletionRequest,
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatDelta,
     ChatMessageOut,
     Choice,
+    Chunk,
+    ChunkChoice,
     Completion,
     CompletionChoice,
-    CompletionRequest,
+    CompletionChunk,
+    CompletionChunkChoice,
     CompletionResponse,
     ErrorResponse,
+    FunctionCallDelta,
+    ToolCallDelta,
+    UsageInfo,
+)
+from service.api.errors import error_body, from_unfinished
+from service.api.prompts import DEFAULT_COMPLETION_MAX_TOKENS
+from service.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
     FunctionCall,
     OpenAIRequest,
     ToolCall,
-    UsageInfo,
-    usage_info,
 )
+from service.api.reply import ReplyReader
 from service.api.state import ServerState, server_state
 from service.api.streaming import SSE_DONE, EngineStream, SSEResponse, sse_event, until_disconnect
-from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolCallParser, ToolEvent
-from service.api.tools import ChatTools
-from service.engine.sampler import TokenConstraint
+from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolEvent
+from service.api.turn import CHAT_FIELDS, COMPLETION_FIELDS, Conversation, Fields, Turn, TurnRequest, build_turn
 
 log = logging.getLogger("parley.api")
 router = APIRouter()
@@ -59,40 +70,41 @@ class Endpoint:
     """What tells the two HTTP endpoints apart."""
 
     id_prefix: str
-    chunk_object: str  # the `object` of each streamed chunk
-    prompt_param: str  # the field a prompt the model cannot take is blamed on
+    fields: Fields  # what a refusal names
+    spoken: bool  # the reply is content (calls read, markup withheld), not raw text
     response: Callable[..., Completion]  # the answer without `stream`
-    choice: Callable[[Reply, str | None], Choice]  # its one choice, from the reply and the finish reason
-    delta: Callable[[str, str | None], dict[str, Any]]  # a streamed chunk's choice, from a delta's text and finish
-    prologue: dict[str, Any] | None = None  # a first chunk's choice, before any text
+    chunk: Callable[..., Chunk]  # a streamed chunk
+    choice: Callable[[Reply, str | None], Choice]  # the answer's one choice, from the reply and the finish reason
+    text: Callable[[str, str | None], ChunkChoice]  # a streamed chunk's choice, from a delta's text and finish
+    prologue: ChunkChoice | None = None  # a first chunk's choice, before any text
 
 
 COMPLETIONS = Endpoint(
-    "cmpl", "text_completion", "prompt", CompletionResponse,
+    "cmpl", COMPLETION_FIELDS, False, CompletionResponse, CompletionChunk,
     choice=lambda reply, finish: CompletionChoice(text=reply.content, finish_reason=finish),
-    delta=lambda text, finish: {"text": text, "finish_reason": finish})
+    text=lambda text, finish: CompletionChunkChoice(text=text, finish_reason=finish))
 CHAT = Endpoint(
-    "chatcmpl", "chat.completion.chunk", "messages", ChatCompletionResponse,
+    "chatcmpl", CHAT_FIELDS, True, ChatCompletionResponse, ChatCompletionChunk,
     choice=lambda reply, finish: ChatChoice(message=ChatMessageOut(
         content=reply.content if reply.content or not reply.tool_calls else None,
         tool_calls=reply.tool_calls or None), finish_reason=finish),
-    delta=lambda text, finish: {"delta": {"content": text} if text or finish is None else {},
-                                "finish_reason": finish},
-    prologue={"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    text=lambda text, finish: ChatChunkChoice(delta=ChatDelta(content=text if text or finish is None else None),
+                                              finish_reason=finish),
+    prologue=ChatChunkChoice(delta=ChatDelta(role="assistant", content="")))
 
 
-def tool_call_delta(event: ToolEvent) -> dict[str, Any]:
-    """A chat chunk's choice for one event of the reply's tool-call parser, as OpenAI streams calls: the call's
-    index, id, type and name first (arguments ""), then its arguments in pieces."""
+def tool_call_delta(event: ToolEvent) -> ChatChunkChoice:
+    """A chat chunk's choice for one event of the reply's reader, as OpenAI streams calls: the call's index, id, type
+    and name first (arguments ""), then its arguments in pieces."""
     if isinstance(event, Content):
-        delta: dict[str, Any] = {"content": event.text}
-    elif isinstance(event, CallStart):
-        delta = {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                 "function": {"name": event.name, "arguments": ""}}]}
+        return ChatChunkChoice(delta=ChatDelta(content=event.text))
+    if isinstance(event, CallStart):
+        call = ToolCallDelta(index=event.index, id=event.id, type="function",
+                             function=FunctionCallDelta(name=event.name, arguments=""))
     else:
         assert isinstance(event, CallArguments)
-        delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-    return {"delta": delta, "finish_reason": None}
+        call = ToolCallDelta(index=event.index, function=FunctionCallDelta(arguments=event.text))
+    return ChatChunkChoice(delta=ChatDelta(tool_calls=[call]))
 
 
 def documented(endpoint: Endpoint) -> dict[int | str, dict[str, Any]]:
@@ -115,25 +127,20 @@ def documented(endpoint: Endpoint) -> dict[int | str, dict[str, Any]]:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     arrival = time.perf_counter()
     st = serving(request, body)
-    prompt = body.prompt_input()
-    ids = await prompts.encode_text(st.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-    max_tokens = body.max_tokens or prompts.DEFAULT_COMPLETION_MAX_TOKENS
-    return await generate(COMPLETIONS, body, ids, max_tokens, st, request, arrival)
+    turn = await build_turn(st, TurnRequest(
+        body.prompt_input(), body, COMPLETIONS.fields, COMPLETIONS.spoken,
+        max_tokens=body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
+    return await answer(COMPLETIONS, body, turn, st, request, arrival)
 
 
 @router.post("/v1/chat/completions", response_model=None, responses=documented(CHAT))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.perf_counter()
     st = serving(request, body)
-    tools = ChatTools.of(st.tokenizer, body)
-    messages, template_tools = tools.template_input([m.for_template() for m in body.messages])
-    ids = await prompts.encode_messages(st.tokenizer, messages, tools=template_tools)
-    max_tokens = prompts.chat_max_tokens(body.requested_max_tokens, len(ids), st.max_context)
-    grammar = tools.grammar(body.response_format.output_schema if body.response_format else None)
-    constraint = None if grammar is None else await prompts.grammar_constraint(
-        st.tokenizer, st.engine.eos, grammar, param="tools" if tools.required else "response_format")
-    return await generate(CHAT, body, ids, max_tokens, st, request, arrival, constraint=constraint,
-                          calls=tools.parser())
+    turn = await build_turn(st, TurnRequest(
+        Conversation([m.for_template() for m in body.messages]), body, CHAT.fields, CHAT.spoken,
+        max_tokens=body.requested_max_tokens, tools=body, response_format=body.response_format))
+    return await answer(CHAT, body, turn, st, request, arrival)
 
 
 def serving(request: Request, body: OpenAIRequest) -> ServerState:
@@ -144,16 +151,12 @@ def serving(request: Request, body: OpenAIRequest) -> ServerState:
     return st
 
 
-async def generate(endpoint: Endpoint, body: OpenAIRequest, ids: list[int], max_tokens: int, st: ServerState,
-                   request: Request, arrival: float, constraint: TokenConstraint | None = None,
-                   calls: ToolCallParser | None = None) -> Response:
-    """Submit now (so that a refusal is a plain 429 or 400), then stream (SSE) or collect (JSON) the answer.
-    `constraint`: a grammar the reply follows; `calls`: what reads tool calls out of it."""
-    prompts.check_prompt(ids, st.vocab_size, st.max_context, max_tokens, param=endpoint.prompt_param)
-    stream = st.open_stream(ids, prompts.sampling_params(body, max_tokens, constraint), arrival,
-                            param=endpoint.prompt_param)
+async def answer(endpoint: Endpoint, body: OpenAIRequest, turn: Turn, st: ServerState, request: Request,
+                 arrival: float) -> Response:
+    """Submit now (so that a refusal is a plain 429 or 400), then stream (SSE) or collect (JSON) the answer."""
+    stream = turn.submit(st, arrival)
     answer = Answer(endpoint, f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time()), st.model_id,
-                    body.include_usage, calls)
+                    body.include_usage, turn.reader())
     if body.stream:
         # the stream is closed when the response ends, however it ends: a dropped stream frees its slot before the
         # next decode step
@@ -170,53 +173,52 @@ class Answer:
     created: int
     model: str
     include_usage: bool
-    calls: ToolCallParser | None = None  # chat with tools: the reply's text goes through it
+    reader: ReplyReader | None = None  # a spoken reply's text goes through it (chat)
 
-    def chunk(self, choice: dict[str, Any] | None, usage: UsageInfo | None = None) -> dict[str, Any]:
-        """A streamed chunk: one choice, or (the usage chunk) none."""
-        c: dict[str, Any] = {"id": self.id, "object": self.endpoint.chunk_object, "created": self.created,
-                             "model": self.model,
-                             "choices": [] if choice is None else [{"index": 0, **choice, "logprobs": None}]}
-        if usage is not None or self.include_usage:
-            c["usage"] = None if usage is None else usage.model_dump()
-        return c
+    def chunk(self, choice: ChunkChoice | None, usage: UsageInfo | None = None) -> bytes:
+        """A streamed chunk as an SSE event: one choice, or (the usage chunk) none. With include_usage every chunk
+        has `usage`, null but on the last; without, none has the key."""
+        c = self.endpoint.chunk(id=self.id, created=self.created, model=self.model,
+                                choices=[] if choice is None else [choice], usage=usage)
+        return sse_event(c.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
-    def pieces(self, text: str, end: bool = False) -> list[dict[str, Any]]:
+    def pieces(self, text: str, end: bool = False) -> list[ChunkChoice]:
         """The streamed choices for a delta's text (`end`: the last delta's)."""
-        if self.calls is None:
-            return [self.endpoint.delta(text, None)] if text else []
-        events = self.calls.feed(text) + (self.calls.finish() if end else [])
+        if self.reader is None:
+            return [self.endpoint.text(text, None)] if text else []
+        events = self.reader.feed(text) + (self.reader.finish() if end else [])
         return [tool_call_delta(e) for e in events if not isinstance(e, CallEnd)]
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's "tool_calls" for a reply that ended in calls."""
-        return "tool_calls" if reason == "stop" and self.calls is not None and self.calls.calls else reason
+        return "tool_calls" if reason == "stop" and self.reader is not None and self.reader.calls else reason
 
     async def events(self, stream: EngineStream) -> AsyncIterator[bytes]:
         try:
             if self.endpoint.prologue is not None:
-                yield sse_event(self.chunk(self.endpoint.prologue))
+                yield self.chunk(self.endpoint.prologue)
             async for d in stream:
                 if d.finish_reason is None:
                     for choice in self.pieces(d.text):
-                        yield sse_event(self.chunk(choice))
+                        yield self.chunk(choice)
                     continue
                 failure = from_unfinished(d)
                 if failure is not None:  # after the 200, a failure is a last event, a server_error
-                    yield sse_event(error_body(failure.message, "server_error", None, failure.code))
+                    yield sse_event(error_body(failure.message, "server_error", None, failure.code).model_dump_json())
                     break
-                if self.calls is None:
-                    yield sse_event(self.chunk(self.endpoint.delta(d.text, d.finish_reason)))
+                if self.reader is None:
+                    yield self.chunk(self.endpoint.text(d.text, d.finish_reason))
                 else:
                     for choice in self.pieces(d.text, end=True):
-                        yield sse_event(self.chunk(choice))
-                    yield sse_event(self.chunk(self.endpoint.delta("", self.finish_reason(d.finish_reason))))
+                        yield self.chunk(choice)
+                    yield self.chunk(self.endpoint.text("", self.finish_reason(d.finish_reason)))
                 if self.include_usage and d.usage is not None:
-                    yield sse_event(self.chunk(None, usage_info(d.usage)))
+                    yield self.chunk(None, UsageInfo.of(d.usage))
             yield SSE_DONE
         except Exception as e:  # after the first byte an error can only be a last event
             log.exception("stream %s failed", self.id)
-            yield sse_event(error_body(f"internal error: {type(e).__name__}", "server_error", None, "internal"))
+            yield sse_event(error_body(f"internal error: {type(e).__name__}", "server_error", None,
+                                       "internal").model_dump_json())
             yield SSE_DONE
 
     async def collect(self, stream: EngineStream, request: Request) -> Completion:
@@ -242,12 +244,12 @@ class Answer:
         return self.endpoint.response(id=self.id, created=self.created, model=self.model,
                                       choices=[self.endpoint.choice(self.reply("".join(parts)),
                                                                     self.finish_reason(last.finish_reason))],
-                                      usage=usage_info(last.usage))
+                                      usage=UsageInfo.of(last.usage))
 
     def reply(self, text: str) -> Reply:
-        if self.calls is None:
+        if self.reader is None:
             return Reply(text)
-        events = self.calls.feed(text) + self.calls.finish()
+        events = self.reader.feed(text) + self.reader.finish()
         return Reply("".join(e.text for e in events if isinstance(e, Content)),
                      [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments or "{}"))
-                      for c in self.calls.calls])
+                      for c in self.reader.calls])

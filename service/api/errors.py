@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.answers import ErrorDetail, ErrorResponse
 from service.engine.engine import Rejected
 from service.engine.request import Delta, outcome_of
 
@@ -44,15 +45,15 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorResponse:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
 
 
 def retry_after_header(seconds: float) -> str:

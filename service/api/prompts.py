@@ -1,4 +1,5 @@
-"""From what a client sends (text, token ids, chat messages) to prompt token ids and sampling parameters."""
+"""The steps of building a turn (turn.py): text and chat messages encoded, max_tokens, the sampling parameters and the
+grammar."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 
 from service.api.errors import APIError
 from service.api.protocol import SamplingFields
+from service.engine.constraint import TokenConstraint
 from service.engine.grammar import GrammarError, grammars
 from service.engine.request import SamplingParams
-from service.engine.sampler import TokenConstraint
 from service.model.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -53,29 +54,9 @@ async def encode_messages(tokenizer: Tokenizer, messages: Sequence[dict[str, Any
                        code="invalid_messages") from e
 
 
-def check_prompt(prompt_ids: list[int], vocab_size: int, max_context: int, max_tokens: int, param: str) -> None:
-    """The engine checks these too; checking first gives the client a precise `param` and `code`."""
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param=param, code="empty_prompt")
-    # min/max run in C; only a prompt that holds a bad id is searched (in Python) for the first one
-    bad = None if 0 <= min(prompt_ids) and max(prompt_ids) < vocab_size else \
-        next(t for t in prompt_ids if not 0 <= t < vocab_size)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is out of the vocabulary [0, {vocab_size})", param=param,
-                       code="invalid_token_id")
-    if len(prompt_ids) >= max_context:
-        raise APIError(400, f"this model's context is {max_context} tokens and the prompt has {len(prompt_ids)}",
-                       param=param, code="context_length_exceeded")
-    if len(prompt_ids) + max_tokens > max_context:
-        raise APIError(400, f"this model's context is {max_context} tokens; the prompt has {len(prompt_ids)} "
-                            f"and max_tokens asks for {max_tokens} more", param="max_tokens",
-                       code="context_length_exceeded")
-
-
-def chat_max_tokens(requested: int | None, prompt_len: int, max_context: int) -> int:
-    """The client's max_tokens, or up to the context (at most DEFAULT_CHAT_MAX_TOKENS)."""
-    if requested is not None:
-        return requested
+def chat_max_tokens(prompt_len: int, max_context: int) -> int:
+    """max_tokens where a chat or realtime client gives none: up to the context, at most DEFAULT_CHAT_MAX_TOKENS
+    (at least 1: a prompt that fills the context is the engine's to refuse)."""
     return max(1, min(DEFAULT_CHAT_MAX_TOKENS, max_context - prompt_len))
 
 

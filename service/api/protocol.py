@@ -1,9 +1,12 @@
-"""The OpenAI-compatible request and response models (pydantic), and the realtime WebSocket's event payloads.
+"""What clients send, as pydantic models: the OpenAI-compatible HTTP bodies and the realtime WebSocket's settings
+(session.update) and turns (response.create). What Parley answers is answers.py (HTTP) and realtime_events.py.
 
 Requests ignore fields they do not know (OpenAI clients send many); fields Parley knows but does not support are
 accepted at the value that asks for nothing and refused otherwise (each endpoint's `unsupported` table), so that
 nothing a client asks for is silently dropped. The sampling fields are declared once (SamplingFields) for the HTTP
-bodies and the realtime session alike.
+bodies and the realtime session alike. Validators check shapes only: whether a schema can become a grammar, and
+whether a tool_choice fits the tools, are checked where a turn is built (turn.py), so that these models do not
+import the grammar engine.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -25,17 +28,9 @@ from pydantic import (
 )
 from pydantic_core import to_jsonable_python
 
-from service.engine.grammar import schema_error
-
-if TYPE_CHECKING:
-    from service.engine.request import Usage
-
 MAX_STOP = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
-
-
-ToolCallFormat = Literal["hermes", "llama3_json"]  # the tool-call syntaxes Parley parses and forces
 
 class SamplingFields(BaseModel):
     """The sampling fields, declared once for every endpoint: the HTTP bodies, the realtime session's settings and
@@ -256,20 +251,12 @@ class ChatMessage(BaseModel):
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
-def _json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
-    if schema is not None and (why := schema_error(schema)) is not None:
-        raise ValueError(f"not a JSON schema Parley can constrain output to: {why}")
-    return schema
-
-
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    parameters: dict[str, Any] | None = None  # a JSON schema (turn.check_schemas); none: it takes no arguments
     strict: bool | None = None
-
-    _parameters = field_validator("parameters")(_json_schema)
 
     @property
     def parameters_schema(self) -> dict[str, Any]:
@@ -310,18 +297,9 @@ ToolChoiceMode = Literal["none", "auto", "required"]
 ToolChoice = ToolChoiceMode | NamedToolChoice
 
 
-def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> None:
-    """A tool_choice that asks for a call needs tools, and a named one a tool of that name (ValueError)."""
-    names = [t.function.name for t in tools or []]
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise ValueError(f"there is no tool named {choice.function.name!r} (tools: {', '.join(names) or 'none'})")
-    if choice == "required" and not names:
-        raise ValueError("tool_choice \"required\" needs tools")
-
-
 class ToolFields(BaseModel):
-    """The tool fields, declared once for chat requests and the realtime session (whose tool_choice may name a tool
-    an earlier session.update gave: checked per turn)."""
+    """The tool fields, declared once for chat requests and the realtime session. Whether tool_choice fits the tools
+    is checked per turn (turn.py): a realtime turn's choice may name a tool an earlier session.update gave."""
 
     model_config = ConfigDict(extra="ignore")
     tools: list[Tool] | None = None
@@ -350,13 +328,11 @@ class ToolFields(BaseModel):
 
 
 class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, serialize_by_alias=True)
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")  # a JSON schema (turn.check_schemas)
     strict: bool | None = None
-
-    _schema = field_validator("schema_")(_json_schema)
 
 
 class ResponseFormat(BaseModel):
@@ -394,105 +370,9 @@ class ChatCompletionRequest(ToolFields, OpenAIRequest):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice_fits(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
-        if "tools" in info.data:  # the tools were valid: a choice must fit them
-            check_tool_choice(v, info.data["tools"])
-        return v
-
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# -- responses ------------------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class Choice(BaseModel):
-    index: int = 0
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class CompletionChoice(Choice):
-    text: str
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None  # null when the reply is calls only
-    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class ChatChoice(Choice):
-    message: ChatMessageOut
-
-
-class Completion(BaseModel):
-    """What both HTTP endpoints answer without `stream`; each names its object and the shape of its choices."""
-
-    id: str
-    created: int
-    model: str
-    usage: UsageInfo | None = None
-
-
-class CompletionResponse(Completion):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionResponse(Completion):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class ModelCapabilities(BaseModel):
-    """What the served model supports beyond text, and how (/v1/models)."""
-
-    tools: bool = True
-    tool_template: Literal["native", "hermes"]  # its chat template renders the tools, or Parley does (Hermes)
-    tool_call_format: ToolCallFormat  # how it writes a call (and Parley parses and forces one)
-    parallel_tool_calls: bool  # whether it may make several calls in one turn
-    tool_choice: list[str] = ["none", "auto", "required", "function"]
-    response_format: list[str] = ["text", "json_object", "json_schema"]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "parley"
-    max_model_len: int | None = None
-    capabilities: ModelCapabilities | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every error: OpenAI's shape."""
-
-    error: ErrorDetail
 
 
 # -- the realtime WebSocket ------------------------------------------------------------------------------------
@@ -500,11 +380,13 @@ class RealtimeSessionConfig(ToolFields, SamplingFields):
     """session.update's `session`: the settings every later response.create starts from (and, as its subclass
     RealtimeResponseConfig, one response's overrides), tools and tool_choice among them. A null leaves a setting
     that has no null of its own (temperature, top_p, top_k, ignore_eos, chunking) as it is; where null means
-    something (no instructions, no seed, max_tokens up to the context, no stop, no tools), it sets that."""
+    something (no instructions, no seed, max_tokens up to the context, no stop, no tools, a text reply), it sets
+    that."""
 
     model: str | None = None  # if given, the served model's id
     instructions: str | None = None
     chunking: Literal["none", "sentence"] = "none"
+    response_format: ResponseFormat | None = None  # as chat's: a JSON reply (with tools: a reply or calls)
 
     @model_validator(mode="before")
     @classmethod
@@ -531,9 +413,3 @@ class RealtimeResponseConfig(RealtimeSessionConfig):
     # "none": an out-of-band response (OpenAI's name), e.g. a preemptive start on a partial transcript: it sees the
     # conversation, and neither its input nor its reply joins it
     conversation: Literal["auto", "none"] = "auto"
-
-
-def usage_info(u: Usage) -> UsageInfo:
-    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                     total_tokens=u.prompt_tokens + u.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))

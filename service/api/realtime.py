@@ -9,9 +9,11 @@ The socket owns one engine Session: every turn runs in the same KV slot, so a tu
 previous one (the conversation so far + new messages) prefills only what it adds. The server keeps the
 conversation: a turn's new messages and the assistant's reply join it when the turn completes (or, on barge-in,
 with the part of the reply that was sent; conversation.item.truncate then cuts it to what the caller heard:
-truncation.py). Tools (session.update or response.create: tools, tool_choice) work as in chat completions
-(tools.py); a call the assistant made joins the conversation with its reply, and the client answers it with a
-`role: "tool"` message in the next turn's input.
+truncation.py). A turn is built as a chat request's is (turn.py): tools, tool_choice and response_format
+(session.update or response.create) work as in chat completions; a call the assistant made joins the conversation
+with its reply, and the client answers it with a `role: "tool"` message in the next turn's input. The reply's text is
+spoken: tool-protocol markup never reaches output_text (reply.py). Every event sent is a model of
+realtime_events.py.
 """
 
 from __future__ import annotations
@@ -23,21 +25,46 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from service.api import prompts
 from service.api.chunking import SentenceChunker
 from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
-from service.api.protocol import SESSION_SETTINGS, RealtimeResponseConfig, RealtimeSessionConfig, check_tool_choice
+from service.api.protocol import RealtimeResponseConfig, RealtimeSessionConfig
+from service.api.realtime_events import (
+    CallStatus,
+    ErrorEvent,
+    ErrorInfo,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    FunctionCallItem,
+    ItemTruncated,
+    Outcome,
+    OutputItemAdded,
+    OutputTextDelta,
+    RealtimeError,
+    RealtimeResponse,
+    RealtimeUsage,
+    ResponseCreated,
+    ResponseDone,
+    ResponseRef,
+    ResponseTimings,
+    ServerEvent,
+    SessionCreated,
+    SessionInfo,
+    SessionUpdated,
+    StatusDetails,
+    session_info,
+)
+from service.api.reply import ReplyReader
 from service.api.state import ServerState, server_state
 from service.api.streaming import EngineStream
-from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ParsedCall, ToolCallParser, ToolEvent
-from service.api.tools import ChatTools
+from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ParsedCall, ToolEvent
 from service.api.truncation import ReplyItem, Truncate
+from service.api.turn import Conversation, Fields, TurnRequest, build_turn, check_schemas
 from service.engine.engine import Rejected
 from service.engine.kv_slots import Session
 from service.engine.request import Delta, outcome_of
@@ -46,6 +73,8 @@ log = logging.getLogger("parley.realtime")
 router = APIRouter()
 
 MAX_EVENT_CHARS = 1 << 20  # as the HTTP body limit; larger frames (up to the server's ws_max_size) get an error
+# what a response.create's refusals name; a max_tokens past the context is named `max_tokens`, as over HTTP
+RESPONSE_FIELDS = Fields("response.input", prefix="response.")
 
 
 @dataclass
@@ -53,9 +82,9 @@ class ActiveResponse:
     id: str
     stream: EngineStream
     new_messages: list[dict[str, Any]] | None
+    reader: ReplyReader  # calls and spoken content out of the reply
     task: asyncio.Task[None] | None = None
     prompt_tokens: int = 0
-    calls: ToolCallParser | None = None  # the turn offers tools: calls are read out of the reply
     call_items: dict[int, str] = field(default_factory=dict)  # a call's index → its item id
 
 
@@ -73,7 +102,8 @@ async def realtime(ws: WebSocket) -> None:
     try:
         st.ready()
     except APIError as e:
-        await ws.send_json({"type": "error", "error": {"type": e.type, "code": e.code, "message": e.message}})
+        await ws.send_text(ErrorEvent(error=RealtimeError(type=e.type, code=e.code, message=e.message))
+                           .model_dump_json())
         await ws.close(code=1013)
         return
     await RealtimeConnection(ws, st).run()
@@ -93,7 +123,7 @@ class RealtimeConnection:
     # -- the socket --------------------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            await self.send({"type": "session.created", "session": self.session_info()})
+            await self.send(SessionCreated(session=self.session_info()))
             try:
                 self.st.check_model(self.ws.query_params.get("model"))  # OpenAI's clients name it in the URL
             except APIError as e:
@@ -121,19 +151,18 @@ class RealtimeConnection:
             await self._abort_active()
             self.engine.close_session(self.session)
 
-    async def send(self, event: dict[str, Any]) -> None:
+    async def send(self, event: ServerEvent) -> None:
         if self.ws.application_state is not WebSocketState.CONNECTED:
             return
         async with self._send_lock:
-            await self.ws.send_text(json.dumps(event, ensure_ascii=False, separators=(",", ":")))
+            await self.ws.send_text(event.model_dump_json())
 
     async def error(self, type: str, code: str | None, message: str, param: str | None = None,
-                    event_type: str | None = None, **extra: Any) -> None:
-        err: dict[str, Any] = {"type": type, "code": code, "message": message, "param": param}
-        if event_type:
-            err["event_type"] = event_type
-        err.update(extra)
-        await self.send({"type": "error", "error": err})
+                    event_type: str | None = None, response_id: str | None = None,
+                    retry_after_ms: int | None = None) -> None:
+        await self.send(ErrorEvent(error=RealtimeError(type=type, code=code, message=message, param=param,
+                                                       event_type=event_type, response_id=response_id,
+                                                       retry_after_ms=retry_after_ms)))
 
     # -- events ------------------------------------------------------------------------------------------
     async def handle(self, text: str, received: float) -> None:
@@ -185,8 +214,9 @@ class RealtimeConnection:
     async def session_update(self, event: dict[str, Any]) -> None:
         cfg = RealtimeSessionConfig.model_validate(_object(event, "session"))
         self.st.check_model(cfg.model, "session.model")
+        check_schemas(cfg, cfg.response_format, prefix="session.")  # refused now, not at every later turn
         self.settings = self.settings.updated(cfg)
-        await self.send({"type": "session.updated", "session": self.session_info()})
+        await self.send(SessionUpdated(session=self.session_info()))
 
     async def response_create(self, event: dict[str, Any], received: float) -> None:
         if self.active is not None:
@@ -194,47 +224,37 @@ class RealtimeConnection:
                                 "response.done", code="conversation_already_has_active_response")
         cfg = RealtimeResponseConfig.model_validate(_object(event, "response"))
         self.st.check_model(cfg.model, "response.model")
-        turn = self.settings.updated(cfg)
+        settings = self.settings.updated(cfg)
         self.st.ready()  # 503-shaped error while draining
-        tok, param = self.st.tokenizer, "response.input"
         new_messages: list[dict[str, Any]] | None = None
-        calls, constraint = None, None
         if isinstance(cfg.input, str):  # a text prompt: no template, so no tools
-            ids = await prompts.encode_text(tok, cfg.input, param=param)
+            prompt: str | Conversation = cfg.input
         else:
-            try:
-                check_tool_choice(turn.tool_choice, turn.tools)  # the session's tools and this turn's choice
-            except ValueError as e:
-                raise APIError(400, str(e), param="response.tool_choice", code="invalid_value") from e
-            tools = ChatTools.of(tok, turn)
             new_messages = [m.for_template() for m in cfg.input]
-            system = [{"role": "system", "content": turn.instructions}] if turn.instructions else []
-            messages, template_tools = tools.template_input(system + self.conversation + new_messages)
-            ids = await prompts.encode_messages(tok, messages, param=param, tools=template_tools)
-            calls, grammar = tools.parser(), tools.grammar(None)
-            if grammar is not None:
-                constraint = await prompts.grammar_constraint(tok, self.engine.eos, grammar, "response.tools")
-        ctx = self.st.max_context
-        max_tokens = prompts.chat_max_tokens(turn.max_tokens, len(ids), ctx)
-        prompts.check_prompt(ids, self.st.vocab_size, ctx, max_tokens, param=param)
+            system = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
+            prompt = Conversation(system + self.conversation + new_messages)
+        turn = await build_turn(self.st, TurnRequest(
+            prompt, settings, RESPONSE_FIELDS, spoken=True, max_tokens=settings.max_tokens, tools=settings,
+            response_format=settings.response_format))
         rid = cfg.id or f"resp_{uuid.uuid4().hex[:20]}"
         try:
-            stream = self.st.open_stream(ids, prompts.sampling_params(turn, max_tokens, constraint), received, param,
-                                         session=self.session)
+            stream = turn.submit(self.st, received, session=self.session)
         except Rejected as r:
             err = from_rejected(r)
-            await self.error(err.type, err.code, err.message, event_type="response.create",
-                             retry_after_ms=max(1, round(r.retry_after_s * 1000)), response_id=rid)
+            await self.error(err.type, err.code, err.message, event_type="response.create", response_id=rid,
+                             retry_after_ms=max(1, round(r.retry_after_s * 1000)))
             return
         joins = new_messages if cfg.conversation == "auto" else None  # out of band: the conversation stays as it is
-        active = self.active = ActiveResponse(rid, stream, joins, prompt_tokens=len(ids), calls=calls)
+        reader = turn.reader()
+        assert reader is not None  # a spoken turn
+        active = self.active = ActiveResponse(rid, stream, joins, reader, prompt_tokens=len(turn.ids))
         try:
-            await self.send({"type": "response.created", "response": {"id": rid, "status": "in_progress"}})
+            await self.send(ResponseCreated(response=ResponseRef(id=rid)))
         except Exception:
             stream.close()
             self.active = None
             raise
-        active.task = asyncio.create_task(self._respond(active, chunking=turn.chunking == "sentence"))
+        active.task = asyncio.create_task(self._respond(active, chunking=settings.chunking == "sentence"))
 
     async def response_cancel(self, event: dict[str, Any]) -> None:
         rid = event.get("response_id")
@@ -266,8 +286,7 @@ class RealtimeConnection:
         if reply.conversation_index is not None:  # its calls (separate items) stay
             self.conversation[reply.conversation_index] = {**self.conversation[reply.conversation_index],
                                                            "content": reply.text}
-        await self.send({"type": "conversation.item.truncated", "item_id": reply.id, "content_index": 0,
-                         "text_end": cut.text_end})
+        await self.send(ItemTruncated(item_id=reply.id, text_end=cut.text_end))
 
     # -- one response --------------------------------------------------------------------------------------
     async def _respond(self, active: ActiveResponse, chunking: bool) -> None:
@@ -275,36 +294,31 @@ class RealtimeConnection:
         sent: list[str] = []
         last: Delta | None = None
         reply = ReplyItem(active.id, active.prompt_tokens)
+
+        async def say(pieces: list[str]) -> None:
+            for piece in pieces:
+                sent.append(piece)
+                await self.send(OutputTextDelta(response_id=active.id, delta=piece))
+
         try:
             async for d in active.stream:
                 last = d
                 if d.finish_reason in ("cancelled", "error"):
                     break
-                if active.calls is None:
-                    events: list[ToolEvent] = [Content(d.text)] if d.text else []
-                else:
-                    events = active.calls.feed(d.text) + (active.calls.finish() if d.finish_reason else [])
+                events = active.reader.feed(d.text) + (active.reader.finish() if d.finish_reason else [])
                 reply.add(replace(d, text="".join(e.text for e in events if isinstance(e, Content))))
                 for e in events:
                     if isinstance(e, Content):
-                        pieces = chunker.add(e.text) if chunker else [e.text]
+                        await say(chunker.add(e.text) if chunker else [e.text])
                     else:  # what was said before a call goes out before it
-                        pieces = chunker.flush() if chunker else []
-                    for piece in pieces:
-                        sent.append(piece)
-                        await self.send({"type": "response.output_text.delta", "response_id": active.id,
-                                         "delta": piece})
-                    if not isinstance(e, Content):
+                        await say(chunker.flush() if chunker else [])
                         await self._call_event(active, e)
                 if d.finish_reason is not None and chunker is not None:
-                    for piece in chunker.flush():
-                        sent.append(piece)
-                        await self.send({"type": "response.output_text.delta", "response_id": active.id,
-                                         "delta": piece})
+                    await say(chunker.flush())
             assert last is not None and last.finish_reason is not None
-            status = outcome_of(last.finish_reason)
+            status = cast(Outcome, outcome_of(last.finish_reason))
             text = "".join(sent)
-            calls = active.calls.calls if active.calls is not None else []
+            calls = active.reader.calls
             made = [c for c in calls if c.complete]  # a call cut short (a barge-in) stays out of the history
             if status != "failed" and active.new_messages is not None:
                 self.conversation += active.new_messages
@@ -321,8 +335,8 @@ class RealtimeConnection:
                                  response_id=active.id)
             done = self._done(active.id, status, text, last, reply)
             if status != "failed":
-                done["output"] += [_call_item(active.call_items[i], c) for i, c in enumerate(calls)]
-            await self.send({"type": "response.done", "response": done})
+                done.output += [_call_item(active.call_items[i], c) for i, c in enumerate(calls)]
+            await self.send(ResponseDone(response=done))
         except Exception:  # the socket went away mid-response: stop generating
             active.stream.cancel()
             if self.active is active:
@@ -335,43 +349,37 @@ class RealtimeConnection:
     async def _call_event(self, active: ActiveResponse, event: ToolEvent) -> None:
         """A tool call as OpenAI's Realtime API streams it: its item added, its arguments in pieces, then whole.
         Its output_index counts the assistant message (always output[0]) first."""
-        assert active.calls is not None and not isinstance(event, Content)
-        call = active.calls.calls[event.index]
+        assert not isinstance(event, Content)
+        call = active.reader.calls[event.index]
         if isinstance(event, CallStart):
             item_id = active.call_items[event.index] = f"item_{uuid.uuid4().hex[:20]}"
-            await self.send({"type": "response.output_item.added", "response_id": active.id,
-                             "output_index": event.index + 1, "item": {**_call_item(item_id, call),
-                                                                       "status": "in_progress"}})
+            await self.send(OutputItemAdded(response_id=active.id, output_index=event.index + 1,
+                                            item=_call_item(item_id, call, status="in_progress")))
             return
-        where = {"response_id": active.id, "item_id": active.call_items[event.index],
-                 "output_index": event.index + 1, "call_id": call.id, "name": call.name}
+        item_id = active.call_items[event.index]
         if isinstance(event, CallArguments):
-            await self.send({"type": "response.function_call_arguments.delta", **where, "delta": event.text})
+            await self.send(FunctionCallArgumentsDelta(response_id=active.id, item_id=item_id,
+                                                       output_index=event.index + 1, call_id=call.id,
+                                                       name=call.name, delta=event.text))
         elif isinstance(event, CallEnd):
-            await self.send({"type": "response.function_call_arguments.done", **where,
-                             "arguments": call.arguments})
+            await self.send(FunctionCallArgumentsDone(response_id=active.id, item_id=item_id,
+                                                      output_index=event.index + 1, call_id=call.id,
+                                                      name=call.name, arguments=call.arguments))
 
     def _keep(self, reply: ReplyItem) -> None:
         """Remember a reply for conversation.item.truncate: every one in the conversation, the last one outside it."""
         self.replies = {k: r for k, r in self.replies.items() if r.conversation_index is not None}
         self.replies[reply.id] = reply
 
-    def _done(self, rid: str, status: str, text: str, last: Delta, reply: ReplyItem) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": rid, "status": status, "output_text": text,
-                               "output": [reply.output(status)] if status != "failed" else [],
-                               "finish_reason": last.finish_reason}
-        if last.usage is not None:
-            u = last.usage
-            out["usage"] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                            "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens}
-        if last.timings is not None:
-            t = last.timings
-            out["timings"] = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "ttft_ms": t.ttft_ms,
-                              f"ttf{self.st.sla_tokens}_ms": t.ttfn_ms, "e2e_ms": t.e2e_ms}
-        if status == "failed":
-            out["status_details"] = {"type": "failed", "error": {"type": "server_error", "code": "engine_error",
-                                                                 "message": last.error or "generation failed"}}
-        return out
+    def _done(self, rid: str, status: Outcome, text: str, last: Delta, reply: ReplyItem) -> RealtimeResponse:
+        failed = status == "failed"
+        return RealtimeResponse(
+            id=rid, status=status, output_text=text, output=[] if failed else [reply.output(status)],
+            finish_reason=last.finish_reason, usage=None if last.usage is None else RealtimeUsage.of(last.usage),
+            timings=None if last.timings is None else ResponseTimings.of(last.timings, self.st.sla_tokens),
+            status_details=StatusDetails(error=ErrorInfo(type="server_error", code="engine_error",
+                                                         message=last.error or "generation failed"))
+            if failed else None)
 
     async def _abort_active(self) -> None:
         active, self.active = self.active, None
@@ -384,9 +392,9 @@ class RealtimeConnection:
                 await active.task
         active.stream.close()
 
-    def session_info(self) -> dict[str, Any]:
-        return {"id": self.session.id, "object": "realtime.session", "model": self.st.model_id,
-                **self.settings.model_dump(include=SESSION_SETTINGS), "max_context": self.st.max_context}
+    def session_info(self) -> SessionInfo:
+        return session_info(self.settings, id=self.session.id, model=self.st.model_id,
+                            max_context=self.st.max_context)
 
 
 def _assistant_message(text: str, calls: list[ParsedCall]) -> dict[str, Any]:
@@ -399,11 +407,10 @@ def _assistant_message(text: str, calls: list[ParsedCall]) -> dict[str, Any]:
     return message
 
 
-def _call_item(item_id: str, call: ParsedCall) -> dict[str, Any]:
-    """A tool call as an item of response.done's `output` (OpenAI's function_call item)."""
-    return {"id": item_id, "object": "realtime.item", "type": "function_call",
-            "status": "completed" if call.complete else "incomplete", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments}
+def _call_item(item_id: str, call: ParsedCall, status: CallStatus | None = None) -> FunctionCallItem:
+    """A tool call as an item: in response.output_item.added (in progress) and response.done's `output`."""
+    return FunctionCallItem(id=item_id, status=status or ("completed" if call.complete else "incomplete"),
+                            call_id=call.id, name=call.name, arguments=call.arguments)
 
 
 def _object(event: dict[str, Any], key: str) -> dict[str, Any]:

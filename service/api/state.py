@@ -96,15 +96,12 @@ class ServerState:
         return self._runtime.config.sla_tokens
 
     # -- streams in flight ----------------------------------------------------------------------------------
-    def open_stream(self, prompt_ids: list[int], params: SamplingParams, arrival: float, param: str,
+    def open_stream(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
                     session: Session | None = None) -> EngineStream:
-        """engine.submit, counted as a stream in flight until the stream is closed. Rejected propagates (429/503);
-        input the engine refuses is a 400 that names `param`."""
-        try:
-            stream = EngineStream(self.engine, prompt_ids, params, session=session, arrival=arrival,
-                                  on_close=self._stream_closed)
-        except ValueError as e:
-            raise APIError(400, str(e), param=param, code="invalid_prompt") from e
+        """engine.submit, counted as a stream in flight until the stream is closed. What the engine raises
+        propagates: Rejected (429, 503), ValueError for a prompt it cannot take (Turn.submit answers it)."""
+        stream = EngineStream(self.engine, prompt_ids, params, session=session, arrival=arrival,
+                              on_close=self._stream_closed)
         with self._streams_changed:
             self._streams += 1
         return stream

@@ -9,10 +9,8 @@ disconnect itself, whatever ASGI version the server speaks, and cancels the requ
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import anyio
 from starlette.responses import Response
@@ -71,8 +69,8 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
-def sse_event(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+def sse_event(data: str) -> bytes:
+    """One `data:` event; `data` is one line (JSON as pydantic writes it, or [DONE])."""
     return f"data: {data}\n\n".encode()
 
 

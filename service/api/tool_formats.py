@@ -6,6 +6,8 @@ call (tool_choice "required" or a named function), the parser that reads calls o
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call.
 - Llama-3.x JSON: a bare `{"name": ..., "parameters": {...}}` as the whole reply (`<|python_tag|>` may open it);
   its templates take one call per turn.
+
+Each family's tool-protocol markup (`markup`) is also what reply.py's MarkupFilter keeps out of spoken content.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class CallFormat:
     several: bool  # whether the family's templates take several calls in one assistant turn
     leading_json: bool  # a JSON object that opens the reply is a call (the family writes calls bare)
     markers: tuple[str, ...]  # text that opens a call anywhere in the reply
+    # the family's tool-protocol blocks, as (what opens one, what closes it; None: the end of the reply)
+    markup: tuple[tuple[str, str | None], ...]
 
     def write(self, name: str, arguments: Any) -> str:
         """A call as the grammar makes the model write it (JSON as json.dumps writes it: grammar.JSON_STYLE)."""
@@ -52,6 +56,13 @@ class CallFormat:
 
 
 HERMES = CallFormat("hermes", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", several=True,
-                    leading_json=False, markers=("<tool_call>",))
+                    leading_json=False, markers=("<tool_call>",),
+                    markup=(("<tool_call>", "</tool_call>"), ("<tool_response>", "</tool_response>"),
+                            ("<tools>", "</tools>")))
+# <|python_tag|> opens a call (or Python for Llama's code interpreter) that runs to the end of the message
 LLAMA3_JSON = CallFormat("llama3_json", "parameters", "", "", "; ", several=False, leading_json=True,
-                         markers=("<|python_tag|>",))
+                         markers=("<|python_tag|>",), markup=(("<|python_tag|>", None),))
+
+# Every family's markup: a model may echo whatever protocol its prompt showed it (SmolLM2 repeats Hermes's
+# <tool_response> blocks), so all of it is kept out of speech whichever family is served.
+MARKUP = HERMES.markup + LLAMA3_JSON.markup

@@ -3,9 +3,12 @@
 Text before a call is content. A call opens at one of the format's markers (`<tool_call>`), or, for a family that
 writes calls bare (Llama-3.x), with a JSON object at the start of the reply; it is a JSON object
 {"name": ..., "arguments" | "parameters": ...}. It becomes OpenAI's tool call as it comes: the function's name once
-it is written, then the arguments in pieces, as the model writes them. Whatever is not a call of an offered tool
-(an unknown name, no JSON, an unclosed marker) is content, never an error. One parser serves streaming and whole
-answers (feed everything, then finish).
+it is written, then the arguments in pieces, as the model writes them. What is not a call of an offered tool is
+never an error: a bare JSON object shaped like a call (a name and arguments) is withheld, any other is content; a
+marker's text (an unknown name, no JSON, an unclosed marker) is content here, and reply.py's MarkupFilter withholds
+the markup from what is spoken. The tools offered may be none (tool_choice "none": the model was told of the tools
+and may still write a call, which is then withheld). One parser serves streaming and whole answers (feed
+everything, then finish).
 """
 
 from __future__ import annotations
@@ -198,7 +201,7 @@ class ToolCallParser:
             text = rest
         start, opening = self._call_start(text)
         if start is None:
-            keep = 0 if final else _held_suffix(text, self.fmt.markers)
+            keep = 0 if final else held_suffix(text, self.fmt.markers)
             self._emit(out, text[:len(text) - keep])
             self._pending = text[len(text) - keep:]
             return False
@@ -278,8 +281,11 @@ class ToolCallParser:
         if call.verdict == "dropped":
             self._after_call = True
             return out
-        if call.call is None:  # no call of an offered tool: the text is content
-            self._emit(out, call.opening + call.raw)
+        if call.call is None:  # no call of an offered tool
+            if not call.opening and _call_shaped(call, whole):  # a bare call: withheld, as a marker's would be
+                self._after_call = True
+            else:
+                self._emit(out, call.opening + call.raw)
             return out
         out += self._stream(call)
         if not call.call.arguments:
@@ -299,6 +305,14 @@ def _object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _call_shaped(call: _Call, whole: dict[str, Any] | None) -> bool:
+    """A call's JSON: a function's name and its arguments (written whole, or begun when the reply ended)."""
+    if whole is not None:
+        return isinstance(whole.get("name"), str) and any(k in whole for k in _ARGUMENT_KEYS)
+    head = _NAME.match(call.raw)
+    return head is not None and _ARGUMENTS.match(call.raw, head.end()) is not None
+
+
 def _arguments_text(call: _Call, whole: dict[str, Any] | None) -> str:
     """The arguments of a call whose arguments did not stream (a JSON string, null, none, or given before the name),
     as JSON text; "{}" where there are none."""
@@ -315,7 +329,7 @@ def _arguments_text(call: _Call, whole: dict[str, Any] | None) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
+def held_suffix(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest end of `text` that may be the start of a marker."""
     return max((n for m in markers for n in range(min(len(m) - 1, len(text)), 0, -1) if text.endswith(m[:n])),
                default=0)

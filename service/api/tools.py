@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, cast
 
-from service.api.protocol import FunctionDefinition, ModelCapabilities, NamedToolChoice, ToolCallFormat, ToolFields
+from service.api.answers import ModelCapabilities, ToolCallFormat
+from service.api.protocol import FunctionDefinition, NamedToolChoice, ToolFields
 from service.api.tool_formats import HERMES, LLAMA3_JSON, CallFormat
 from service.api.tool_parsers import ToolCallParser
 from service.engine.grammar import json_rule
@@ -58,7 +59,7 @@ class ToolDialect:
 class ChatTools:
     """What one chat turn does with tools. The model is told of every tool whatever tool_choice says (as vLLM
     does), so that a conversation's prompt stays the same from turn to turn (prefix reuse) when only the choice
-    changes; under "none" its reply is all content."""
+    changes; under "none" it makes no call (what it writes as one is withheld: reply.py)."""
 
     dialect: ToolDialect
     functions: tuple[FunctionDefinition, ...]
@@ -99,10 +100,14 @@ class ChatTools:
 
     # -- the reply ------------------------------------------------------------------------------------------
     def parser(self) -> ToolCallParser | None:
-        """What reads calls out of the reply; None where the model may call nothing (the reply is all content)."""
-        if self.choice == "none" or not self.functions:
+        """What reads calls out of the reply; None where the model was told of no tools. Under tool_choice "none" it
+        reads calls of no tool: what looks like a call is withheld (tool_parsers.py), never spoken."""
+        if not self.functions:
             return None
-        names = [self.forced.name] if self.forced else [f.name for f in self.functions]
+        if self.choice == "none":
+            names = []
+        else:
+            names = [self.forced.name] if self.forced else [f.name for f in self.functions]
         several = self.parallel and self.dialect.format.several
         return ToolCallParser(self.dialect.format, names, max_calls=None if several else 1)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.api.errors import APIError
+from service.api.realtime_events import MessageItem, OutputText
 from service.engine.request import Delta
 
 
@@ -46,11 +47,10 @@ class ReplyItem:
         self.text = self.text[:text_end]
         self._ends = [(chars, tokens) for chars, tokens in self._ends if chars <= text_end]
 
-    def output(self, status: str) -> dict[str, Any]:
+    def output(self, status: str) -> MessageItem:
         """The item as OpenAI's response.done lists it in `output`."""
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": "assistant",
-                "status": "completed" if status == "completed" else "incomplete",
-                "content": [{"type": "output_text", "text": self.text}]}
+        return MessageItem(id=self.id, status="completed" if status == "completed" else "incomplete",
+                           content=[OutputText(text=self.text)])
 
 
 @dataclass(frozen=True)

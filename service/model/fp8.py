@@ -16,24 +16,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from service.model.weights import ModelWeights
+# Fp8Matrix lives with the weights that hold it (weights.py); it is imported from here too (hf_checkpoint.py).
+from service.model.weights import Fp8Matrix, ModelWeights
+
+__all__ = ["E4M3_MAX", "LAYER_MATRICES", "Fp8Matrix", "QuantizedModel", "from_checkpoint", "quantize",
+           "quantize_model"]
 
 E4M3_MAX = 448.0
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-@dataclass
-class Fp8Matrix:
-    """W ≈ data.float() * scale[:, None]: data float8_e4m3fn [rows, cols], scale float32 [rows]."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return (self.data.float() * self.scale[:, None]).to(dtype)
-
-    def to(self, device: torch.device | str) -> Fp8Matrix:
-        return Fp8Matrix(self.data.to(device), self.scale.to(device, torch.float32))
 
 
 def quantize(w: torch.Tensor) -> Fp8Matrix:

@@ -1,6 +1,8 @@
 """Tokenizer: Hugging Face `tokenizers` for text ↔ ids, the model's chat template, and an incremental
 detokenizer (the library's DecodeStream, through the tokenizer's own decoders) that turns a stream of ids into text
-without ever splitting a UTF-8 sequence or losing a byte. Special tokens are never shown to users."""
+without ever splitting a UTF-8 sequence or losing a byte. Special tokens are left out of the text, except those that
+open a tool call (TOOL_CALL_TOKENS): the API reads the call that follows, and never speaks the token itself
+(service/api/reply.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from tokenizers.decoders import DecodeStream
 from service.model.piece_cache import PieceCache
 
 LONG_TEXT_CHARS = 1024
+# Special tokens that open a tool call: Llama-3.x's <|python_tag|> (a call, or code for its interpreter, up to
+# <|eom_id|>). Decoded as their text, not skipped: the tool-call parser must see where a call begins.
+TOOL_CALL_TOKENS = ("<|python_tag|>",)
 
 # A plain ChatML template, for checkpoints that ship none.
 DEFAULT_CHAT_TEMPLATE = (
@@ -42,6 +47,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.tool_call_tokens = {i: t for t in TOOL_CALL_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
         # What ids past the tokenizer's vocabulary read as (id vocab_size + i), where a model's embedding is larger
         # than its tokenizer's vocabulary; decoding skips those ids otherwise.
         self.extra_tokens: list[str] = []
@@ -74,9 +80,20 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids` as users see it: special tokens left out, ids past the vocabulary as extra_tokens."""
-        return "".join(self.hf.decode(list(run), skip_special_tokens=True) if known else "".join(map(self.extra, run))
-                       for known, run in groupby(ids, key=lambda i: 0 <= i < self.vocab_size))
+        """The text of `ids` as the detokenizer gives it: special tokens left out (but TOOL_CALL_TOKENS), ids past
+        the vocabulary as extra_tokens."""
+        return "".join(self._decode_run(kind, list(run)) for kind, run in groupby(ids, key=self._kind))
+
+    def _kind(self, token_id: int) -> int:
+        """0: in the vocabulary; 1: a tool-call token, shown; 2: past the vocabulary."""
+        if not 0 <= token_id < self.vocab_size:
+            return 2
+        return 1 if token_id in self.tool_call_tokens else 0
+
+    def _decode_run(self, kind: int, run: list[int]) -> str:
+        if kind == 0:
+            return self.hf.decode(run, skip_special_tokens=True)
+        return "".join(self.tool_call_tokens[i] if kind == 1 else self.extra(i) for i in run)
 
     def extra(self, token_id: int) -> str:
         """What an id outside the vocabulary reads as: its extra token, or nothing."""
@@ -127,7 +144,8 @@ def _strftime_now(fmt: str) -> str:
 class IncrementalDetokenizer:
     """Ids in, text out, one token at a time, through the library's DecodeStream: a multi-byte character split
     across tokens is held back until its last byte arrives; `flush` hands over whatever is left (invalid bytes as
-    U+FFFD), so nothing is lost. Ids past the vocabulary read as the tokenizer's extra_tokens (or as nothing)."""
+    U+FFFD), so nothing is lost. Ids past the vocabulary read as the tokenizer's extra_tokens (or as nothing); a
+    tool-call token (TOOL_CALL_TOKENS) as its text."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -138,6 +156,11 @@ class IncrementalDetokenizer:
         tok = self._tokenizer
         if not 0 <= token_id < tok.vocab_size:
             return tok.extra(token_id)
+        shown = tok.tool_call_tokens.get(token_id)
+        if shown is not None:  # what came before is whole; the text after it decodes as a new stream
+            before = self.flush()
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return before + shown
         text = self._stream.step(tok.hf, token_id)
         if text is None:
             self._held.append(token_id)

@@ -1,4 +1,5 @@
-"""ModelWeights: one decoder's tensors under one naming, whatever file they came from.
+"""ModelWeights: one decoder's tensors under one naming, whatever file they came from (and Fp8Matrix, the form of a
+matrix a checkpoint ships in FP8).
 
 Layout (PyTorch's F.linear convention, out × in): wq [q_size, hidden], wk/wv [kv_size, hidden],
 wo [hidden, q_size], w_gate/w_up [ffn, hidden], w_down [hidden, ffn]. Q and K rows follow the
@@ -8,12 +9,24 @@ rotate-half RoPE layout that Hugging Face checkpoints use (GGUF's interleaved ro
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from service.model.fp8 import Fp8Matrix
+
+@dataclass
+class Fp8Matrix:
+    """A matrix in FP8 (service/model/fp8.py makes them): W ≈ data.float() * scale[:, None], data float8_e4m3fn
+    [rows, cols], scale float32 [rows]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+    def to(self, device: torch.device | str) -> Fp8Matrix:
+        return Fp8Matrix(self.data.to(device), self.scale.to(device, torch.float32))
 
 
 @dataclass
@@ -46,7 +59,7 @@ class ModelWeights:
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
     # a checkpoint shipped in FP8: its own matrices ("layers.{i}.wq", ..., "lm_head"), which the tensors above hold
-    # dequantized (service/model/fp8.py)
+    # dequantized
     fp8: dict[str, Fp8Matrix] | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> ModelWeights:
