@@ -1,16 +1,22 @@
 """Decode-step benchmark: the megakernel against its peers and the memory-bandwidth floor, in one GPU run.
 
     python bench/decode.py [--out bench/results] [--models llama-3.2-1b qwen2.5-1.5b smollm2-135m]
-                           [--weights bf16 fp8] [--batches 1 8] [--contexts 128 2048] [--variants tma pfown ...]
-                           [--timeline default tma ...] [--hf] [--tag NAME]
+                           [--weights bf16 fp8] [--batches 1 8] [--wide-batches 32 64] [--contexts 128 2048]
+                           [--variants tma w-narrow ...] [--timeline default ...] [--timeline-rows 64] [--hf]
+                           [--budget-s 400] [--tag NAME]
 
-Times, per (model, weights, batch, context): the megakernel (median of CUDA-graph replays; each variant named);
-the peers measured in the same run: the PyTorch reference decoder's step captured in a CUDA graph, the same step
-compiled by Inductor (torch.compile, default mode) and captured in a CUDA graph (the gpt-fast recipe, the
-strongest peer an hour buys), and with --hf Hugging Face `generate` (eager, static cache). The floor is the bytes a
-step must read (every weight once, in the weights' format, plus the K/V of the context) over the streaming-read
-bandwidth measured in the same run. --timeline records, for the named variants at batch 1 and context 128, when
-each task of the step started, found its inputs ready and ended (globaltimer), summed per phase.
+Times, per (model, weights, rows, context): the megakernel (median of CUDA-graph replays; each variant named);
+the peers measured in the same run: the PyTorch reference decoder's step captured in a CUDA graph, the gpt-fast
+recipe (the same arithmetic over a static cache of the context the step needs, compiled by Inductor in its
+default mode and captured in a CUDA graph: the strongest peer an hour buys; --compiled-models/-batches), and with
+--hf Hugging Face `generate` (eager, static cache). Wide steps (--wide-batches, for --wide-models) are 32 or 64
+rows, each at the context, of which the first --sampled (16) go through the LM head: what a step of prompt rows
+beside decode rows costs. The floor is the bytes a step must read (every weight once, in the weights' format, plus
+the K/V of the context) over the streaming-read bandwidth measured in the same run. Before its time counts, each
+variant's logits are checked against the float32 answer (the same model in float32 over the same cache): WRONG
+where they stray further than max(0.05, 1.5x the bf16 reference decoder's own distance to it). --timeline records,
+for the named variants at --timeline-rows rows and context 128, when each task of the step started, found its
+inputs ready and ended (globaltimer), summed per phase.
 Weights are synthetic (seeded random, the real shapes): decode cost does not depend on weight values.
 Writes bench/results/decode-<device>[-TAG].json and .md.
 """
@@ -25,8 +31,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,18 +42,29 @@ from kernels import instructions as I  # noqa: E402
 from kernels.instructions import Op  # noqa: E402
 from kernels.megakernel import MATVECS, KernelConfig, MatvecTile, default_tiles  # noqa: E402
 from service.backends.megakernel import MegakernelDecoder  # noqa: E402
-from service.backends.reference import ReferenceDecoder  # noqa: E402
+from service.backends.reference import ReferenceDecoder, apply_rope, linear, rms_norm  # noqa: E402
 from service.model.config import ModelConfig  # noqa: E402
 from service.model.synthetic import load_synthetic  # noqa: E402
+from service.model.weights import ModelWeights  # noqa: E402
 
 
-def _tiles(fp8: bool, ops: tuple[Op, ...] = MATVECS, **change: object) -> dict[Op, MatvecTile]:
-    tiles = default_tiles(fp8)
-    return {op: dataclasses.replace(t, **change) if op in ops else t for op, t in tiles.items()}
+def _tiles(fp8: bool, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any
+           ) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles of each launch's rows, with `change` applied to `ops` in launches of at least min_rows."""
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = default_tiles(fp8, rows)
+        if rows < min_rows:
+            return tiles
+        return {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
 
+    return table
+
+
+WIDE = 32  # the buckets whose default tiles differ (default_tiles)
 
 # Kernel variants the bench can time beside the default (--variants NAME ...): each a function of whether the
-# weights are FP8 (their default tiles differ). bench/NOTES.md says what each measured.
+# weights are FP8 (their default tiles differ). bench/NOTES.md says what each measured. The "w-" variants change
+# only the wide buckets' tiles (32 and 64 rows).
 VARIANTS: dict[str, Callable[[bool], KernelConfig]] = {
     "default": lambda fp8: KernelConfig(),
     # weights through the tensor-memory accelerator in every matvec (boxes of at most 256 columns)
@@ -60,6 +79,17 @@ VARIANTS: dict[str, Callable[[bool], KernelConfig]] = {
     "qkv8": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV,), rows=8)),
     "bk2x": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.DOWN), k_chunk=1024 if fp8 else 512)),
     "invariant": lambda fp8: KernelConfig(batch_invariant=True),
+    # wide buckets: the 16-row buckets' tiles (16-row tiles, 4 k slices) over 128-column k chunks
+    "w-narrow": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, rows=16,
+                                                      k_slices=4)),
+    # wide buckets: gate/up in 64-row tiles (one tile a program: the activation read once per task)
+    "w-gateup64": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.GATEUP,), WIDE, rows=64, k_chunk=64)),
+    # wide buckets: O and down in 32-row tiles (half as many tasks, each activation read feeds twice the rows)
+    "w-od32": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.OPROJ, Op.DOWN), WIDE, rows=32)),
+    # wide buckets: one k slice (the dot's M spreads over the warps already)
+    "w-ks1": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, k_slices=1)),
+    # wide buckets: 3 pipeline stages (shared memory for wider tiles)
+    "w-st3": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }
 
 
@@ -194,6 +224,7 @@ def timeline(dec: MegakernelDecoder, batch: int, context: int) -> dict:
         k.step(batch)
     torch.cuda.synchronize()
     s = k.schedule(batch)
+    assert k.prof is not None, "the decoder's kernel config must profile"
     prof = k.prof[: len(s.tasks)].cpu().double()
     t0 = prof[:, 0].min()
     ready, end = prof[:, 1] - t0, prof[:, 2] - t0
@@ -209,7 +240,7 @@ def timeline(dec: MegakernelDecoder, batch: int, context: int) -> dict:
         phases.setdefault(op.name, []).append([(ph_end - prev_end) / 1e3, (ready[idx].min().item() - prev_end) / 1e3,
                                                work / 1e3])
         prev_end = ph_end
-    out = {"step_us": end.max().item() / 1e3, "tasks": len(s.tasks), "phases": {}}
+    out: dict[str, Any] = {"step_us": end.max().item() / 1e3, "tasks": len(s.tasks), "phases": {}}
     for name, v in phases.items():
         t = torch.tensor(v)
         out["phases"][name] = {"count": len(v), "phase_us": t[:, 0].mean().item(), "sum_us": t[:, 0].sum().item(),
@@ -217,26 +248,97 @@ def timeline(dec: MegakernelDecoder, batch: int, context: int) -> dict:
     return out
 
 
-def check_logits(dec: MegakernelDecoder, tokens: torch.Tensor, context: int) -> torch.Tensor:
-    """The reference decoder's logits for the step the bench times (its K/V rewritten at `context` as the kernel's
-    step does), to check each variant against before its time counts."""
-    batch = len(tokens)
+def static_cache_step(config: ModelConfig, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
+                      x: torch.Tensor, position: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]
+                      ) -> torch.Tensor:
+    """gpt-fast's decode step: every row of x [rows, 1, hidden] at `position` (a one-element tensor), over a static
+    cache of one tensor per layer ([rows, kv heads, length, head_dim], rows = slots, written in place at the
+    position), attending over all of it through a mask; the reference decoder's own layer arithmetic
+    (service/backends/reference.py). Returns float32 logits [rows, vocab]. The same function in float32 is the
+    exact answer the bench checks the kernel against."""
+    c = config
+    b = x.shape[0]
+    mask = (torch.arange(ks[0].shape[2], device=x.device) <= position)[None, None, None, :]
+    cos_p, sin_p = cos[position][None, None], sin[position][None, None]  # [1, 1, 1, head_dim/2]
+    for lw, kc, vc in zip(weights.layers, ks, vs):
+        h = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
+        q = linear(h, lw.wq, lw.bq).view(b, 1, c.num_heads, c.head_dim).transpose(1, 2)
+        k = linear(h, lw.wk, lw.bk).view(b, 1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = linear(h, lw.wv, lw.bv).view(b, 1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos_p, sin_p), apply_rope(k, cos_p, sin_p)
+        kc.index_copy_(2, position, k)
+        vc.index_copy_(2, position, v)
+        attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+        x = x + linear(attn.transpose(1, 2).reshape(b, 1, -1), lw.wo)
+        h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
+        x = x + linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)
+    return linear(rms_norm(x[:, 0], weights.final_norm, c.rms_norm_eps), weights.lm_head).float()
+
+
+def static_caches(ref: ReferenceDecoder, rows: int, length: int, dtype: torch.dtype
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Slots [0, rows) of the decoder's cache, positions [0, length), as one tensor per layer (copies)."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return t[:rows, :, :length].to(dtype).clone(memory_format=torch.contiguous_format)
+
+    return [copy(t) for t in ref.cache.k], [copy(t) for t in ref.cache.v]
+
+
+def row_layout(batch: int, context: int, layout: str, sampled: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots and positions of a timed step's rows. "decode": every row its own slot, at the context. "mixed": the
+    first `sampled` rows decode (their own slots, at the context); the others are one prompt's chunk in slot
+    `sampled`, at the positions just before the context (new tokens over a cached prefix: each row attends over
+    the whole prefix, which per-row attention reads once per row)."""
+    if layout == "decode":
+        return (torch.arange(batch, device="cuda", dtype=torch.int32),
+                torch.full((batch,), context, device="cuda", dtype=torch.int32))
+    n = batch - sampled
+    slots = torch.cat([torch.arange(sampled), torch.full((n,), sampled)])
+    positions = torch.cat([torch.full((sampled,), context), torch.arange(context - n, context)])
+    return slots.to("cuda", torch.int32), positions.to("cuda", torch.int32)
+
+
+def check_logits(dec: MegakernelDecoder, tokens: torch.Tensor, context: int, f32: ModelWeights,
+                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the first `rows` rows of the step the bench times: the bf16 reference decoder's logits (its K/V rewritten
+    at `context` as the kernel's step does) and the float32 answer (the same model in float32 over the same
+    cache), to check each variant against before its time counts."""
     ref = dec.reference
     with torch.inference_mode():
-        x = ref.weights.embed[tokens.long()].unsqueeze(1)
-        return ref.decode_tensors(x, torch.arange(batch, device="cuda"), torch.full((batch,), context, device="cuda"),
+        x = ref.weights.embed[tokens[:rows].long()].unsqueeze(1)
+        bf16 = ref.decode_tensors(x, torch.arange(rows, device="cuda"), torch.full((rows,), context, device="cuda"),
                                   context + 1).float()
+        ks, vs = static_caches(ref, rows, context + 1, torch.float32)
+        exact = static_cache_step(ref.config, f32, ref.cos, ref.sin, f32.embed[tokens[:rows].long()].unsqueeze(1),
+                                  torch.tensor([context], device="cuda"), ks, vs)
+    return bf16, exact
 
 
-def compiled_peer(ref: ReferenceDecoder, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  kv_len: int) -> torch.cuda.CUDAGraph:
-    """The reference step compiled by Inductor (default mode) and captured in a CUDA graph: gpt-fast's recipe."""
-    step = torch.compile(ref.decode_tensors, dynamic=False)
+def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The worst row's relative L2 distance of x from y."""
+    return ((x - y).norm(dim=-1) / y.norm(dim=-1)).max().item()
+
+
+def compiled_peer(ref: ReferenceDecoder, tokens: torch.Tensor, context: int
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The gpt-fast recipe on the reference decoder's weights: static_cache_step compiled by Inductor (default
+    mode) over a static cache of the context the step needs (context + 1 positions, one tensor per layer, the
+    rows' own slots), then captured in a CUDA graph; and the buffer each replay leaves its logits in. Issue 22's
+    in-run peer (7.28 ms at every Llama shape) compiled ReferenceDecoder.decode_tensors over the whole allocated
+    context: its K/V writes into views of the one layer-stacked cache made Inductor copy that whole cache (every
+    slot, every position) every step (seen in Inductor's generated code on the CPU)."""
+    batch = len(tokens)
+    ks, vs = static_caches(ref, batch, context + 1, ref.dtype)
+    x = ref.weights.embed[tokens.long()].unsqueeze(1)
+    position = torch.tensor([context], device="cuda")
+    step = torch.compile(static_cache_step, dynamic=False)
+    c, w, cos, sin = ref.config, ref.weights, ref.cos, ref.sin
+    logits = torch.empty(batch, c.vocab_size, device="cuda", dtype=torch.float32)
     with torch.inference_mode():
         for _ in range(3):
-            step(x, slots, positions, kv_len)
+            step(c, w, cos, sin, x, position, ks, vs)
         torch.cuda.synchronize()
-        return graph_of(lambda: step(x, slots, positions, kv_len))
+        return graph_of(lambda: logits.copy_(step(c, w, cos, sin, x, position, ks, vs))), logits
 
 
 def main() -> None:
@@ -245,15 +347,27 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "smollm2-135m"])
     ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--wide-batches", nargs="*", type=int, default=[32, 64],
+                    help="row counts timed for --wide-models only (steps of prompt rows and decode rows)")
+    ap.add_argument("--wide-models", nargs="*", default=["llama-3.2-1b"])
+    ap.add_argument("--wide-weights", nargs="*", default=["bf16"], choices=["bf16", "fp8"])
+    ap.add_argument("--sampled", type=int, default=16,
+                    help="rows a step samples at most (max_batch): the LM head's rows in the wide steps")
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
     ap.add_argument("--timeline", nargs="*", default=[], help="variants to profile per phase (B=1, context 128)")
+    ap.add_argument("--timeline-rows", type=int, default=1, help="rows of the profiled step")
+    ap.add_argument("--timeline-models", nargs="*", default=None, help="models to profile (default: every model)")
+    ap.add_argument("--timeline-weights", nargs="*", default=None, help="weights to profile (default: every format)")
     ap.add_argument("--no-peers", action="store_true", help="the megakernel only (no reference, no compiled step)")
-    ap.add_argument("--compiled-batches", nargs="*", type=int, default=None,
-                    help="batches the compiled peer runs at (default: every batch; each is a torch.compile)")
+    ap.add_argument("--compiled-batches", nargs="*", type=int, default=[1, 8],
+                    help="batches the compiled peer runs at (each batch and context is a torch.compile)")
+    ap.add_argument("--compiled-models", nargs="*", default=["llama-3.2-1b"])
     ap.add_argument("--hf", action="store_true", help="also Hugging Face generate (eager, static cache)")
     ap.add_argument("--hf-static-budget-s", type=float, default=300.0)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop starting new (model, weights) runs after this many seconds (what ran is saved)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--append", action="store_true",
                     help="add to the result files' records instead of replacing them (several runs, one table)")
@@ -261,26 +375,30 @@ def main() -> None:
 
     import triton
 
+    t_start = time.time()
+    # the bench never prefills: no prefill graphs (54 captures per decoder at this context)
+    ReferenceDecoder._capture_prefill_graphs = lambda self: setattr(self, "graph_prefill", False)  # type: ignore
     dev_name = torch.cuda.get_device_name()
     bw = bandwidth()
     torch.cuda.empty_cache()
     print(f"{dev_name}: streaming read {bw['read_GBps']:.0f} GB/s, d2d copy {bw['copy_GBps']:.0f} GB/s", flush=True)
     records: list[dict] = []
     timelines: list[dict] = []
+    skipped: list[str] = []
     max_ctx = max(args.contexts) + 64
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "decode-" + dev_name.replace(" ", "-") + (f"-{args.tag}" if args.tag else "")
     doc = {"device": dev_name, "torch": torch.__version__, "triton": triton.__version__, "bandwidth": bw,
            "note": "synthetic weights (seeded random, the real shapes): decode cost does not depend on weight values",
-           "records": records, "timelines": timelines}
+           "records": records, "timelines": timelines, "skipped": skipped}
     earlier = out / f"{stem}.json"
     if args.append and earlier.exists():  # each run's records carry the floor from its own bandwidth measurement
         old = json.loads(earlier.read_text())
         records += old["records"]
         timelines += old.get("timelines", [])
 
-    def save() -> None:  # after every model, so that a run cut short still leaves its numbers
+    def save() -> None:  # after every batch, so that a run cut short still leaves its numbers
         (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
         (out / f"{stem}.md").write_text(markdown(doc))
 
@@ -293,47 +411,70 @@ def main() -> None:
                 hf = hf_model(config)
             except Exception as e:  # noqa: BLE001
                 print("hf model failed:", repr(e)[:300], flush=True)
+        f32: ModelWeights | None = None  # the float32 answer's weights
         for fmt in args.weights:
+            if args.budget_s is not None and time.time() - t_start > args.budget_s:
+                skipped.append(f"{model_name} {fmt}")
+                print(f"SKIPPED {model_name} {fmt}: past the {args.budget_s:.0f} s budget", flush=True)
+                continue
             fp8 = fmt == "fp8"
-            base = MegakernelDecoder(config, weights, max_slots=max(args.batches), max_context=max_ctx,
-                                     weight_format=fmt)
+            batches = args.batches + (args.wide_batches if model_name in args.wide_models and
+                                      fmt in args.wide_weights else [])
+            rows_max = max(batches)
+            base = MegakernelDecoder(config, weights, max_slots=rows_max, max_context=max_ctx, weight_format=fmt,
+                                     max_rows=rows_max, max_batch=min(args.sampled, rows_max))
             base.reference.cache.k.normal_()  # time on random K/V, never zeros
             base.reference.cache.v.normal_()
+            # the float32 answer of the weights the kernel streams (with FP8, their dequantized values)
+            f32 = None
+            f32 = base.reference.weights.to("cuda", torch.float32)
             decoders = {v: base.with_kernel_config(VARIANTS[v](fp8)) for v in ["default", *args.variants]}
             wbytes = base.kernel.w.nbytes()
-            for v in args.timeline:
+            profile = (args.timeline_models is None or model_name in args.timeline_models) and \
+                (args.timeline_weights is None or fmt in args.timeline_weights)
+            for v in args.timeline if profile else []:
+                rows = base.bucket(min(args.timeline_rows, rows_max))  # a bucket of rows this decoder has slots for
                 dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fp8), profile=True),
                                               use_cuda_graphs=False)
-                tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": 1, "context": 128,
-                       **timeline(dec, 1, 128)}
+                tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": rows,
+                       "context": 128, **timeline(dec, rows, 128)}
                 timelines.append(tl_)
-                print(f"TIMELINE {model_name} {fmt} {v}: {tl_['step_us']:.1f} us " + ", ".join(
+                print(f"TIMELINE {model_name} {fmt} {v} B={rows}: {tl_['step_us']:.1f} us " + ", ".join(
                     f"{n} {p['phase_us']:.2f}" for n, p in tl_["phases"].items()), flush=True)
                 del dec
-            for batch in args.batches:
-                for context in args.contexts:
-                    floor = (wbytes + kv_bytes(config, batch, context)) / (bw["read_GBps"] * 1e6)
+            for batch in batches:
+                sampled = min(batch, base.max_batch)  # rows with logits: the LM head's rows
+                layouts = ["decode", "mixed"] if batch > sampled else ["decode"]
+                for context, layout in [(c, lay) for c in args.contexts for lay in layouts]:
+                    row_slots, row_positions = row_layout(batch, context, layout, sampled)
+                    kv = kv_bytes(config, batch if layout == "decode" else sampled + 1, context)  # distinct K/V
+                    floor = (wbytes + kv) / (bw["read_GBps"] * 1e6)
                     common = {"model": f"synthetic:{model_name}", "weights": fmt, "batch": batch,
-                              "context": context, "floor_ms": floor, "weight_bytes": wbytes,
-                              "kv_bytes": kv_bytes(config, batch, context)}
+                              "sampled_rows": sampled, "layout": layout, "context": context, "floor_ms": floor,
+                              "weight_bytes": wbytes, "kv_bytes": kv}
                     tokens = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
-                    want = check_logits(base, tokens, context)
+                    want, exact = check_logits(base, tokens, context, f32, sampled)
+                    ref_err = rel_err(want, exact)  # how far two correct bf16 computations may stray
                     for v, dec in decoders.items():
                         k = dec.kernel
                         k.tokens[:batch] = tokens
-                        k.slots[:batch] = torch.arange(batch, device="cuda", dtype=torch.int32)
-                        k.positions[:batch] = context
+                        k.slots[:batch] = row_slots
+                        k.positions[:batch] = row_positions
                         dec.run_step(batch)
                         torch.cuda.synchronize()
                         dec.check_errors()
-                        # before timing: the same logits as the reference decoder's (a broken variant is no result)
-                        err = ((k.logits[:batch] - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+                        # before timing: as close to the float32 answer as the bf16 reference decoder is (a broken
+                        # variant is no result)
+                        got = k.logits[:sampled]
+                        err, err32 = rel_err(got, want), rel_err(got, exact)
                         res = time_graph(dec._graphs[batch], args.reps)
                         dec.check_errors()
                         name = "megakernel" if v == "default" else f"megakernel[{v}]"
-                        add(records, common, name, res, schedule=k.schedule(batch).describe(), rel_err_vs_reference=err)
-                        if err > 0.05:
-                            print(f"   {name}: logits {err:.3f} away from the reference decoder's: WRONG", flush=True)
+                        add(records, common, name, res, schedule=k.schedule(batch).describe(), rel_err_vs_reference=err,
+                            rel_err_vs_fp32=err32, reference_rel_err_vs_fp32=ref_err)
+                        if err32 > max(0.05, 1.5 * ref_err):
+                            print(f"   {name}: logits {err32:.3f} away from the float32 answer, the bf16 reference "
+                                  f"{ref_err:.3f}: WRONG", flush=True)
                         if v == "default":  # the same step with every row sampling at temperature 1 (in the kernel)
                             k.draw[0, :batch] = torch.ones(batch, device="cuda").view(torch.int32)
                             k.draw[1:, :batch] = torch.randint(-2**31, 2**31 - 1, (2, batch), device="cuda",
@@ -342,7 +483,7 @@ def main() -> None:
                             dec.check_errors()
                             k.draw.zero_()
                             add(records, common, f"{name}, sampling T=1", res)
-                    if not args.no_peers and not fp8:
+                    if not args.no_peers and not fp8 and batch in args.batches:
                         ref: ReferenceDecoder = base.reference
                         x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")]
                         x = x.unsqueeze(1)
@@ -352,14 +493,19 @@ def main() -> None:
                             g = graph_of(lambda: ref.decode_tensors(x, sl, ps, context + 1))  # noqa: B023
                         add(records, common, "reference-cudagraph", time_graph(g, args.reps))
                         del g
-                        if args.compiled_batches is None or batch in args.compiled_batches:
-                            try:  # gpt-fast's static cache: attend over all of it, masked (one compile per batch)
-                                g = compiled_peer(ref, x, sl, ps, max_ctx)
-                                add(records, common, "compiled-pytorch-cudagraph", time_graph(g, args.reps))
+                        if batch in args.compiled_batches and model_name in args.compiled_models:
+                            try:
+                                g, logits = compiled_peer(ref, tokens, context)
+                                res = time_graph(g, args.reps)
+                                peer_err = rel_err(logits[:sampled], exact)
+                                add(records, common, "compiled-pytorch-cudagraph", res, rel_err_vs_fp32=peer_err)
+                                if peer_err > max(0.05, 1.5 * ref_err):
+                                    print(f"   compiled peer: logits {peer_err:.3f} from the float32 answer: WRONG",
+                                          flush=True)
                                 del g
                             except Exception as e:  # noqa: BLE001
                                 print("compiled peer failed:", repr(e)[:500], flush=True)
-                    if hf is not None and not fp8:
+                    if hf is not None and not fp8 and batch in args.batches:
                         try:
                             ms = hf_step_ms(hf, batch, context, config.vocab_size, False)
                             add(records, common, "hf-generate-eager", {"step_ms": ms})
@@ -373,19 +519,21 @@ def main() -> None:
                             except Exception as e:  # noqa: BLE001
                                 print("hf static failed:", repr(e)[:300], flush=True)
                             t_static += time.time() - t0
-                save()
+                    save()
             del decoders, base
             torch.cuda.empty_cache()
-        del weights, hf
+        del weights, hf, f32
         torch.cuda.empty_cache()
     save()
     print(markdown(doc))
+    print(f"decode bench: {time.time() - t_start:.0f} s", flush=True)
 
 
 def markdown(doc: dict) -> str:
     recs = doc["records"]
     backends = list(dict.fromkeys(r["backend"] for r in recs))
-    keys = list(dict.fromkeys((r["model"], r["weights"], r["batch"], r["context"]) for r in recs))
+    keys = list(dict.fromkeys((r["model"], r["weights"], r["batch"], r["context"], r.get("layout", "decode"))
+                              for r in recs))
     bw = doc["bandwidth"]
     lines = [
         f"# Decode step on {doc['device']}",
@@ -395,26 +543,34 @@ def markdown(doc: dict) -> str:
         "Weights are synthetic (seeded random, the real shapes): decode cost does not depend on weight values.",
         "Floor = (weights in their format + K/V of the context) / streaming-read bandwidth. Times in ms per decode "
         "step: the median of CUDA-graph replays (megakernel, reference, compiled PyTorch), or the median interval "
-        "between steps of `generate` (Hugging Face). In brackets: floor / time. The peers run bf16 weights.",
+        "between steps of `generate` (Hugging Face). In brackets: floor / time. The peers run bf16 weights. Rows: "
+        "the step's rows, each at the context, in its own slot (in brackets, those with logits where fewer: the LM "
+        "head's rows); \"mixed\": those rows decode, the others are one prompt's chunk just before the context.",
         "",
-        "| model | weights | batch | context | floor | " + " | ".join(backends) + " |",
+        "| model | weights | rows | context | floor | " + " | ".join(backends) + " |",
         "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in backends) + " |",
     ]
     for key in keys:
-        row = {r["backend"]: r for r in recs if (r["model"], r["weights"], r["batch"], r["context"]) == key}
+        row = {r["backend"]: r for r in recs
+               if (r["model"], r["weights"], r["batch"], r["context"], r.get("layout", "decode")) == key}
         floor = next(iter(row.values()))["floor_ms"]
         cells = [f"{row[b]['step_ms']:.3f} ({100 * row[b]['floor_over_step']:.0f}%)" if b in row else "–"
                  for b in backends]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {floor:.3f} | " + " | ".join(cells) + " |")
+        sampled = next(iter(row.values())).get("sampled_rows", key[2])
+        rows = f"{key[2]} ({sampled})" if sampled < key[2] else f"{key[2]}"
+        rows += " mixed" if key[4] == "mixed" else ""
+        lines.append(f"| {key[0]} | {key[1]} | {rows} | {key[3]} | {floor:.3f} | " + " | ".join(cells) + " |")
     if doc.get("timelines"):
-        lines += ["", "## Per-phase timeline (batch 1, context 128; µs per phase, mean over layers)", "",
-                  "| model | weights | variant | step (µs, kernel-internal) | " +
+        lines += ["", "## Per-phase timeline (context 128; µs per phase, mean over layers)", "",
+                  "| model | weights | variant | rows | step (µs, kernel-internal) | " +
                   " | ".join(o.name for o in Op) + " |",
-                  "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in Op) + " |"]
+                  "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in Op) + " |"]
         for t in doc["timelines"]:
             cells = [f"{t['phases'][o.name]['phase_us']:.2f}" if o.name in t["phases"] else "–" for o in Op]
-            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['step_us']:.1f} | "
+            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['batch']} | {t['step_us']:.1f} | "
                          + " | ".join(cells) + " |")
+    if doc.get("skipped"):
+        lines += ["", "Not run (past the call's budget): " + ", ".join(doc["skipped"]) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -22,9 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-         torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
-
 
 def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
     """The (kernel, args, kwargs) that Megakernel.step would launch for this model and batch bucket."""
@@ -47,10 +44,11 @@ def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
             return launch
 
     real = mk.megakernel
-    mk.megakernel = Launcher(real)  # type: ignore[assignment]
+    mk.megakernel = Launcher(real)
     try:
         dec = MegakernelDecoder(config, w, max_slots=batch, max_context=256, device="cpu", kernel_config=cfg,
-                                use_cuda_graphs=False, weight_format=weights, num_programs=132)
+                                use_cuda_graphs=False, weight_format=weights, num_programs=132, max_rows=batch,
+                                max_batch=min(batch, 16))
         dec.kernel.step(dec.bucket(batch))
     finally:
         mk.megakernel = real
@@ -61,40 +59,27 @@ def compile_sm90(fn, args: tuple, kwargs: dict):  # noqa: ANN001, ANN201
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
 
     names = fn.arg_names
     sig, constexprs, attrs = {}, {}, {}
     opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     kwargs.pop("launch_cooperative_grid", None)
     values = dict(zip(names, args)) | kwargs
-    def typ(v: object) -> str:
-        if isinstance(v, torch.Tensor):
-            return "*" + TYPES[v.dtype]
-        if isinstance(v, bool):
-            return "i1"
-        if isinstance(v, int):
-            return "i32" if -2**31 <= v < 2**31 else "i64"
-        if isinstance(v, float):
-            return "fp32"
-        if hasattr(v, "block_shape"):  # a host-side TensorDescriptor
-            return f"tensordesc<{TYPES[v.base.dtype]}{list(v.block_shape)}>"
-        raise TypeError(type(v))
-
-    def aligned(i: int, v: object) -> None:  # what the launcher specialises on real, 16-byte aligned tensors
-        if isinstance(v, torch.Tensor):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    def aligned(path: tuple[int, ...], v: object) -> None:  # what the launcher specialises on real, 16-byte
+        if isinstance(v, torch.Tensor):                       # aligned tensors, in tuples too
+            attrs[path] = [["tt.divisibility", 16]]
         elif isinstance(v, tuple):
             for j, x in enumerate(v):
-                if isinstance(x, torch.Tensor):
-                    attrs[(i, j)] = [["tt.divisibility", 16]]
+                aligned((*path, j), x)
 
     for i, name in enumerate(names):
         v = values[name]
         if fn.params[i].is_constexpr:
             sig[name], constexprs[(i,)] = "constexpr", v
         else:
-            sig[name] = tuple(typ(x) for x in v) if isinstance(v, tuple) else typ(v)
-            aligned(i, v)
+            sig[name] = mangle_type(v)  # NamedTuples keep their fields; None fields are constexprs
+            aligned((i,), v)
     src = ASTSource(fn=fn, signature=sig, constexprs={names[k[0]]: v for k, v in constexprs.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 

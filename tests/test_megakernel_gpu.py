@@ -1,9 +1,14 @@
-"""The megakernel on a GPU against the reference decoder: the real (synthetic) shapes, 128 teacher-forced steps at
-contexts up to 4096, batch 1 and 8, bf16 and FP8 weights, fresh random weights and inputs every run (the seed is
-reported). A float32 run of the reference decoder is the exact answer both bf16 computations are measured against;
-with FP8 weights both run the same quantized weights (the reference on their dequantized values). Then batch
-invariance (a row's logits are the same bits alone and in any bucket) and the real embedded SmolLM2 weights against
-transformers."""
+"""The megakernel on a GPU against the reference decoder: the real (synthetic) shapes, teacher-forced steps at
+contexts up to 4096, bf16 and FP8 weights, fresh random weights and inputs every run (the seed is reported). A
+float32 run of the reference decoder is the exact answer both bf16 computations are measured against; with FP8
+weights both run the same quantized weights (the reference on their dequantized values). Then a mixed step of 64
+rows (prompt chunks beside decode rows), batch invariance (a row's logits are the same bits alone and in any
+bucket), and the real embedded SmolLM2 weights against transformers.
+
+The whole file runs in about three minutes on an H100, most of it compiling one kernel per (shape, row bucket,
+weight format): the cases are chosen so that they share compiles (bench/NOTES.md, "GPU suite"). The reference
+decoders here prefill eagerly: capturing their prefill graphs (54 per decoder at a 4,096-token context) was most of
+the file's time and is not what it tests."""
 
 from __future__ import annotations
 
@@ -18,8 +23,16 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 MAX_CONTEXT = 4096
-STEPS = 128
+STEPS = 24
 TOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _eager_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.backends.reference import ReferenceDecoder
+
+    monkeypatch.setattr(ReferenceDecoder, "_capture_prefill_graphs",
+                        lambda self: setattr(self, "graph_prefill", False))
 
 
 def _rel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -71,18 +84,26 @@ def _check(shape: str, batch: int, weight_format: str = "bf16", steps: int = STE
             "argmax_agree_fp32_mk": agree_mk / (steps * batch), "argmax_agree_fp32_ref": agree_ref / (steps * batch)}
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
-@pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-1.5b", "smollm2-135m"])
+def _as_good_as_the_reference(r: dict) -> bool:
+    """Within 2e-2 of the bf16 reference, or, where two bf16 computations of these random-weight models drift
+    further apart than that (the reference's own distance to the float32 answer exceeds 2e-2 for the llama and
+    qwen shapes), at least as close to the float32 answer as the bf16 reference is."""
+    as_good = r["worst_mk_vs_fp32"] <= max(TOL, 1.2 * r["worst_ref_vs_fp32"]) and \
+        r["mean_mk_vs_fp32"] <= max(TOL, 1.1 * r["mean_ref_vs_fp32"])
+    return r["worst_vs_ref"] < TOL or as_good
+
+
+# (shape, rows, weights): Llama at 8 rows in both formats (the invariance test below reuses their compiles), Qwen
+# (QKV bias, 6 query heads a KV head, head_dim 128) at 8, SmolLM2 (hidden 576: ragged k chunks) at 1 row
+CASES = [("llama-3.2-1b", 8, "bf16"), ("llama-3.2-1b", 8, "fp8"), ("qwen2.5-1.5b", 8, "bf16"),
+         ("smollm2-135m", 1, "bf16")]
+
+
+@pytest.mark.parametrize(("shape", "batch", "weight_format"), CASES)
 def test_megakernel_matches_reference_on_gpu(shape: str, batch: int, weight_format: str) -> None:
     r = _check(shape, batch, weight_format)
     print(shape, batch, weight_format, r)
-    # Within 2e-2 of the bf16 reference, or, where two bf16 computations of these random-weight models drift
-    # further apart than that (the reference's own distance to the float32 answer exceeds 2e-2 for the llama and
-    # qwen shapes), at least as close to the float32 answer as the bf16 reference is.
-    as_good = r["worst_mk_vs_fp32"] <= max(TOL, 1.2 * r["worst_ref_vs_fp32"]) and \
-        r["mean_mk_vs_fp32"] <= max(TOL, 1.1 * r["mean_ref_vs_fp32"])
-    assert r["worst_vs_ref"] < TOL or as_good, r
+    assert _as_good_as_the_reference(r), r
     assert r["argmax_consistent"], r
     assert r["argmax_agree_fp32_mk"] >= r["argmax_agree_fp32_ref"] - 0.1, r
 
@@ -147,9 +168,11 @@ def test_megakernel_samples_from_the_softmax_on_gpu() -> None:
 
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
 def test_a_row_gets_the_same_bits_alone_and_in_any_bucket(weight_format: str) -> None:
-    """Batch invariance (KernelConfig(batch_invariant=True)): a sequence's logits, and so its greedy tokens, are
-    bit-for-bit the same whether it decodes alone or among 1, 3 or 7 other sequences, at a short context and at one
-    that splits attention; and two replays of the same step agree bit for bit (no atomics in the arithmetic)."""
+    """Batch invariance (KernelConfig(batch_invariant=True), every step padded to max_rows = 8): a sequence's
+    logits, and so its greedy tokens, are bit-for-bit the same whether it decodes alone or among 1, 3 or 7 other
+    sequences, at a short context and at one that splits attention; two replays of the same step agree bit for bit
+    (no atomics in the arithmetic); and a prompt's last logits are the same bits whether its 8 rows ran in one step
+    or in two chunks of 4."""
     from kernels.megakernel import KernelConfig
     from service.backends.megakernel import MegakernelDecoder
     from service.model.synthetic import load_synthetic
@@ -157,9 +180,18 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_bucket(weight_format: str) ->
     seed = int.from_bytes(os.urandom(4), "little")
     config, weights, _ = load_synthetic("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, seed=seed)
     mk = MegakernelDecoder(config, weights, max_slots=8, max_context=MAX_CONTEXT, weight_format=weight_format,
-                           kernel_config=KernelConfig(batch_invariant=True))
+                           kernel_config=KernelConfig(batch_invariant=True), max_rows=8)
     del weights
     g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (8,), generator=g).tolist()
+    start = 2000  # on top of a cached prefix, copied into a second slot
+    mk.prefill(0, torch.randint(0, config.vocab_size, (start,), generator=g).tolist())
+    mk.copy_prefix(0, 1, start)
+    positions = list(range(start, start + 8))
+    one_step = mk.decode([0] * 8, prompt[7:] + prompt[:7], positions[7:] + positions[:7], sampled_rows=1).logits[0]
+    mk.decode([1] * 4, prompt[:4], positions[:4], sampled_rows=0)
+    chunked = mk.decode([1] * 4, prompt[7:] + prompt[4:7], positions[7:] + positions[4:7], sampled_rows=1).logits[0]
+    assert torch.equal(one_step, chunked), (seed, "chunked", (one_step - chunked).abs().max().item())
     for n in (100, 3000):
         lens = [n] + torch.randint(1, MAX_CONTEXT - 8, (7,), generator=g).tolist()
         for s, m in enumerate(lens):
@@ -175,6 +207,61 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_bucket(weight_format: str) ->
     mk.check_errors()
 
 
+def test_mixed_64_row_step_matches_reference_on_gpu() -> None:
+    """A 64-row step at the Llama-3.2-1B shape (bf16): six decode rows at contexts up to 4,000, the 30 new tokens
+    of a prompt on top of a 1,000-token cached prefix, and a fresh 28-token prompt; the 8 rows that need a token
+    first (sampled_rows=8). Its logits, and those of the 8 decode steps after it (which attend over the K/V it
+    wrote), as close to the float32 reference as the bf16 reference decoder running the same rows is."""
+    from service.backends.megakernel import MegakernelDecoder
+    from service.backends.reference import ReferenceDecoder
+    from service.model.synthetic import load_synthetic
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    config, weights, _ = load_synthetic("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, seed=seed)
+    mk = MegakernelDecoder(config, weights, max_slots=8, max_context=MAX_CONTEXT, max_batch=8, max_rows=64)
+    del weights
+    ref = ReferenceDecoder(config, mk.reference.weights, 9, MAX_CONTEXT, "cuda", torch.bfloat16)
+    f32 = ReferenceDecoder(config, mk.reference.weights.to("cuda", torch.float32), 9, MAX_CONTEXT, "cuda",
+                           torch.float32)
+    decoders = (mk, ref, f32)
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
+
+    lens = [4000] + torch.randint(1, 3500, (5,), generator=g).tolist() + [1000]
+    for s, n in enumerate(lens):
+        prompt = ids(n)
+        for d in decoders:
+            d.prefill(s, prompt)
+    chunk, fresh = ids(30), ids(28)
+    rows = [(s, t, lens[s]) for s, t in zip(range(6), ids(6))] + [(6, chunk[-1], 1029), (7, fresh[-1], 27)]
+    rows += [(6, t, 1000 + i) for i, t in enumerate(chunk[:-1])] + [(7, t, i) for i, t in enumerate(fresh[:-1])]
+    assert len(rows) == 64
+    sl, tk, ps = (list(x) for x in zip(*rows))
+    got = [mk.decode(sl, tk, ps, sampled_rows=8).logits]
+    want = [ref.decode(sl, tk, ps).logits[:8]]
+    exact = [f32.decode(sl, tk, ps).logits[:8]]
+    pos = [*(lens[s] + 1 for s in range(6)), 1030, 28]
+    for _ in range(8):
+        toks = ids(8)
+        got.append(mk.decode(list(range(8)), toks, pos).logits)
+        want.append(ref.decode(list(range(8)), toks, pos).logits)
+        exact.append(f32.decode(list(range(8)), toks, pos).logits)
+        pos = [p + 1 for p in pos]
+    mk.check_errors()
+    d_ref = torch.stack([_rel(a, b) for a, b in zip(got, want)])
+    e_mk = torch.stack([_rel(a, c) for a, c in zip(got, exact)])
+    e_ref = torch.stack([_rel(b, c) for b, c in zip(want, exact)])
+    r = {"seed": seed, "worst_vs_ref": d_ref.max().item(), "worst_mk_vs_fp32": e_mk.max().item(),
+         "worst_ref_vs_fp32": e_ref.max().item(), "mean_mk_vs_fp32": e_mk.mean().item(),
+         "mean_ref_vs_fp32": e_ref.mean().item(), "mixed_step_mk_vs_fp32": e_mk[0].max().item(),
+         "mixed_step_ref_vs_fp32": e_ref[0].max().item()}
+    print("mixed 64 rows", r)
+    assert all(torch.isfinite(x).all() for x in got), r
+    assert _as_good_as_the_reference(r), r
+
+
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
     "List three colours.", "How many legs does a spider have?", "Say hello in Spanish.",
@@ -184,10 +271,14 @@ PROMPTS = [
 
 
 def test_real_weights_greedy_text_against_transformers() -> None:
-    """The embedded SmolLM2-135M GGUF (real weights): each prompt's 32 greedy tokens from the megakernel (bf16, the
-    engine's kernel configuration) against transformers in float32 on the same file, as close as the bf16 reference
-    decoder is; and every prompt decoded in one batch gets the same tokens as alone."""
+    """The embedded SmolLM2-135M GGUF (real weights): each prompt's 32 greedy tokens from the megakernel (bf16,
+    batch-invariant) against transformers in float32 on the same file, as close as the bf16 reference decoder is;
+    and every prompt decoded in one batch of 10 gets the same tokens as alone (what batch invariance promises).
+    Without batch invariance (the engine's default) a row's sums depend on its bucket's tiles, and batched greedy
+    text may part from the text alone where two tokens are close: reported, not asserted (7 of 10 the same on
+    the H100 in issue 22's run)."""
     transformers = pytest.importorskip("transformers")
+    from kernels.megakernel import KernelConfig
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model.loader import default_model_path, load_model
@@ -201,8 +292,11 @@ def test_real_weights_greedy_text_against_transformers() -> None:
     for p in ids:
         out = hf.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new)
         want.append(out[0, len(p):].tolist())
-    mk = MegakernelDecoder(model.config, model.weights, max_slots=len(PROMPTS), max_context=512)
-    ref = ReferenceDecoder(model.config, model.weights, len(PROMPTS), 512, "cuda", torch.bfloat16)
+    n = len(PROMPTS)
+    invariant = MegakernelDecoder(model.config, model.weights, max_slots=n, max_context=512, max_rows=16,
+                                  kernel_config=KernelConfig(batch_invariant=True))
+    mk = MegakernelDecoder(model.config, model.weights, max_slots=n, max_context=512, max_rows=16)
+    ref = ReferenceDecoder(model.config, model.weights, n, 512, "cuda", torch.bfloat16)
 
     def greedy(dec, rows: list[int]) -> list[list[int]]:  # noqa: ANN001
         toks = [[int(dec.prefill(r, ids[r]).argmax())] for r in rows]
@@ -217,15 +311,19 @@ def test_real_weights_greedy_text_against_transformers() -> None:
         prefix = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), n_new) / n_new for g, w in zip(got, want)]
         return same, sum(prefix) / len(prefix)
 
-    alone = [greedy(mk, [r])[0] for r in range(len(PROMPTS))]
-    batched = greedy(mk, list(range(len(PROMPTS))))
-    ref_alone = [greedy(ref, [r])[0] for r in range(len(PROMPTS))]
+    alone = [greedy(invariant, [r])[0] for r in range(n)]
+    batched = greedy(invariant, list(range(n)))
+    ref_alone = [greedy(ref, [r])[0] for r in range(n)]
     mk_same, mk_prefix = agreement(alone)
     ref_same, ref_prefix = agreement(ref_alone)
     same_batched = sum(a == b for a, b in zip(alone, batched))
+    default_alone = [greedy(mk, [r])[0] for r in range(n)]
+    default_batched = greedy(mk, list(range(n)))
     print({"megakernel_identical": mk_same, "megakernel_shared_prefix": mk_prefix, "reference_identical": ref_same,
-           "reference_shared_prefix": ref_prefix, "megakernel_same_alone_and_batched": same_batched,
-           "prompts": len(PROMPTS)})
+           "reference_shared_prefix": ref_prefix, "invariant_same_alone_and_batched": same_batched,
+           "default_same_alone_and_batched": sum(a == b for a, b in zip(default_alone, default_batched)),
+           "default_identical_to_transformers": agreement(default_alone)[0], "prompts": n})
+    invariant.check_errors()
     mk.check_errors()
     assert mk_same >= ref_same - 1 and mk_prefix >= ref_prefix - 0.1, (mk_same, mk_prefix, ref_same, ref_prefix)
-    assert same_batched == len(PROMPTS), (alone, batched)
+    assert same_batched == n, (alone, batched)

@@ -71,6 +71,36 @@ def test_megakernel_draws_match_the_drawing_function_in_interpreter() -> None:
     assert r["distinct_over_seeds"] >= 3, r
 
 
+MIXED = {
+    # name: (qkv_bias, heads, kv heads, head_dim, hidden, vocab, attention splits of the wide bucket)
+    "mixed-llama": (False, 4, 2, 16, 64, 256, 2),  # split-and-merge attention over the chunks
+    "mixed-qwen": (True, 12, 2, 128, 128, 200, 1),  # Qwen2.5's head layout: bias, 6 query heads a KV head (padded
+    # to 8), head_dim 128; a ragged LM-head tail
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXED))
+def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
+    """A step of 18 rows (the 32-row bucket): two decode rows, the 7 new tokens of a prompt on top of a cached
+    prefix and a fresh 9-token prompt, ordered as the engine orders them (the rows that need a token first:
+    decode rows and each prompt's last row, sampled_rows=4; the prompts' other rows after them). Against the
+    reference decoder running the same rows: the 4 rows' logits, greedy tokens and drawn tokens (Gumbel-max over
+    the kernel's own logits), every row's K/V, and the next step's logits, which attend over all of it. Then the
+    fresh prompt again in another slot, split over two steps (a chunk boundary): the same K/V and last logits as
+    in one step."""
+    r = _run(case)
+    assert r["rows"] == 18 and r["sampled_rows"] == 4, r
+    for step in ("mixed", "next", "chunked"):
+        assert r[step]["rel_err"] < 1e-4, (r["seed"], step, r[step])
+        assert r[step]["argmax"] == r[step]["ref_argmax"], (r["seed"], step, r[step])
+    assert r["mixed"]["logits_rows"] == 4, r
+    assert r["kv_err"] < 1e-4 and r["chunked_kv_err"] < 1e-4, r
+    assert r["sampled"] == r["expected_sampled"], r
+    assert r["sampled"][0] == r["mixed"]["argmax"][0] and r["sampled"][1:] != r["mixed"]["argmax"][1:], r
+    assert r["chunked"]["vs_one_step"] < 1e-5, r
+    assert r["refused"] == ["too many rows", "too many sampled rows"], r
+
+
 # ------------------------------------------------------------------------------------------------------------
 # what runs inside the interpreter process
 
@@ -215,8 +245,116 @@ def _check(case: str) -> dict:
     return {"case": case, "seed": seed, "steps": steps}
 
 
+def _random_model(c, g):  # noqa: ANN001, ANN202
+    """Fresh random weights (never zeros) for config c."""
+    import torch
+
+    from service.model.weights import LayerWeights, ModelWeights
+
+    def r(*shape: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    h, f, q, kv, bias = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.qkv_bias
+    layers = [
+        LayerWeights(attn_norm=1 + r(h), wq=r(q, h), wk=r(kv, h), wv=r(kv, h), wo=r(h, q), mlp_norm=1 + r(h),
+                     w_gate=r(f, h), w_up=r(f, h), w_down=r(h, f), bq=r(q) if bias else None,
+                     bk=r(kv) if bias else None, bv=r(kv) if bias else None)
+        for _ in range(c.num_layers)
+    ]
+    embed = r(c.vocab_size, h, std=1.0)
+    return ModelWeights(embed=embed, layers=layers, final_norm=1 + r(h), lm_head=embed)
+
+
+def _check_mixed(case: str) -> dict:
+    import torch
+
+    from kernels.megakernel import KernelConfig
+    from kernels.sampling import draw
+    from service.backends.decoder import Draw
+    from service.backends.megakernel import MegakernelDecoder
+    from service.backends.reference import ReferenceDecoder
+    from service.model.config import ModelConfig, RopeScaling
+
+    bias, heads, kv_heads, head_dim, hidden, vocab, splits = MIXED[case]
+    c = ModelConfig(
+        name=f"tiny-{case}", architecture="qwen2" if bias else "llama", hidden_size=hidden, num_layers=2,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden, vocab_size=vocab,
+        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096, qkv_bias=bias,
+        rope_scaling=None if bias else RopeScaling(8.0, 1.0, 4.0, 64),
+    )
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    w = _random_model(c, g)
+    slots_total, context = 6, 128
+    ref = ReferenceDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32)
+    mk = MegakernelDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32, max_batch=4, max_rows=32,
+                           kernel_config=KernelConfig(split_min_chunks=1))  # positions past 64 split in two
+    mk.kernel.attn_splits = {32: splits, 8: 1}
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def both(fn):  # noqa: ANN001, ANN202
+        return fn(ref), fn(mk)
+
+    # slots 0 and 1 decode; slot 2 holds a cached prefix and gets 7 new tokens; slot 3 gets a fresh 9-token prompt
+    lens = [int(torch.randint(40, 90, (1,), generator=g)), int(torch.randint(5, 40, (1,), generator=g)), 30]
+    for s, n in enumerate(lens):
+        prompt = ids(n)
+        both(lambda d: d.prefill(s, prompt))  # noqa: B023
+    new2, fresh = ids(7), ids(9)
+    decode_toks = ids(2)
+    # the rows that need a token first: the decode rows, then each prompt's last row; then the prompts' other rows
+    rows = [(0, decode_toks[0], lens[0]), (1, decode_toks[1], lens[1]), (2, new2[-1], 36), (3, fresh[-1], 8)]
+    rows += [(2, t, 30 + i) for i, t in enumerate(new2[:-1])] + [(3, t, i) for i, t in enumerate(fresh[:-1])]
+    sl, tk, ps = (list(x) for x in zip(*rows))
+    seeds = torch.randint(0, 2**62, (4,), generator=g).tolist()
+    # hot enough that a drawn token is almost never the greedy one: the draws must land on their rows
+    draws = [Draw(0.0, seeds[0]), Draw(50.0, seeds[1]), Draw(80.0, seeds[2]), Draw(100.0, seeds[3])]
+    a = ref.decode(sl, tk, ps)
+    b = mk.decode(sl, tk, ps, draws, sampled_rows=4)
+
+    def compare(a, b, n: int) -> dict:  # noqa: ANN001
+        x, y = a.logits[:n], b.logits
+        return {"rel_err": ((x - y).norm() / x.norm()).item(), "argmax": b.argmax.tolist(),
+                "ref_argmax": a.argmax[:n].tolist(), "logits_rows": len(y)}
+
+    def kv_err(d_slot: int, positions: range, other=ref, o_slot: int | None = None) -> float:  # noqa: ANN001
+        o_slot = d_slot if o_slot is None else o_slot
+        p = list(positions)
+        return max((other.cache.k[:, o_slot, :, p] - mk.reference.cache.k[:, d_slot, :, p]).abs().max().item(),
+                   (other.cache.v[:, o_slot, :, p] - mk.reference.cache.v[:, d_slot, :, p]).abs().max().item())
+
+    out = {"case": case, "seed": seed, "rows": len(rows), "sampled_rows": len(b.logits), "mixed": compare(a, b, 4)}
+    out["sampled"] = b.sampled.tolist()
+    out["expected_sampled"] = draw(b.logits, torch.tensor([d.temperature for d in draws]), torch.tensor(seeds),
+                                   torch.tensor(ps[:4])).tolist()
+    out["kv_err"] = max(kv_err(0, range(lens[0], lens[0] + 1)), kv_err(1, range(lens[1], lens[1] + 1)),
+                        kv_err(2, range(0, 37)), kv_err(3, range(0, 9)))
+    # the next step: every sequence decodes, over the K/V the mixed step wrote
+    nxt = ids(4)
+    sl2, ps2 = [0, 1, 2, 3], [lens[0] + 1, lens[1] + 1, 37, 9]
+    out["next"] = compare(ref.decode(sl2, nxt, ps2), mk.decode(sl2, nxt, ps2), 4)
+    # the fresh prompt again in slot 4, over two steps: 5 rows that sample nothing, then 4 with the last one first
+    mk.decode([4] * 5, fresh[:5], list(range(5)), sampled_rows=0)
+    second = mk.decode([4] * 4, [fresh[8]] + fresh[5:8], [8, 5, 6, 7], sampled_rows=1)
+    ref.decode([4] * 9, fresh, list(range(9)))
+    out["chunked"] = compare(ref.decode([4], [fresh[8]], [8]), second, 1)
+    out["chunked"]["vs_one_step"] = ((second.logits[0] - b.logits[3]).norm() / b.logits[3].norm()).item()
+    out["chunked_kv_err"] = kv_err(4, range(0, 9), other=mk.reference, o_slot=3)
+    refused = []
+    for what, kwargs in (("too many rows", {"n": 33}), ("too many sampled rows", {"n": 6, "sampled_rows": 5})):
+        n = kwargs.pop("n")
+        try:
+            mk.decode([5] * n, ids(n), list(range(n)), **kwargs)
+        except ValueError:
+            refused.append(what)
+    out["refused"] = refused
+    return out
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     what = sys.argv[1]
     check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws}.get(what)
-    print(json.dumps(check() if check else _check(what)))
+    print(json.dumps(check() if check else _check_mixed(what) if what in MIXED else _check(what)))

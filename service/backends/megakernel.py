@@ -1,11 +1,16 @@
-"""The megakernel backend: one persistent Triton launch per decode step (kernels/), behind the Decoder interface.
+"""The megakernel backend: one persistent Triton launch per step (kernels/), behind the Decoder interface.
 
-Prefill stays in PyTorch (the ReferenceDecoder, compute-bound work that cuBLAS and SDPA do well), writing into
-the same KV cache the kernel reads. The weights are packed once into the layer-stacked layout the kernel reads
-(service/backends/packing.py); with bf16 weights the reference decoder sees views of those same tensors, with FP8
-it runs on their dequantized copy.
+A step is a list of rows (slot, token, position): decode rows beside the rows of new prompts (several rows of one
+sequence at consecutive positions attend causally among themselves, over the slot's cached K/V). The rows that
+need a token (decode rows, the last row of each prompt) come first; only those go through the LM head and the
+sampling (`sampled_rows`), at most `max_batch` of them a step.
 
-Decode pads the batch to the next bucket (1, 2, 4, 8, 16) with rows that write into a spare scratch slot, and
+Prefill also stays available in PyTorch (the ReferenceDecoder, compute-bound work that cuBLAS and SDPA do well),
+writing into the same KV cache the kernel reads. The weights are packed once into the layer-stacked layout the
+kernel reads (service/backends/packing.py); with bf16 weights the reference decoder sees views of those same
+tensors, with FP8 it runs on their dequantized copy.
+
+A step pads its rows to the next bucket (1, 2, 4, ..., 64) with rows that write into a spare scratch slot, and
 on a GPU replays one CUDA graph per bucket.
 """
 
@@ -41,7 +46,10 @@ class MegakernelDecoder:
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
                  num_programs: int | None = None, kernel_config: KernelConfig | None = None,
                  use_cuda_graphs: bool | None = None, weight_format: str = "bf16",
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, max_rows: int | None = None) -> None:
+        """max_batch: rows a step samples at most (its decode batch; default max_slots); max_rows: rows a step
+        carries at most, prompt rows included (default and limit: the largest bucket, 64). With
+        kernel_config.batch_invariant every step pads to max_rows."""
         from kernels.instructions import ModelDims
         from kernels.megakernel import Megakernel
         from service.backends.packing import pack_fp8, pack_weights
@@ -67,17 +75,24 @@ class MegakernelDecoder:
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
             vocab=config.vocab_size, rms_eps=config.rms_norm_eps, qkv_bias=config.qkv_bias,
         )
-        self._build_kernel(dims, packed, self.bucket_of(max_batch or max_slots, Megakernel.BUCKETS), num_programs,
-                           kernel_config, use_cuda_graphs)
+        top = Megakernel.BUCKETS[-1]
+        rows = top if max_rows is None else max_rows
+        if not 1 <= rows <= top:
+            raise ValueError(f"max_rows must be within 1..{top}, not {max_rows}")
+        self._build_kernel(dims, packed, rows, min(max_batch or max_slots, rows), num_programs, kernel_config,
+                           use_cuda_graphs)
 
-    def _build_kernel(self, dims: ModelDims, packed: PackedWeights, max_batch: int, num_programs: int | None,
-                      kernel_config: KernelConfig | None, use_cuda_graphs: bool | None) -> None:
+    def _build_kernel(self, dims: ModelDims, packed: PackedWeights, max_rows: int, max_sampled: int,
+                      num_programs: int | None, kernel_config: KernelConfig | None,
+                      use_cuda_graphs: bool | None) -> None:
         from kernels.megakernel import Megakernel
 
         cache = self.reference.cache
         self.kernel = Megakernel(dims, packed, cache.k, cache.v, self.reference.cos, self.reference.sin,
-                                 max_batch=max_batch, num_programs=num_programs, config=kernel_config)
-        self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.max_batch)
+                                 max_rows=max_rows, max_sampled=max_sampled, num_programs=num_programs,
+                                 config=kernel_config)
+        self.max_rows, self.max_batch = self.kernel.max_rows, self.kernel.max_sampled
+        self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.bpad)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # one host buffer for the int32 input rows (tokens, slots, positions, the draw's three), one transfer
@@ -96,7 +111,7 @@ class MegakernelDecoder:
         without a copy of the model each)."""
         other = copy.copy(self)
         k = self.kernel
-        other._build_kernel(k.dims, k.w, k.max_batch, k.num_programs, kernel_config, use_cuda_graphs)
+        other._build_kernel(k.dims, k.w, k.max_rows, k.max_sampled, k.num_programs, kernel_config, use_cuda_graphs)
         return other
 
     # -- the Decoder interface ------------------------------------------------------------------------
@@ -118,25 +133,30 @@ class MegakernelDecoder:
 
     @staticmethod
     def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
-        """The smallest bucket that holds n rows (the largest bucket for more: decode runs those in pieces)."""
-        return next((b for b in buckets if b >= n), buckets[-1])
+        """The smallest bucket that holds n rows."""
+        return next(b for b in buckets if b >= n)
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None) -> DecodeOutput:
+               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+        """One step of rows (slots[i], token_ids[i], positions[i]): decode rows and prompt rows alike, several rows
+        of a slot at consecutive positions attending causally among themselves. The first `sampled_rows` rows
+        (None: all) get logits, a greedy token and, with `draws` (one per row, or per sampled row), a drawn one;
+        the others only write their K/V. At most max_rows rows, at most max_batch of them sampled."""
         n = len(slots)
-        if not (n == len(token_ids) == len(positions)) or n == 0 or (draws is not None and len(draws) != n):
-            raise ValueError("decode needs one slot, token and position (and draw, if any) per sequence")
+        if not (n == len(token_ids) == len(positions)) or n == 0:
+            raise ValueError("decode needs one slot, token and position per row")
+        if n > self.max_rows:
+            raise ValueError(f"a step carries at most {self.max_rows} rows, not {n}")
+        m = n if sampled_rows is None else sampled_rows
+        if not 0 <= m <= n:
+            raise ValueError(f"sampled_rows must be within 0..{n}, not {sampled_rows}")
+        if m > self.max_batch:
+            raise ValueError(f"a step samples at most {self.max_batch} rows (max_batch), not {m}")
+        if draws is not None and len(draws) not in (n, m):
+            raise ValueError(f"{len(draws)} draws for {n} rows of which {m} sample")
         if max(positions) >= self.max_context or min(positions) < 0:
             raise ValueError(f"a position is outside the context of {self.max_context}")
-        top = self.buckets[-1]
-        if n > top:  # more sequences than the largest bucket: run it in pieces
-            parts = [self.decode(slots[i:i + top], token_ids[i:i + top], positions[i:i + top],
-                                 None if draws is None else draws[i:i + top])
-                     for i in range(0, n, top)]
-            sampled = [p.sampled for p in parts if p.sampled is not None]
-            return DecodeOutput(torch.cat([p.logits for p in parts]), torch.cat([p.argmax for p in parts]),
-                                None if draws is None else torch.cat(sampled))
         b = self.bucket(n)
         pad = b - n
         if self._copied is not None:
@@ -146,13 +166,13 @@ class MegakernelDecoder:
             self._host[0, :b] = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.int32)
         self._host[1, :b] = torch.tensor(list(slots) + [self.scratch_slot] * pad, dtype=torch.int32)
         self._host[2, :b] = torch.tensor(list(positions) + [0] * pad, dtype=torch.int32)
-        self._host[3:, :b] = 0  # padding rows and greedy requests: temperature 0
-        if draws is not None:
-            temps = torch.tensor([max(0.0, d.temperature) for d in draws], dtype=torch.float32)
-            self._host[3, :n] = temps.view(torch.int32)
+        self._host[3:, :b] = 0  # padding rows, rows that do not sample and greedy requests: temperature 0
+        if draws is not None and m > 0:
+            temps = torch.tensor([max(0.0, d.temperature) for d in draws[:m]], dtype=torch.float32)
+            self._host[3, :m] = temps.view(torch.int32)
             from kernels.sampling import seed_words
 
-            self._host[4:, :n] = seed_words(torch.tensor([d.seed for d in draws])).T
+            self._host[4:, :m] = seed_words(torch.tensor([d.seed for d in draws[:m]])).T
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:
             assert isinstance(token_ids, torch.Tensor)
@@ -160,8 +180,8 @@ class MegakernelDecoder:
         if self._copied is not None:
             self._copied.record()
         self.run_step(b)
-        return DecodeOutput(self.kernel.logits[:n].clone(), self.kernel.argmax[:n].clone(),
-                            None if draws is None else self.kernel.sampled[:n].clone())
+        return DecodeOutput(self.kernel.logits[:m].clone(), self.kernel.argmax[:m].clone(),
+                            None if draws is None else self.kernel.sampled[:m].clone())
 
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
         from kernels.sampling import draw
