@@ -100,7 +100,11 @@ def test_tool_choice_none_keeps_the_prompt(smollm2: Tokenizer) -> None:
     only the choice does (its K/V stay reusable)."""
     messages = [{"role": "user", "content": "hi"}]
     assert rendered(smollm2, request(messages, tool_choice="none")) == rendered(smollm2, request(messages))
-    assert ChatTools.of(smollm2, request(messages, tool_choice="none")).parser() is None
+    parser = ChatTools.of(smollm2, request(messages, tool_choice="none")).parser()
+    assert parser is not None  # it reads calls of no tool: a call the model writes all the same is no call
+    parser.feed(HERMES.write("get_weather", {"city": "Paris"}))
+    parser.finish()
+    assert parser.calls == []
 
 
 @pytest.mark.parametrize("template", [None, QWEN_LIKE], ids=["hermes", "native"])
