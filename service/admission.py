@@ -135,6 +135,10 @@ class AdmissionController:
         joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon)
         t_nth = joined[id(req)]
         if req.deadline is not None and t_nth > req.deadline:
+            if not active:  # an idle server refusing: say why (at most every PROBE_EVERY_S: a probe or not)
+                log.info("idle server: %s predicted %.1f ms to its SLA token (%.1f ms since arrival, forecast x "
+                         "%.3f: bias %.3f, margin %.3f)", req.id, (t_nth - req.arrival) * 1e3,
+                         (now - req.arrival) * 1e3, stretch, self.bias, self.margin)
             if active or not self._probe(req, t_nth, now):
                 raise Rejected("overloaded" if active else "sla_unmeetable",
                                f"the server cannot deliver {req.sla_token_index} tokens within "

@@ -43,7 +43,19 @@ class ServeConfig(BaseSettings):
                                  "prompt begins with cached tokens prefills only the rest; idle ones are evicted "
                                  "least recently used); at least --max-batch. Unset: on a GPU, as many as half the "
                                  "memory left after the weights holds (at most 64); on the CPU, --max-batch")
+    max_rows: int | None = Field(None, ge=1, description="the token budget of a step: rows it carries, decode "
+                                 "rows and prompt tokens riding beside them (a longer prompt is chunked over steps); "
+                                 "at least --max-batch. Unset: the backend's (64)")
     max_context: int = Field(2048, description="tokens per slot, prompt + output")
+    calibration_budget_s: float | None = Field(None, gt=0, description="at most this long (roughly) timing steps and "
+                                               "prefills at start-up, the points that matter first; the rest is "
+                                               "predicted, then learned from the steps served. Unset: 3 s on the "
+                                               "CPU, 10 s on a GPU, less what start-up took past 14 s (CPU) or 29 s "
+                                               "(GPU) so far; at least 1 s")
+    calibration_cache: str | None = Field(None, description="directory of the start-up calibration's cache (one "
+                                          "file per device, model, weight format and step limits: a restart times "
+                                          "one step instead of the sweep); off: no cache. Unset: "
+                                          "$XDG_CACHE_HOME/parley/calibration or ~/.cache/parley/calibration")
     sla_ms: float = Field(100.0, description="the deadline of the SLA token, in ms from arrival")
     sla_tokens: int = Field(64, description="which token the SLA is about (the Nth)")
     strict_sla: bool = Field(False, description="refuse what cannot meet the SLA even where no request could "
@@ -71,6 +83,14 @@ class ServeConfig(BaseSettings):
         if kv_slots is not None and max_batch is not None and kv_slots < max_batch:
             raise ValueError(f"must be at least --max-batch ({max_batch}): every request decoding holds a slot")
         return kv_slots
+
+    @field_validator("max_rows")
+    @classmethod
+    def _carries_a_batch(cls, max_rows: int | None, info: ValidationInfo) -> int | None:
+        max_batch = info.data.get("max_batch")
+        if max_rows is not None and max_batch is not None and max_rows < max_batch:
+            raise ValueError(f"must be at least --max-batch ({max_batch}): every request decoding has a row a step")
+        return max_rows
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], ServeConfig]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -15,14 +17,15 @@ from service.admission import AdmissionController
 from service.backends import make_decoder, resolve_backend
 from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
+from service.calibration import cache_dir_of, cache_key, calibrated, default_budget, run_every_step_shape
 from service.config import ServeConfig
 from service.engine.admission import AdmitAll
-from service.engine.engine import Engine
+from service.engine.engine import DEFAULT_MAX_ROWS, Engine
 from service.engine.grammar import grammars, json_rule
 from service.engine.kv_slots import COPY_MIN_TOKENS
 from service.engine.request import SamplingParams
 from service.engine.sampler import TokenConstraint
-from service.latency_model import LatencyModel, calibrate_robustly
+from service.latency_model import LatencyModel
 from service.metrics import Metrics
 from service.model.config import ModelConfig
 from service.model.loader import Model, load_model
@@ -52,10 +55,16 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     log.info("loaded %s (%s) in %.1f s", cfg.model, model.config.name, time.perf_counter() - t0)
     max_context = min(cfg.max_context, model.config.max_position_embeddings)
     kv_slots = cfg.kv_slots or default_kv_slots(model.config, max_context, cfg.max_batch, device, dtype)
+    max_rows = max(cfg.max_rows or DEFAULT_MAX_ROWS, cfg.max_batch)
     decoder = make_decoder(backend, model.config, model.weights, kv_slots, max_context, device,
-                           weight_format=cfg.weights, max_batch=cfg.max_batch, batch_invariant=cfg.batch_invariant)
-    log.info("%d KV slots of %d tokens (cached conversations), decoding up to %d requests together", kv_slots,
-             max_context, cfg.max_batch)
+                           weight_format=cfg.weights, max_batch=cfg.max_batch, batch_invariant=cfg.batch_invariant,
+                           max_rows=max_rows)
+    carries = getattr(decoder, "max_rows", None)  # the most rows the backend's step takes (the megakernel's tiles)
+    if carries is not None and max_rows > carries:
+        log.warning("--max-rows %d: the %s backend carries at most %d rows a step", max_rows, backend, carries)
+        max_rows = carries
+    log.info("%d KV slots of %d tokens (cached conversations), decoding up to %d requests together, %d rows a step",
+             kv_slots, max_context, cfg.max_batch, max_rows)
     faults = None
     if cfg.step_delay_ms or cfg.fail_step or cfg.hang_step:
         # The delay applies from the start (calibration must see it); --fail-step/--hang-step count the steps of
@@ -63,21 +72,50 @@ def build_engine(cfg: ServeConfig) -> Runtime:
         decoder = faults = FaultInjectingDecoder(decoder, cfg.step_delay_ms / 1e3, cfg.fail_step, cfg.hang_step)
         faults.armed = False
     t0 = time.perf_counter()
-    latency = calibrate_robustly(decoder, cfg.max_batch)
-    log.info("latency model measured in %.1f s: %s", time.perf_counter() - t0, latency.snapshot())
+    # warm first: the calibration then times shapes that have already run once (allocations, kernel loads)
+    warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens, frozenset(model.config.eos_token_ids),
+            max_batch=cfg.max_batch, max_rows=max_rows)
+    log.info("warmed up in %.1f s", time.perf_counter() - t0)
+    latency = calibrated_latency(cfg, decoder, model.config, backend, max_rows)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
                                     strict=cfg.strict_sla, margin=cfg.sla_margin)
-    warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens, frozenset(model.config.eos_token_ids))
     metrics = Metrics(cfg.sla_tokens)
     metrics.info.labels(model=cfg.model, backend=backend, device=device, weights=cfg.weights).set(1)
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
                     admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
-                    max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s, max_batch=cfg.max_batch)
+                    max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s, max_batch=cfg.max_batch,
+                    max_rows=max_rows)
     engine.start()
     if faults is not None:
         faults.steps, faults.armed = 0, True
     return Runtime(cfg, model, engine, backend, device, model_id=cfg.model, latency=latency, admission=admission)
+
+
+def calibrated_latency(cfg: ServeConfig, decoder: Decoder, config: ModelConfig, backend: str,
+                       max_rows: int) -> LatencyModel:
+    """The latency model admission starts from: the cached calibration of this device, model, weight format and
+    step limits where --calibration-cache has one (a restart times one step), else measured within
+    --calibration-budget-s and cached."""
+    t0 = time.perf_counter()
+    key = cache_key(decoder.device, cfg.model, config, cfg.weights, backend, max_rows, cfg.max_batch,
+                    decoder.max_context, batch_invariant=cfg.batch_invariant, step_delay_ms=cfg.step_delay_ms)
+    budget = cfg.calibration_budget_s or default_budget(decoder.device, process_age_s())
+    cal = calibrated(decoder, key, cache_dir_of(cfg.calibration_cache), max_rows, cfg.max_batch, budget)
+    latency = cal.latency_model()
+    log.info("latency model ready in %.1f s (%d points timed at start-up, the rest predicted and learned while "
+             "serving): %s", time.perf_counter() - t0, len(cal.measured), latency.snapshot())
+    return latency
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux; 0 elsewhere): what start-up has taken so far, imports included."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        started = int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22: ticks after boot
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def settle_process(rt: Runtime) -> Runtime:
@@ -111,14 +149,14 @@ def default_kv_slots(config: ModelConfig, max_context: int, max_batch: int, devi
 
 
 def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: int,
-            eos_ids: frozenset[int] = frozenset()) -> None:
+            eos_ids: frozenset[int] = frozenset(), max_batch: int | None = None, max_rows: int | None = None) -> None:
     """Short requests through the whole path (an engine of their own on the same decoder, run before the users'),
     so the first user pays no compilation or allocation: not even the grammar engine's view of the vocabulary,
     which took the first request with `tools` 0.4 s on the H100 (and so past its SLA: refused). They are admitted
     whatever the SLA (a strict SLA that no request can meet, on a CPU, must refuse users, not stop the server
     starting) and counted in no user's metrics and no latency model."""
     engine = Engine(decoder, tokenizer, admission=AdmitAll(sla_ms / 1e3), metrics=Metrics(sla_tokens),
-                    sla_ms=sla_ms, sla_tokens=sla_tokens)
+                    sla_ms=sla_ms, sla_tokens=sla_tokens, max_batch=max_batch, max_rows=max_rows)
     engine.start()
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     # a prefix long enough to be copied rather than prefilled
@@ -140,6 +178,9 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
                 pass
     finally:
         engine.stop()
+    if decoder.device.type == "cuda" and max_rows is not None:
+        # every step shape compiled and its graph captured now, though a calibration read from its cache times one
+        run_every_step_shape(decoder, max_rows, max_batch or decoder.max_slots)
 
 
 def _warm_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int]) -> TokenConstraint | None:

@@ -29,7 +29,7 @@ def slowed():
     model = load_model("synthetic:tiny")
     dec = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=SLOTS, max_context=256),
                                 step_delay_s=STEP_DELAY_S)
-    latency = calibrate(dec)
+    latency = calibrate(dec, deadline_s=60)
     admission = AdmissionController(latency, SLA_S, SLA_TOKENS, SLOTS)
     metrics = Metrics(SLA_TOKENS)
     eng = Engine(dec, model.tokenizer, metrics=metrics, admission=admission, sla_ms=SLA_S * 1e3,

@@ -49,6 +49,8 @@ def test_defaults_variables_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     (["serve", "--backend", "tpu"], {}, "--backend (PARLEY_BACKEND)"),
     (["serve"], {"PARLEY_MAX_CONTEXT": "lots"}, "--max-context (PARLEY_MAX_CONTEXT)"),
     (["serve", "--max-bach", "4"], {}, "unrecognized arguments: --max-bach"),
+    (["serve", "--max-batch", "8", "--max-rows", "4"], {}, "--max-rows (PARLEY_MAX_ROWS)"),
+    (["serve", "--calibration-budget-s", "0"], {}, "--calibration-budget-s (PARLEY_CALIBRATION_BUDGET_S)"),
 ])
 def test_bad_values_exit_2_naming_the_flag_and_its_variable(monkeypatch: pytest.MonkeyPatch, capsys, argv, env,
                                                             named) -> None:
@@ -58,6 +60,21 @@ def test_bad_values_exit_2_naming_the_flag_and_its_variable(monkeypatch: pytest.
         parse(argv)
     assert exit_.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_calibration_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The start-up calibration's cache: a directory, `off`, or unset (the user's cache directory); its budget."""
+    from service.calibration import cache_dir_of
+
+    cfg = parse(["serve"])
+    assert cfg.calibration_cache is None and cfg.calibration_budget_s is None and cfg.max_rows is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir_of(cfg.calibration_cache) == tmp_path / "parley" / "calibration"
+    monkeypatch.setenv("PARLEY_CALIBRATION_CACHE", "off")
+    assert cache_dir_of(parse(["serve"]).calibration_cache) is None
+    cfg = parse(["serve", "--calibration-cache", str(tmp_path / "c"), "--calibration-budget-s", "1.5",
+                 "--max-rows", "32"])
+    assert (cache_dir_of(cfg.calibration_cache), cfg.calibration_budget_s, cfg.max_rows) == (tmp_path / "c", 1.5, 32)
 
 
 def test_help_lists_every_flag_with_its_variable_and_the_backends(capsys) -> None:

@@ -1,7 +1,11 @@
-"""Start-up concerns of service/runtime.py that no request shows: the garbage collector kept out of the way, and the
-warm-up."""
+"""Start-up concerns of service/runtime.py that no request shows: the garbage collector kept out of the way, the
+warm-up, and the latency calibration read from its cache on a restart."""
 
 import gc
+import logging
+import math
+import time
+from pathlib import Path
 
 import pytest
 
@@ -44,14 +48,15 @@ def test_warm_up_runs_its_own_requests_whatever_the_sla():
     Nothing of it reaches the users' engine."""
     model = load_model("synthetic:tiny")
     decoder = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=2, max_context=64))
-    latency = LatencyModel({1: 1.0}, {16: 1.0}, max_batch=2)  # nothing meets 100 ms
+    latency = LatencyModel({1: 1.0}, {16: 1.0}, max_rows=2)  # nothing meets 100 ms
     users = Engine(decoder, model.tokenizer, admission=AdmissionController(latency, 0.1, 64, 2, strict=True))
     with pytest.raises(Rejected):
         users.submit([1, 2, 3], SamplingParams(max_tokens=4), lambda d: None)
     eos = frozenset(model.config.eos_token_ids)
     warm_up(decoder, model.tokenizer, sla_ms=100.0, sla_tokens=64, eos_ids=eos)
-    # four requests of four tokens (a prefill and three steps each), then one under a grammar, which may end early
-    assert 12 + 2 <= decoder.steps <= 12 + 4
+    # four requests of four tokens (four steps each: the prompt rides in the step that samples the first; a step or
+    # two more where a prompt is longer than a step's token budget), then one under a grammar, which may end early
+    assert 16 + 2 <= decoder.steps <= 16 + 2 + 4
     # the grammar compiler the API uses has its view of the vocabulary already (0.4 s on the first request else)
     assert grammars(model.tokenizer, eos)._ll is not None
     assert latency.observed_steps == latency.observed_prefills == 0
@@ -74,3 +79,93 @@ def test_kv_slots_default_to_what_the_memory_left_after_the_weights_holds(monkey
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * 2**30, 80 * 2**30))
     assert default_kv_slots(llama, 8192, 4, "cuda", torch.bfloat16) == 2 * 2**30 // per_slot - 1  # one scratch slot
     assert default_kv_slots(llama, 8192, 16, "cuda", torch.bfloat16) == 16
+
+
+def test_a_restart_reads_the_calibration_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture):
+    """The first build measures the latency model and caches it under --calibration-cache; a second build of the same
+    configuration reads it, timing two one-row steps instead of the sweep, and admits with the same model; a build
+    whose key changed (--max-batch) measures again; a corrupt cache is ignored with a warning and measured over."""
+    import service.calibration
+    import service.runtime
+    from service.calibration import calibrated, plan
+    from service.config import ServeConfig
+    from service.runtime import build_engine
+
+    launches: list[int] = []  # the decoder's steps and prefills during each build's calibration
+
+    class Counted:
+        def __init__(self, inner) -> None:
+            self.inner, self.launches = inner, 0
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+        def decode(self, *args, **kwargs):
+            self.launches += 1
+            return self.inner.decode(*args, **kwargs)
+
+        def prefill(self, *args, **kwargs):
+            self.launches += 1
+            return self.inner.prefill(*args, **kwargs)
+
+    def counted(decoder, *args, **kwargs):
+        counter = Counted(decoder)
+        try:
+            return calibrated(counter, *args, **kwargs)
+        finally:
+            launches.append(counter.launches)
+
+    monkeypatch.setattr(service.runtime, "calibrated", counted)
+    # however busy the host while the test runs, the one-row step it checks the cache with agrees with the cache
+    monkeypatch.setattr(service.calibration, "SANITY", math.inf)
+
+    def build(**settings) -> dict:
+        # a budget that a busy host cannot cut short: every point gets its three tries
+        cfg = ServeConfig(**{"model": "synthetic:tiny", "device": "cpu", "max_batch": 4, "max_rows": 16,
+                             "max_context": 256, "calibration_budget_s": 600, "calibration_cache": str(tmp_path),
+                             **settings})
+        rt = build_engine(cfg)
+        rt.engine.stop()
+        return rt.latency.snapshot()
+
+    with caplog.at_level(logging.INFO, logger="parley"):
+        first = build()
+        assert "calibration read from" not in caplog.text and len(list(tmp_path.glob("*.json"))) == 1
+        caplog.clear()
+        assert build() == first
+        assert "calibration read from" in caplog.text
+        sweep = len(plan(256, 16, 4, None))  # every point's three tries
+        assert launches[1] == 2 and launches[0] == sweep  # two one-row steps against the sweep
+        caplog.clear()
+        build(max_batch=2)
+        assert "calibration read from" not in caplog.text and len(list(tmp_path.glob("*.json"))) == 2
+        assert launches[2] == len(plan(256, 16, 2, None))
+        caplog.clear()
+        cache = sorted(tmp_path.glob("*.json"), key=lambda p: p.stat().st_mtime)[0]
+        cache.write_text("{not json")
+        build()
+        assert "ignoring the calibration cache" in caplog.text and launches[3] == sweep
+
+
+def test_no_calibration_cache_when_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from service.config import ServeConfig
+    from service.runtime import build_engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("PARLEY_CALIBRATION_CACHE", raising=False)  # tests/conftest.py turns it off for servers
+    rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128,
+                                  calibration_cache="off"))
+    rt.engine.stop()
+    assert not list(tmp_path.rglob("*.json"))
+    rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128))
+    rt.engine.stop()
+    assert len(list((tmp_path / "parley" / "calibration").glob("*.json"))) == 1  # the default: under XDG_CACHE_HOME
+
+
+def test_process_age_is_what_start_up_has_taken_so_far():
+    from service.runtime import process_age_s
+
+    age = process_age_s()
+    time.sleep(0.05)
+    assert 0.0 < age < process_age_s() < 24 * 3600

@@ -26,13 +26,14 @@ def resolve_backend(backend: str) -> str:
 
 def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_slots: int, max_context: int,
                  device: str | None = None, weight_format: str = "bf16", max_batch: int | None = None,
-                 batch_invariant: bool = False) -> Decoder:
+                 batch_invariant: bool = False, max_rows: int | None = None) -> Decoder:
     """The backend's decoder over `max_slots` KV slots (cached conversations), decoding up to `max_batch` of them a
     step (the megakernel sizes its buffers by it, its KV cache by max_slots + a scratch slot). weight_format "fp8":
     the matrices in FP8 (e4m3, a scale per output row; service/model/fp8.py): the megakernel streams them, the
     reference decoder runs their dequantized values (the same function, at bf16 bytes). batch_invariant: the
     megakernel pads every batch to the largest bucket, so a sequence's tokens never depend on the batch it ran in
-    (costs the padding at small batches)."""
+    (costs the padding at small batches). max_rows: the rows a step carries at most (the megakernel's largest
+    bucket; None: its own limit)."""
     backend = resolve_backend(backend)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if weight_format not in WEIGHT_FORMATS:
@@ -40,11 +41,13 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
     if backend == "megakernel":
         if device == "cpu":
             raise ValueError("the megakernel backend needs a CUDA GPU; use --backend reference on the CPU")
-        from kernels.megakernel import KernelConfig
+        from kernels.megakernel import KernelConfig, Megakernel
         from service.backends.megakernel import MegakernelDecoder
 
+        max_rows = None if max_rows is None else min(max_rows, Megakernel.BUCKETS[-1])
+
         return MegakernelDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device,
-                                 weight_format=weight_format, max_batch=max_batch,
+                                 weight_format=weight_format, max_batch=max_batch, max_rows=max_rows,
                                  kernel_config=KernelConfig(batch_invariant=batch_invariant))
     from service.backends.reference import ReferenceDecoder
 

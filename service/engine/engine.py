@@ -28,7 +28,7 @@ from service.engine.planner import LAUNCH_MIN_TOKENS, Planner
 from service.engine.prefix_cache import block_hashes
 from service.engine.request import Delta, Request, SamplingParams, State
 from service.engine.sampler import StepTokens
-from service.engine.slow_steps import SlowSteps
+from service.engine.slow_steps import SlowIterations, SlowSteps
 from service.engine.step_plan import StepPlan
 from service.metrics import Metrics
 from service.model.tokenizer import Tokenizer
@@ -88,6 +88,7 @@ class Engine:
         self._inflight: Launched | None = None
         self._last_completed = 0.0
         self._slow_steps = SlowSteps()
+        self._slow_iterations = SlowIterations()
         self._slow_prefills = 0  # the decoder's count, as last exported
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
@@ -219,7 +220,9 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
             return
+        t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
+        t_launch = time.perf_counter()
         self._inflight = None
         if inflight is not None:
             self._complete(inflight)
@@ -228,7 +231,10 @@ class Engine:
                 self._inflight = launched
             else:
                 self._complete(launched)
+        t_complete = time.perf_counter()
         self._update_gauges()
+        self._slow_iterations.observe({"plan": t_plan - now, "launch": t_launch - t_plan,
+                                       "complete": t_complete - t_launch, "gauges": time.perf_counter() - t_complete})
 
     def _take_inbox(self) -> None:
         while True:

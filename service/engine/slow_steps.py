@@ -31,3 +31,30 @@ class SlowSteps:
         log.warning("a decode step of %d took %.0f ms (%d steps over %.0f ms since the last report)", batch,
                     seconds * 1e3, self._unreported, self.slow_s * 1e3)
         self._unreported, self._reported_at = 0, now
+
+
+SLOW_ITERATION_S = 0.005  # an engine iteration this long delays every stream's next token visibly
+
+
+class SlowIterations:
+    """Where an engine iteration's time went, when one took longer than SLOW_ITERATION_S (each phase in ms: plan,
+    launch, complete, publish), at most once every `every_s`: what a stall between two tokens is made of."""
+
+    def __init__(self, slow_s: float = SLOW_ITERATION_S, every_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.slow_s, self.every_s, self._clock = slow_s, every_s, clock
+        self._unreported = 0
+        self._reported_at = -math.inf
+
+    def observe(self, phases: dict[str, float]) -> None:
+        total = sum(phases.values())
+        if total <= self.slow_s:
+            return
+        self._unreported += 1
+        now = self._clock()
+        if now - self._reported_at < self.every_s:
+            return
+        log.warning("an engine iteration took %.1f ms (%s; %d iterations over %.0f ms since the last report)",
+                    total * 1e3, ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()), self._unreported,
+                    self.slow_s * 1e3)
+        self._unreported, self._reported_at = 0, now
