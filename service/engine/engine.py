@@ -35,6 +35,7 @@ from service.model.tokenizer import Tokenizer
 
 log = logging.getLogger("parley.engine")
 
+FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
@@ -86,6 +87,9 @@ class Engine:
         self._busy_since: float | None = None
         self.overlap = decoder.device.type == "cuda"  # run a step ahead
         self._inflight: Launched | None = None
+        self._feed_host = torch.zeros(FEED_BUFFERS, 3 * self.max_rows, dtype=torch.int64,
+                                      pin_memory=self.overlap and torch.cuda.is_available())
+        self._feed_at = 0
         self._last_completed = 0.0
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
@@ -296,11 +300,17 @@ class Engine:
             return plan.tokens
         assert inflight is not None, "a fed row needs the step before it"
         chosen = inflight.tokens.chosen
-        dev = chosen.device
-        rows = sampler.to_device(list(plan.feed), torch.int64, dev)
-        src = sampler.to_device(list(plan.feed.values()), torch.int64, dev)
-        tokens = sampler.to_device(plan.tokens, chosen.dtype, dev)
-        return tokens.index_copy(0, rows, chosen.index_select(0, src))
+        n, k = plan.rows, len(plan.feed)
+        # one copy of [tokens | fed rows | their sources] from a pinned buffer (allocating pinned memory each step
+        # can stall the host); a buffer is refilled only FEED_BUFFERS steps later, long after its copy has run
+        self._feed_at = (self._feed_at + 1) % FEED_BUFFERS
+        host = self._feed_host[self._feed_at]
+        host[:n] = torch.tensor(plan.tokens, dtype=torch.int64)
+        host[n:n + k] = torch.tensor(list(plan.feed), dtype=torch.int64)
+        host[n + k:n + 2 * k] = torch.tensor(list(plan.feed.values()), dtype=torch.int64)
+        dev = host[:n + 2 * k].to(chosen.device, non_blocking=True)
+        tokens = dev[:n].to(chosen.dtype)
+        return tokens.index_copy(0, dev[n:n + k], chosen.index_select(0, dev[n + k:]).to(chosen.dtype))
 
     def _complete(self, launched: Launched) -> None:
         """Read a launched step's tokens back and commit it."""

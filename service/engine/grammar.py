@@ -130,8 +130,12 @@ class Grammars:
     def _lltokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                self._ll = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._tokenizer.vocab_size,
-                                                  eos_token=self._eos)
+                try:
+                    self._ll = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._tokenizer.vocab_size,
+                                                      eos_token=self._eos)
+                except TypeError:  # an llguidance before 1.7 takes one EOS token (the GPU image's wheel: 1.6)
+                    self._ll = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._tokenizer.vocab_size,
+                                                      eos_token=self._eos[0] if self._eos else None)
             return self._ll
 
     def constraint(self, lark: str) -> GrammarConstraint:
