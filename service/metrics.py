@@ -155,4 +155,5 @@ class Metrics:
 
 def _value(gauge: Gauge) -> float:
     """An unlabelled gauge's current value, through the public collect()."""
-    return gauge.collect()[0].samples[0].value
+    (family,) = gauge.collect()
+    return family.samples[0].value

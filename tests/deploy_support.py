@@ -1,16 +1,26 @@
-"""Helpers for the deploy tests (tests/test_deploy_*.py): where the deploy files are, every PromQL expression they
-hold (Grafana dashboards, Prometheus rules, KEDA triggers), Grafana's variables replaced by values a plain
-Prometheus understands, and the metric names service/metrics.py defines.
+"""Helpers for the deploy tests (tests/test_deploy_*.py, tests/test_router.py): where the deploy files are, every
+PromQL expression they hold (Grafana dashboards, Prometheus rules, KEDA triggers), Grafana's variables replaced by
+values a plain Prometheus understands, the metric names service/metrics.py defines and those vllm-router exports,
+and a vllm-router (installed from PyPI) started on loopback in front of given replicas, with the flags compose uses.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 
+import httpx
 import yaml
+
+from tests.server_support import Scrape, free_port, poll, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -18,6 +28,8 @@ PROMETHEUS_DIR = DEPLOY / "prometheus"
 GRAFANA_DIR = DEPLOY / "grafana"
 DASHBOARDS_DIR = GRAFANA_DIR / "dashboards"
 K8S_DIR = DEPLOY / "k8s"
+SCHEMAS_DIR = K8S_DIR / "schemas"
+ROUTER_START_TIMEOUT_S = 60.0
 
 # What Grafana puts in place of its variables when it sends a query; the windows are long enough to span a test's
 # whole traffic, and short enough that the traffic of the last seconds counts.
@@ -170,10 +182,15 @@ def alert_as_always_answering(expr: str) -> str:
 
 
 _METRIC = re.compile(r"(?<![\w:])(parley_[A-Za-z0-9_]+)")
+_ROUTER_METRIC = re.compile(r"(?<![\w:])(vllm_router_[A-Za-z0-9_]+)")
 
 
 def metric_names_in(expr: str) -> set[str]:
     return set(_METRIC.findall(expr))
+
+
+def router_metric_names_in(expr: str) -> set[str]:
+    return set(_ROUTER_METRIC.findall(expr))
 
 
 def defined_series_names() -> set[str]:
@@ -190,3 +207,88 @@ def defined_series_names() -> set[str]:
             names.add(family.name)
     return names
 
+
+
+# -- the router ---------------------------------------------------------------------------------------------------
+@cache
+def render_compose() -> ModuleType:
+    """deploy/render_compose.py as a module: the router's flags and the compose file's writer live there."""
+    spec = importlib.util.spec_from_file_location("render_compose", DEPLOY / "render_compose.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def router_executable() -> str | None:
+    """vllm-router's console script, installed from PyPI (requirements-ci.txt), in PATH or beside this Python."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    return shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
+
+
+def router_binary() -> bytes | None:
+    """The installed router's Rust library, whose strings hold every vllm_router_* metric name it can export (its
+    families appear on /metrics only once first counted); None where vllm-router is not installed."""
+    try:
+        import vllm_router_rs  # type: ignore[import-not-found]  # the Rust extension module
+    except ImportError:
+        return None
+    return Path(vllm_router_rs.__file__).read_bytes()
+
+
+@dataclass
+class Router:
+    proc: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> Scrape:
+        """The router's own metrics (its --prometheus-port)."""
+        return Scrape.parse(httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text)
+
+    def readiness(self) -> dict | None:
+        """/readiness ({"status", "healthy_workers", "total_workers"}), or None while it does not answer."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            r = httpx.get(f"{self.base}/readiness", timeout=5)
+            return r.json() if r.headers.get("content-type", "").startswith("application/json") else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+def start_router(worker_urls: list[str], log: Path, balance_abs_threshold: int) -> Router:
+    """vllm-router on loopback in front of `worker_urls`, with the flags docker-compose.yml gives it
+    (deploy/render_compose.py's ROUTER_FLAGS); returns once every worker is healthy in its eyes."""
+    exe = router_executable()
+    assert exe is not None, "vllm-router is not installed (pip install vllm-router)"
+    port, metrics_port = free_port(), free_port()
+    cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+           "--balance-abs-threshold", str(balance_abs_threshold), *render_compose().ROUTER_FLAGS]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    router = Router(proc, port, metrics_port, log)
+    try:
+        poll(router.readiness, lambda r: bool(r) and r.get("healthy_workers") == len(worker_urls),
+             ROUTER_START_TIMEOUT_S, "vllm-router sees every worker healthy", every_s=0.2)
+    except (AssertionError, RuntimeError) as e:
+        stop_process(proc, timeout_s=10)
+        raise RuntimeError(f"{e}\n{router.log_tail()}") from None
+    return router
+
+
+def worker_health(router: Router) -> dict[str, float]:
+    """vllm_router_worker_health by worker URL: 1 while the router sends it work, 0 once it took it out."""
+    return {s.labels["worker"]: s.value for s in router.metrics().samples if s.name == "vllm_router_worker_health"}

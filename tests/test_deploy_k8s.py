@@ -1,27 +1,46 @@
 """Kubernetes manifests under deploy/k8s: the built-in kinds validate (strictly: no unknown field) against the
 Kubernetes OpenAPI schemas bundled in the `kubernetes-validate` package, for the oldest and newest versions we
 support; the KEDA ScaledObject validates against the models generated from KEDA's CRD (`cloudcoil-models-keda`);
-and the deployment keeps the promises of deploy/README.md (GPU, probes, drain, affinity, autoscaling)."""
+the Gateway API Inference Extension's InferencePool and HTTPRoute validate against their CRDs' schemas
+(deploy/k8s/schemas, from the upstream releases); and the manifests keep the promises of deploy/README.md (GPU,
+probes, drain, affinity, autoscaling, the endpoint picker reading Parley's gauges)."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from typing import Any
 
-from tests.deploy_support import K8S_DIR, defined_series_names, k8s_documents, metric_names_in
+import pytest
+import yaml
+
+from tests.deploy_support import K8S_DIR, SCHEMAS_DIR, defined_series_names, k8s_documents, metric_names_in
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")
-BUILTIN = {"Deployment", "Service", "Ingress", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+BUILTIN = {"Deployment", "Service", "Ingress", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceAccount",
+           "Role", "RoleBinding", "ConfigMap"}
+CRD_SCHEMAS = {"InferencePool": "inferencepool-v1.json", "HTTPRoute": "httproute-v1.json"}
+INFERENCE_DIR = K8S_DIR / "inference-gateway"
 
 
 def _docs(kind: str) -> list[dict]:
     return [d for _, d in k8s_documents() if d["kind"] == kind]
 
 
+def _named(kind: str, name: str) -> dict:
+    (doc,) = [d for d in _docs(kind) if d["metadata"]["name"] == name]
+    return doc
+
+
 def test_manifests_are_there():
     kinds = sorted(d["kind"] for _, d in k8s_documents())
-    assert kinds == ["Deployment", "Ingress", "PodDisruptionBudget", "ScaledObject", "Service"], kinds
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "HTTPRoute", "InferencePool", "Ingress",
+                     "PodDisruptionBudget", "Role", "RoleBinding", "ScaledObject", "Service", "Service",
+                     "ServiceAccount"], kinds
+    # `kubectl apply -f deploy/k8s/` needs no CRD but KEDA's; the Inference Extension's pieces are a folder apart
     assert {p.name for p in K8S_DIR.glob("*.yaml")} == {"deployment.yaml", "service.yaml", "ingress.yaml",
                                                          "scaledobject.yaml"}
+    assert {p.name for p in INFERENCE_DIR.glob("*.yaml")} == {"inferencepool.yaml", "httproute.yaml",
+                                                               "endpoint-picker.yaml"}
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -36,7 +55,7 @@ def test_builtin_kinds_validate_strictly(version):
         except kv.ValidationError as e:
             pytest.fail(f"{path.name}: {doc['kind']}: {'.'.join(map(str, e.path))}: {e.message}")
         checked += 1
-    assert checked == 4
+    assert checked == 10
 
 
 def _unknown_fields(given, model_dump, path="spec"):
@@ -66,7 +85,7 @@ def test_keda_scaledobject_validates_against_the_keda_crd_models():
 
 def test_scaledobject_scales_the_deployment_on_parley_metrics():
     (so,) = _docs("ScaledObject")
-    (dep,) = _docs("Deployment")
+    dep = _named("Deployment", "parley")
     ref = so["spec"]["scaleTargetRef"]
     assert (ref["kind"], ref["name"]) == ("Deployment", dep["metadata"]["name"])
     assert 1 <= so["spec"]["minReplicaCount"] < so["spec"]["maxReplicaCount"]
@@ -83,7 +102,7 @@ def test_scaledobject_scales_the_deployment_on_parley_metrics():
 
 
 def test_deployment_gpu_probes_and_drain():
-    (dep,) = _docs("Deployment")
+    dep = _named("Deployment", "parley")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -108,8 +127,8 @@ def test_deployment_gpu_probes_and_drain():
 
 
 def test_session_affinity_for_websocket_sessions():
-    (svc,) = _docs("Service")
-    (dep,) = _docs("Deployment")
+    svc = _named("Service", "parley")
+    dep = _named("Deployment", "parley")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["sessionAffinity"] == "ClientIP"
     (ing,) = _docs("Ingress")
@@ -119,3 +138,110 @@ def test_session_affinity_for_websocket_sessions():
     assert int(ann["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 600  # WebSocket sessions live long
     backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend["name"] == svc["metadata"]["name"]
+
+
+# -- the Gateway API Inference Extension ----------------------------------------------------------------------------
+def _strict(schema: Any) -> Any:
+    """The CRD schema as the API server applies it with strict field validation: an object that declares its
+    properties takes no other field (unless it keeps unknown fields)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(CRD_SCHEMAS))
+def test_inference_extension_kinds_validate_against_their_crds(kind):
+    jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema")
+    crd = json.loads((SCHEMAS_DIR / CRD_SCHEMAS[kind]).read_text())
+    schema = _strict(crd["openAPIV3Schema"])
+    (doc,) = _docs(kind)
+    assert doc["apiVersion"] == f"{crd['group']}/{crd['version']}"
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def test_the_crd_schemas_catch_a_typo():
+    """The validation above can fail: a misspelt field and a missing required one are caught."""
+    jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema")
+    schema = _strict(json.loads((SCHEMAS_DIR / CRD_SCHEMAS["InferencePool"]).read_text())["openAPIV3Schema"])
+    good = _named("InferencePool", "parley")
+    bad = {**good, "spec": {**good["spec"], "targetPort": good["spec"]["targetPorts"]}}
+    del bad["spec"]["targetPorts"]
+    messages = [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(bad)]
+    assert any("targetPort" in m for m in messages) and any("targetPorts" in m for m in messages), messages
+
+
+def test_the_pool_holds_the_parley_pods_and_asks_the_picker():
+    pool = _named("InferencePool", "parley")["spec"]
+    dep = _named("Deployment", "parley")
+    assert pool["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert [p["number"] for p in pool["targetPorts"]] == [p["containerPort"] for p in container["ports"]]
+    picker = _named("Service", pool["endpointPickerRef"]["name"])
+    grpc = next(p for p in picker["spec"]["ports"] if p["port"] == pool["endpointPickerRef"]["port"]["number"])
+    picker_dep = _named("Deployment", "parley-endpoint-picker")
+    assert picker["spec"]["selector"] == picker_dep["spec"]["selector"]["matchLabels"]
+    (epp,) = picker_dep["spec"]["template"]["spec"]["containers"]
+    assert grpc["port"] in [p["containerPort"] for p in epp["ports"]]
+    assert f"--pool-name={_named('InferencePool', 'parley')['metadata']['name']}" in epp["args"]
+
+
+def test_the_route_sends_the_openai_api_to_the_pool():
+    (rule,) = _named("HTTPRoute", "parley")["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == ("inference.networking.k8s.io", "InferencePool",
+                                                                   "parley")
+    assert rule["matches"][0]["path"]["value"] == "/v1/"
+
+
+def test_the_endpoint_picker_reads_parleys_gauges():
+    """Queued, running and KV use 0-1 mapped to Parley's metric names, in the config and in the flags alike; every
+    name a gauge service/metrics.py exports; every scorer of the profile declared."""
+    from service.metrics import Metrics
+
+    config = yaml.safe_load(_named("ConfigMap", "parley-endpoint-picker")["data"]["parley-plugins.yaml"])
+    plugins = {p["type"]: p for p in config["plugins"]}
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    (engine,) = [e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"]]
+    mapping = {"queued": engine["queuedRequestsSpec"], "running": engine["runningRequestsSpec"],
+               "kv": engine["kvUsageSpec"]}
+    assert mapping == {"queued": "parley_requests_waiting", "running": "parley_requests_running",
+                       "kv": "parley_kv_cache_usage_perc"}
+    gauges = {f.name for f in Metrics().registry.collect() if f.type == "gauge"}
+    assert set(mapping.values()) <= gauges
+    (epp,) = _named("Deployment", "parley-endpoint-picker")["spec"]["template"]["spec"]["containers"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in epp["args"] if "=" in a)
+    assert (flags["total-queued-requests-metric"], flags["total-running-requests-metric"],
+            flags["kv-cache-usage-percentage-metric"]) == (mapping["queued"], mapping["running"], mapping["kv"])
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
+    (profile,) = config["schedulingProfiles"]
+    refs = {p["pluginRef"] for p in profile["plugins"]}
+    assert refs <= set(plugins) and {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= refs
+
+
+def test_kv_cache_usage_is_the_share_of_slots_running_requests_hold():
+    """What the picker reads as KV use: 0 idle, 1 with every slot held; a slot caching an idle conversation (free to
+    evict) does not count."""
+    from service.metrics import Metrics
+
+    m = Metrics()
+
+    def usage() -> float:
+        return next(s.value for f in m.registry.collect() for s in f.samples
+                    if s.name == "parley_kv_cache_usage_perc")
+
+    assert usage() == 0.0  # before the engine set the slot counts
+    m.kv_slots_total.set(8)
+    m.kv_slots_free.set(8)
+    assert usage() == 0.0
+    m.kv_slots_free.set(2)
+    m.kv_slots_cached.set(3)
+    assert usage() == 0.75
+    m.kv_slots_free.set(0)
+    assert usage() == 1.0

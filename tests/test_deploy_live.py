@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's `prometheus` package) on loopback scrapes a real Parley (the embedded default model on
-the CPU) every second, with deploy/prometheus/alerts.yml loaded; after a little traffic, every PromQL expression of
-the Grafana dashboards, the rules and the KEDA triggers is asked through Prometheus' HTTP API and must answer with
-data: at least one sample, and at least one finite value.
+the CPU) and the real vllm-router in front of it (PyPI's) every second, with deploy/prometheus/alerts.yml loaded;
+after a little traffic through the router, every PromQL expression of the Grafana dashboards, the rules and the KEDA
+triggers is asked through Prometheus' HTTP API and must answer with data: at least one sample, and at least one
+finite value.
 
 Alert expressions are empty while all is well; they are asked with their comparisons made `bool` (see
 deploy_support.alert_as_always_answering), which answers exactly when the series they watch exist.
@@ -21,7 +22,14 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy_support import PROMETHEUS_DIR, all_exprs, recording_rule_names
+from tests.deploy_support import (
+    PROMETHEUS_DIR,
+    Router,
+    all_exprs,
+    recording_rule_names,
+    router_executable,
+    start_router,
+)
 from tests.server_support import Server, free_port, poll, scrape_metrics, served, start_server, stop_process
 
 PROMETHEUS = shutil.which("prometheus")
@@ -32,6 +40,7 @@ MAX_TOKENS = 12
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)"),
+    pytest.mark.skipif(router_executable() is None, reason="vllm-router not installed (pip install vllm-router)"),
 ]
 
 
@@ -52,14 +61,24 @@ def scraped_server(tmp_path_factory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(scraped_server, tmp_path_factory):
+def router(scraped_server, tmp_path_factory) -> Iterator[Router]:
+    """vllm-router in front of the server, as compose runs it: the traffic goes through it."""
+    r = start_router([scraped_server.base], tmp_path_factory.mktemp("router") / "router.log", balance_abs_threshold=1)
+    yield r
+    stop_process(r.proc, timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def prometheus(scraped_server, router, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
         "rule_files": [str(PROMETHEUS_DIR / "alerts.yml")],
         "scrape_configs": [{"job_name": "parley",
-                            "static_configs": [{"targets": [f"127.0.0.1:{scraped_server.port}"]}]}],
+                            "static_configs": [{"targets": [f"127.0.0.1:{scraped_server.port}"]}]},
+                           {"job_name": "router",
+                            "static_configs": [{"targets": [f"127.0.0.1:{router.metrics_port}"]}]}],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = tmp / "prometheus.log"
@@ -73,14 +92,14 @@ def prometheus(scraped_server, tmp_path_factory):
         if proc.poll() is not None:
             pytest.fail(f"prometheus exited with {proc.returncode}:\n{_tail(log)}")
         try:
-            r = httpx.get(f"{api}/query", params={"query": 'up{job="parley"} == 1'}, timeout=2)
-            return r.status_code == 200 and bool(r.json()["data"]["result"])
+            r = httpx.get(f"{api}/query", params={"query": "up == 1"}, timeout=2)
+            return r.status_code == 200 and len(r.json()["data"]["result"]) == 2
         except httpx.HTTPError:
             return False
 
     try:
         try:
-            poll(scraped_up, bool, 60, "prometheus scraped parley", every_s=0.5)
+            poll(scraped_up, bool, 60, "prometheus scraped parley and the router", every_s=0.5)
         except AssertionError as e:
             pytest.fail(f"{e}\n{_tail(log)}")
         yield {"api": api, "log": log}
@@ -106,13 +125,13 @@ def _scraped_value(api: str, query: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def traffic(scraped_server, prometheus):
-    """A few completions, two of them at once (a decode batch of two), once Prometheus has a sample from before
-    them (so that rate() sees them all), and until Prometheus has scraped what they counted."""
+def traffic(scraped_server, router, prometheus):
+    """A few completions through the router, two of them at once (a decode batch of two), once Prometheus has a
+    sample from before them (so that rate() sees them all), and until Prometheus has scraped what they counted."""
     api = prometheus["api"]
     poll(lambda: _scraped_value(api, "sum(parley_generation_tokens_total)"), lambda v: v is not None, 30,
          "a sample of parley_generation_tokens_total before the traffic", every_s=0.5)
-    base = scraped_server.base
+    base = router.base
     models = httpx.get(f"{base}/v1/models", timeout=10).json()
     model = models["data"][0]["id"]
     statuses: list[int] = []
@@ -131,7 +150,9 @@ def traffic(scraped_server, prometheus):
         for t in pair:
             t.join()
     assert statuses.count(200) >= 3, f"statuses {statuses}:\n{scraped_server.log_tail()}"
-    served = scrape_metrics(base)
+    served = scrape_metrics(scraped_server.base)
+    poll(lambda: _scraped_value(api, "sum(vllm_router_processed_requests_total)"),
+         lambda v: v is not None and v >= len(statuses), 30, "Prometheus has scraped the router's count", every_s=0.5)
     for name in ("parley_generation_tokens_total", "parley_sla_checked_total"):
         poll(lambda name=name: _scraped_value(api, f"sum({name})"),
              lambda v, name=name: v is not None and v >= served[name], 30,

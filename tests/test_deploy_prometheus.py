@@ -10,7 +10,15 @@ import subprocess
 import pytest
 import yaml
 
-from tests.deploy_support import PROMETHEUS_DIR, all_exprs, defined_series_names, metric_names_in
+from tests.deploy_support import (
+    PROMETHEUS_DIR,
+    all_exprs,
+    defined_series_names,
+    metric_names_in,
+    render_compose,
+    router_binary,
+    router_metric_names_in,
+)
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
@@ -48,11 +56,20 @@ def test_alerts_cover_sla_rejections_and_down_target():
         assert rule["annotations"]["summary"], name
 
 
-def test_compose_scrapes_parley_and_loads_the_rules():
+def test_compose_scrapes_every_replica_and_the_router_and_loads_the_rules():
     cfg = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     assert cfg["rule_files"] == ["alerts.yml"]
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
-    assert jobs["parley"]["static_configs"][0]["targets"] == ["parley:8000"]
+    (sd,) = jobs["parley"]["file_sd_configs"]
+    assert sd["files"] == ["replicas.yml"]
+    groups = yaml.safe_load((PROMETHEUS_DIR / "replicas.yml").read_text())
+    assert [g["targets"] for g in groups] == [["parley-0:8000"]]  # what the repository's compose file runs
+    assert groups[0]["labels"] == {"replica": "parley-0", "gpu": "0"}
+    rc = render_compose()
+    assert jobs["router"]["static_configs"][0]["targets"] == [f"router:{rc.ROUTER_METRICS_PORT}"]
+    # four GPUs: four targets, each named as its compose service
+    four = yaml.safe_load(rc.render_targets(["0", "1", "2", "3"]))
+    assert [g["targets"] for g in four] == [[f"parley-{i}:8000"] for i in range(4)]
 
 
 @needs_promtool
@@ -73,3 +90,16 @@ def test_every_metric_name_is_defined_in_service_metrics():
     defined = defined_series_names()
     unknown = {(e.where, name) for e in all_exprs() for name in metric_names_in(e.promql) if name not in defined}
     assert not unknown, f"metric names not in service/metrics.py: {sorted(unknown)}"
+
+
+def test_every_router_metric_name_is_one_the_installed_router_exports():
+    """The dashboards and rules may name vllm-router's metrics (vllm_router_*): each must be one the installed
+    router's binary can export (some appear only once first counted, so /metrics alone cannot tell)."""
+    binary = router_binary()
+    if binary is None:
+        pytest.skip("vllm-router not installed (pip install vllm-router)")
+    named = {(e.where, name) for e in all_exprs() for name in router_metric_names_in(e.promql)}
+    assert named, "no expression reads the router's metrics"
+    unknown = sorted((where, name) for where, name in named
+                     if name.removesuffix("_bucket").encode() not in binary)
+    assert not unknown, f"not vllm-router metrics: {unknown}"

@@ -143,6 +143,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await answer(CHAT, body, turn, st, request, arrival)
 
 
+@router.post("/v1/completions/render", response_model=None)
+async def completions_render(body: CompletionRequest, request: Request) -> JSONResponse:
+    """vLLM's render: the prompt's token ids as /v1/completions would submit them, nothing generated. vllm-router's
+    cache-aware policy asks every replica for them to match prompts by prefix (deploy/README.md, "The router")."""
+    st = serving(request, body)
+    turn = await build_turn(st, TurnRequest(body.prompt_input(), body, COMPLETIONS.fields, COMPLETIONS.spoken,
+                                            max_tokens=body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
+    return JSONResponse([{"token_ids": turn.ids}])
+
+
+@router.post("/v1/chat/completions/render", response_model=None)
+async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+    """vLLM's render for chat: the templated conversation's token ids, as /v1/chat/completions would submit them."""
+    st = serving(request, body)
+    turn = await build_turn(st, TurnRequest(
+        Conversation([m.for_template() for m in body.messages]), body, CHAT.fields, CHAT.spoken,
+        max_tokens=body.requested_max_tokens, tools=body, response_format=body.response_format))
+    return JSONResponse({"token_ids": turn.ids})
+
+
 def serving(request: Request, body: OpenAIRequest) -> ServerState:
     """The server's state, once it is ready and `body` names the model it serves (or none)."""
     st = server_state(request.app)

@@ -1,0 +1,286 @@
+"""Three Parley replicas (the tiny synthetic model, CPU) behind the real vllm-router from PyPI, run with the flags
+docker-compose.yml gives it (deploy/render_compose.py), and what a deployment needs of the pair:
+
+- voice sessions of 6 chat turns over HTTP stay on the replica that holds their K/V: after turn 1, at least 90% of
+  each session's prompt tokens come from the cache, by the replicas' own /metrics counters;
+- fresh prompts spread: no replica takes more than half of 30;
+- a replica at its SLA limit (every request wants the prefix it holds) does not turn the overflow back to the
+  client: the router sends it to the others; only when no replica can take a request does the client get the 429,
+  with the replica's `x-should-retry: false`;
+- a replica killed under load costs only the requests it was running: the router takes it out and every later
+  request succeeds.
+
+The replicas decode at most 4 requests together, 20 ms a step (--step-delay-ms), under an SLA loose enough that a
+busy CPU never turns a session's turn away. The router turns to the least-loaded replica once one runs 2 more
+requests than another (half of --max-batch, as compose sets it). The 429 test adds a replica that can keep its SLA
+for one request at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.deploy_support import Router, router_executable, start_router, worker_health
+from tests.server_support import Scrape, Server, poll, scrape_metrics, stop_process, stop_server, tiny_server
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(router_executable() is None, reason="vllm-router not installed (pip install vllm-router)"),
+]
+
+MAX_BATCH, KV_SLOTS = 4, 8
+REPLICA = ("--max-batch", str(MAX_BATCH), "--kv-slots", str(KV_SLOTS), "--max-context", "4096", "--sla-tokens", "8",
+           "--sla-ms", "60000", "--step-delay-ms", "20")
+# One request at a time within its SLA: 8 tokens at 40 ms a step take ~330 ms; a second, waiting for the row, ~660.
+ONE_AT_A_TIME = ("--max-batch", "1", "--kv-slots", "2", "--max-context", "1024", "--sla-tokens", "8",
+                 "--sla-ms", "500", "--step-delay-ms", "40")
+BALANCE_ABS_THRESHOLD = MAX_BATCH // 2  # as compose sets it from PARLEY_MAX_BATCH
+TOKENS = 8
+SESSIONS, TURNS = 6, 6
+REQUEST_TIMEOUT_S = 60.0
+
+# A voice agent's instructions: long next to a spoken turn, as they are in practice (the tiny model's tokenizer is
+# byte-level here: ~1,500 tokens). Each session is a different agent, so that sessions have no prefix in common.
+AGENTS = ("Ava", "Ben", "Cleo", "Dev", "Eli", "Fay")
+INSTRUCTIONS = (
+    "the voice assistant of the Riverside dental clinic. You speak with patients on the phone, so keep every answer "
+    "short, warm and spoken: one or two sentences, no lists, no markdown, no emoji, and never read out links. You "
+    "can book, move and cancel appointments; answer questions about opening hours (Monday to Friday from eight to "
+    "six, Saturday from nine to one), prices, payment plans and insurance; and explain how to prepare for a visit. "
+    "Before you change an appointment, confirm the patient's full name and date of birth, and read the new date "
+    "and time back to them. If a patient describes severe pain, swelling of the face, bleeding that does not stop "
+    "or a knocked-out tooth, tell them to come in today and offer the first free emergency slot. Never give a "
+    "diagnosis or name a medicine; say that the dentist will look at it. If the caller asks for a person, offer to "
+    "transfer them to the front desk. Prices: a check-up with cleaning is ninety-five dollars, a filling starts at "
+    "one hundred and forty, a crown at nine hundred; most insurance plans cover check-ups in full. New patients "
+    "fill in a health form before their first visit and should arrive ten minutes early. Parking is free behind "
+    "the building; the entrance is on Mill Street. The clinic's dentists are Doctor Ortiz, Doctor Lee and Doctor "
+    "Novak; Doctor Novak sees children. Appointments last thirty minutes, a cleaning an hour. Cancellations less "
+    "than a day ahead cost twenty-five dollars unless the patient is ill. Speak in the caller's language if they "
+    "switch; the clinic serves English and Spanish speakers. Stay on the clinic's business and politely decline "
+    "anything else. End each call by asking if there is anything more you can help with.")
+USER_TURNS = ("Hi, I'd like to move my appointment.", "It's Sam Rivera, born May 3rd 1990.",
+              "Thursday morning if possible.", "Nine thirty works, thank you.", "Do you take Delta Dental?",
+              "Great, that's all. Bye!")
+
+
+@dataclass
+class Fleet:
+    replicas: list[Server]
+    router: Router
+    prefix_routing: bool  # the replicas render prompts to token ids, so that the router can match prefixes
+
+    def needs_prefix_routing(self) -> None:
+        if not self.prefix_routing:
+            pytest.skip("the replicas have no /v1/chat/completions/render: vllm-router cannot route by prefix "
+                        "(deploy/README.md, \"The router\")")
+
+    def scrapes(self, alive: list[int] | None = None) -> dict[int, Scrape]:
+        return {i: scrape_metrics(self.replicas[i].base) for i in (alive or range(len(self.replicas)))}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("router")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # load the three at once: each takes seconds
+        futures = [pool.submit(tiny_server, tmp / f"replica-{i}.log", *REPLICA) for i in range(3)]
+        replicas = [f.result() for f in futures]
+    router = None
+    try:
+        router = start_router([r.base for r in replicas], tmp / "router.log", BALANCE_ABS_THRESHOLD)
+        yield Fleet(replicas, router, _renders(replicas[0]))
+    finally:
+        if router is not None:
+            stop_process(router.proc, timeout_s=10)
+        for r in replicas:
+            if r.proc.poll() is None:  # replica 0 is killed by the last test
+                assert stop_server(r) == 0, r.log_tail()
+
+
+def _deltas(before: dict[int, Scrape], after: dict[int, Scrape], name: str) -> dict[int, float]:
+    return {i: after[i].total(name) - before[i].total(name) for i in after}
+
+
+def _completed(before: dict[int, Scrape], after: dict[int, Scrape]) -> dict[int, float]:
+    return {i: after[i].requests("completed") - before[i].requests("completed") for i in after}
+
+
+def _renders(replica: Server) -> bool:
+    """Whether the replica answers vLLM's /v1/chat/completions/render (the prompt's token ids): vllm-router's
+    cache-aware policy matches prompts by those ids, and routes by load alone without them."""
+    r = httpx.post(f"{replica.base}/v1/chat/completions/render", timeout=30,
+                   json={"messages": [{"role": "user", "content": "hello"}]})
+    return r.status_code == 200 and isinstance(r.json().get("token_ids"), list)
+
+
+def test_voice_sessions_stay_on_the_replica_that_holds_their_prefix(fleet: Fleet) -> None:
+    """Six calls at once, each 6 turns; every turn resends the whole conversation, as Pipecat and LiveKit do. Each
+    session's share of prompt tokens served from the cache after turn 1 is read from the replicas' own counters:
+    the usage each replica reports is what it counts (the sums agree), and a turn that landed elsewhere than its
+    conversation would have no cached tokens."""
+    fleet.needs_prefix_routing()
+    before = fleet.scrapes()
+
+    async def call(client: httpx.AsyncClient, agent: str) -> list[dict[str, Any]]:
+        messages = [{"role": "system", "content": f"You are {agent}, {INSTRUCTIONS}"}]
+        usages = []
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": USER_TURNS[turn]})
+            r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": TOKENS,
+                                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"])
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        return usages
+
+    async def calls() -> list[list[dict[str, Any]]]:
+        async with httpx.AsyncClient(base_url=fleet.router.base, timeout=REQUEST_TIMEOUT_S) as client:
+            return await asyncio.gather(*(call(client, agent) for agent in AGENTS[:SESSIONS]))
+
+    sessions = asyncio.run(calls())
+    after = fleet.scrapes()
+    usages = [u for session in sessions for u in session]
+    hits = _deltas(before, after, "parley_prefix_cache_hits_total")
+    queries = _deltas(before, after, "parley_prefix_cache_queries_total")
+    assert sum(hits.values()) == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert sum(queries.values()) == sum(u["prompt_tokens"] for u in usages)
+    for agent, session in zip(AGENTS, sessions):
+        later = session[1:]
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in later)
+        prompt = sum(u["prompt_tokens"] for u in later)
+        assert cached >= 0.9 * prompt, f"{agent}'s call: {cached} of {prompt} prompt tokens after turn 1 cached"
+    assert sum(1 for q in queries.values() if q) >= 2, f"every call on one replica: {queries}"
+
+
+async def _send(base: str, bodies: list[dict[str, Any]], concurrency: int, path: str = "/v1/completions",
+                stream: bool = False) -> list[tuple[float, Any, dict[str, str], Any]]:
+    """Send every body, `concurrency` at a time: (start, status or the exception's name, headers, JSON or None)."""
+    sem = asyncio.Semaphore(concurrency)
+    out: list[tuple[float, Any, dict[str, str], Any]] = []
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+        async def one(body: dict[str, Any]) -> None:
+            async with sem:
+                t0 = time.monotonic()
+                try:
+                    if stream:
+                        async with client.stream("POST", path, json={**body, "stream": True}) as r:
+                            text = (await r.aread()).decode()
+                        ok = r.status_code == 200 and "data: [DONE]" in text and '"error"' not in text
+                        out.append((t0, r.status_code if ok else f"{r.status_code}, cut short", dict(r.headers), None))
+                    else:
+                        r = await client.post(path, json=body)
+                        out.append((t0, r.status_code, dict(r.headers), r.json()))
+                except httpx.HTTPError as e:
+                    out.append((t0, type(e).__name__, {}, None))
+        await asyncio.gather(*(one(b) for b in bodies))
+    return out
+
+
+def _fresh(n: int, tag: str) -> list[dict[str, Any]]:
+    """Prompts with nothing in common (each begins differently), 8 tokens each."""
+    return [{"prompt": f"{i * 7919 % 1009} {tag} caller {i}: what are your opening hours on day {i}?",
+             "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0} for i in range(n)]
+
+
+def test_fresh_prompts_spread_over_the_replicas(fleet: Fleet) -> None:
+    before = fleet.scrapes()
+    results = asyncio.run(_send(fleet.router.base, _fresh(30, "spread"), concurrency=3))
+    after = fleet.scrapes()
+    assert [r[1] for r in results] == [200] * 30
+    done = _completed(before, after)
+    assert sum(done.values()) == 30 and max(done.values()) <= 15, done
+
+
+def test_a_full_replica_sends_the_overflow_elsewhere(fleet: Fleet) -> None:
+    """Every request wants one replica: they share a long prefix (a popular agent's instructions) that the first one
+    leaves in its cache. Eight at a time: that replica fills its batch, and the rest go to the others."""
+    fleet.needs_prefix_routing()
+    prefix = f"You are Zoe, {INSTRUCTIONS} "
+    bodies = [{"prompt": f"{prefix}Caller {i} asks: are you open on day {i}?", "max_tokens": TOKENS,
+               "ignore_eos": True, "temperature": 0} for i in range(36)]
+    running: dict[int, float] = {i: 0.0 for i in range(3)}
+    kv_use: dict[int, float] = {i: 0.0 for i in range(3)}
+
+    async def watched() -> list[tuple[float, Any, dict[str, str], Any]]:
+        async def watch() -> None:  # each replica's peaks, as its /metrics says (what a router or picker reads)
+            async with httpx.AsyncClient(timeout=10) as c:
+                while True:
+                    for i, r in enumerate(fleet.replicas):
+                        m = Scrape.parse((await c.get(f"{r.base}/metrics")).text)
+                        running[i] = max(running[i], m.get("parley_requests_running") or 0)
+                        kv_use[i] = max(kv_use[i], m.get("parley_kv_cache_usage_perc") or 0)
+                    await asyncio.sleep(0.01)
+        watcher = asyncio.create_task(watch())
+        try:
+            return await _send(fleet.router.base, bodies[1:], concurrency=2 * MAX_BATCH)
+        finally:
+            watcher.cancel()
+
+    before = fleet.scrapes()
+    first = asyncio.run(_send(fleet.router.base, bodies[:1], concurrency=1))  # the prefix lands on one replica
+    placed = fleet.scrapes()
+    (owner,) = [i for i, d in _completed(before, placed).items() if d]
+    results = asyncio.run(watched())
+    after = fleet.scrapes()
+    assert Counter(r[1] for r in first + results) == {200: 36}
+    done = _completed(placed, after)
+    assert sum(done.values()) == 35
+    assert running[owner] == MAX_BATCH, f"the prefix's replica (#{owner}) never filled its batch: {running}"
+    assert kv_use[owner] == MAX_BATCH / KV_SLOTS, kv_use  # its KV use: the share of slots running requests hold
+    assert done[owner] < 35 and sum(1 for d in done.values() if d) >= 2, f"nothing overflowed: {done}"
+
+
+def test_when_no_replica_can_take_it_the_client_gets_the_429_and_do_not_retry(tmp_path) -> None:
+    """A router in front of one replica that keeps its SLA for one request at a time: its refusals have nowhere
+    else to go. The router retries each a few times within ~0.1 s, then passes the replica's 429 on, headers and
+    body as they were."""
+    replica = tiny_server(tmp_path / "one-at-a-time.log", *ONE_AT_A_TIME)
+    router = None
+    try:
+        router = start_router([replica.base], tmp_path / "router-one.log", BALANCE_ABS_THRESHOLD)
+        results = asyncio.run(_send(router.base, _fresh(6, "full"), concurrency=6))
+    finally:
+        if router is not None:
+            stop_process(router.proc, timeout_s=10)
+        assert stop_server(replica) == 0, replica.log_tail()
+    statuses = Counter(r[1] for r in results)
+    assert set(statuses) <= {200, 429} and statuses[200] >= 1 and statuses[429] >= 1, statuses
+    for _, status, headers, body in results:
+        if status == 429:
+            assert headers["x-should-retry"] == "false" and int(headers["retry-after"]) >= 1, headers
+            assert body["error"]["type"] == "overloaded", body
+
+
+def test_a_replica_killed_under_load_costs_only_its_in_flight_requests(fleet: Fleet) -> None:
+    """Streams at six at a time; replica 0 is killed (SIGKILL) a second in. Only streams it was serving may fail;
+    every request sent after the kill succeeds; the router marks it down; later requests all succeed."""
+    victim = fleet.replicas[0]
+    bodies = [{**b, "max_tokens": 16} for b in _fresh(60, "kill")]
+
+    async def load_and_kill() -> tuple[list[tuple[float, Any, dict[str, str], Any]], float]:
+        task = asyncio.create_task(_send(fleet.router.base, bodies, concurrency=6, stream=True))
+        await asyncio.sleep(1.0)
+        killed_at = time.monotonic()
+        victim.proc.kill()
+        return await task, killed_at
+
+    results, killed_at = asyncio.run(load_and_kill())
+    victim.proc.wait(timeout=10)
+    failed = [r for r in results if r[1] != 200]
+    assert len(failed) <= 6, f"{len(failed)} failed, more than were in flight: {Counter(r[1] for r in failed)}"
+    assert all(start < killed_at for start, *_ in failed), "a request sent after the kill failed"
+    assert len(results) - len(failed) >= 54
+
+    dead = victim.base
+    poll(lambda: worker_health(fleet.router).get(dead), lambda h: h == 0, 30, "the router marks the dead replica down")
+    later = asyncio.run(_send(fleet.router.base, _fresh(12, "after"), concurrency=4))
+    assert [r[1] for r in later] == [200] * 12
