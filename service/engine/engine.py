@@ -93,6 +93,7 @@ class Engine:
         self._last_completed = 0.0
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
+        self._launch_phases: dict[str, float] = {}
         self._slow_prefills = 0  # the decoder's count, as last exported
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
@@ -237,7 +238,7 @@ class Engine:
                 self._complete(launched)
         t_complete = time.perf_counter()
         self._update_gauges()
-        self._slow_iterations.observe({"plan": t_plan - now, "launch": t_launch - t_plan,
+        self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases,
                                        "complete": t_complete - t_launch, "gauges": time.perf_counter() - t_complete})
 
     def _take_inbox(self) -> None:
@@ -282,9 +283,15 @@ class Engine:
                 self.decoder.copy_prefix(c.src, c.dst, c.tokens)
             for lc in plan.launches:
                 self.decoder.prefill(_slot(lc.req), lc.req.prompt_ids[lc.start:lc.end], lc.start)
-            out = self.decoder.decode(plan.slots, self._row_tokens(plan, inflight), plan.positions,
-                                      sampler.draws(plan.sampled), sampled_rows=len(plan.sampled))
+            t1 = time.perf_counter()
+            rows = self._row_tokens(plan, inflight)
+            t2 = time.perf_counter()
+            out = self.decoder.decode(plan.slots, rows, plan.positions, sampler.draws(plan.sampled),
+                                      sampled_rows=len(plan.sampled))
+            t3 = time.perf_counter()
             tokens = sampler.choose(out, plan.sampled)
+            self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
+                                   "choose": time.perf_counter() - t3}
         except Exception as e:
             log.exception("step failed")
             self._publish([Finished(r, "error", time.perf_counter(), error=f"step failed: {e}")

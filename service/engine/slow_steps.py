@@ -38,9 +38,9 @@ SLOW_ITERATION_S = 0.005  # an engine iteration this long delays every stream's 
 
 class SlowIterations:
     """Where an engine iteration's time went, when one took longer than SLOW_ITERATION_S (each phase in ms: plan,
-    launch, complete, publish), at most once every `every_s`: what a stall between two tokens is made of."""
+    launch's parts, complete, gauges), at most once every `every_s`: what a stall between two tokens is made of."""
 
-    def __init__(self, slow_s: float = SLOW_ITERATION_S, every_s: float = 10.0,
+    def __init__(self, slow_s: float = SLOW_ITERATION_S, every_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.slow_s, self.every_s, self._clock = slow_s, every_s, clock
         self._unreported = 0
