@@ -26,6 +26,10 @@ OUTLIER = 1.5  # an observation over this many predicted ones is an outlier: alo
 # step had made an idle server whose prediction sat near the SLA refuse what it could serve); in a row, each counts
 # as this many
 SHORT_CONTEXT = 64  # the positions step_s is measured at: step_kv_s counts what lies beyond
+LEARN_CEILING = 1.2  # a step is never learned slower than this many times its calibrated time: what slows the cadence
+# beyond that is the host (the API thread holding the GIL while it templates a 2,000-token conversation, on the H100's
+# voice run), not the step; had the model learned it, an idle server predicted 105 ms and refused every request.
+# Late tokens widen admission's margin instead, which gives back as they come on time.
 
 
 class LatencyModel:
@@ -38,6 +42,7 @@ class LatencyModel:
         step_kv_s: seconds per K/V position a step's rows attend over beyond SHORT_CONTEXT each."""
         self.max_rows = max_rows
         self._step = dict(sorted(step_s.items()))  # rows → seconds per step (a whole engine iteration)
+        self._calibrated = dict(self._step)  # what start-up measured (LEARN_CEILING)
         self.step_kv_s = step_kv_s
         # K/V length (0: a fresh prompt) → new tokens → seconds
         self._prefill: dict[int, dict[int, float]] = {0: dict(sorted(prefill_s.items()))}
@@ -107,7 +112,8 @@ class LatencyModel:
             self.observed_steps += 1
             point = self._point_of(max(1, rows))
             extra = self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * rows)
-            self._step[point] = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
+            learned = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
+            self._step[point] = min(learned, LEARN_CEILING * _interpolate(self._calibrated, point))
             self._step = dict(sorted(self._step.items()))
 
     def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
