@@ -37,15 +37,16 @@ class ServeConfig(BaseSettings):
     batch_invariant: bool = Field(False, description="megakernel: a request's greedy tokens never depend on the "
                                   "batch it runs in (every step pads to the largest batch: +8 percent bf16, "
                                   "+23 percent fp8 per step at batch 1 on the H100)")
-    max_batch: int = Field(8, ge=1, description="requests decoded together: the decode batch never exceeds it (more "
-                           "wait for a row)")
+    max_batch: int = Field(8, ge=1, description="requests seated together (prefilling or decoding): a step's "
+                           "sampled rows never exceed it (more wait)")
     kv_slots: int | None = Field(None, description="KV slots: conversations whose K/V stay cached (a request whose "
                                  "prompt begins with cached tokens prefills only the rest; idle ones are evicted "
                                  "least recently used); at least --max-batch. Unset: on a GPU, as many as half the "
                                  "memory left after the weights holds (at most 64); on the CPU, --max-batch")
     max_rows: int | None = Field(None, ge=1, description="the token budget of a step: rows it carries, decode "
                                  "rows and prompt tokens riding beside them (a longer prompt is chunked over steps); "
-                                 "at least --max-batch. Unset: the backend's (64)")
+                                 "at least --max-batch. Unset: 16 (the megakernel carries up to 64, but past 16 rows a "
+                                 "step's cost grows ~3x faster per row on the H100: README)")
     max_context: int = Field(2048, description="tokens per slot, prompt + output")
     calibration_budget_s: float | None = Field(None, gt=0, description="at most this long (roughly) timing steps and "
                                                "prefills at start-up, the points that matter first; the rest is "
