@@ -7,16 +7,13 @@ and of the bf16 reference decoder against float32. The per-phase timeline is `be
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.backends.megakernel import MegakernelDecoder  # noqa: E402
-from service.backends.reference import ReferenceDecoder  # noqa: E402
-from service.model.synthetic import load_synthetic  # noqa: E402
-from service.model.weights import ModelWeights  # noqa: E402
+from service.backends.megakernel import MegakernelDecoder
+from service.backends.reference import ReferenceDecoder
+from service.model.synthetic import load_synthetic
+from service.model.weights import ModelWeights
 
 
 def accuracy(shape: str, batch: int, steps: int, ctx: int, weight_format: str = "bf16") -> None:

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.backends.reference import ReferenceDecoder  # noqa: E402
-from service.model.fp8 import quantize_model  # noqa: E402
-from service.model.loader import load_model  # noqa: E402
+from service.backends.reference import ReferenceDecoder
+from service.model.fp8 import quantize_model
+from service.model.loader import load_model
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",

@@ -22,6 +22,6 @@ fi
 BUDGET=$(( ${PARLEY_CALL_S:-590} - SECONDS - 90 ))
 DECODE_ARGS=${PARLEY_DECODE_ARGS---timeline default --timeline-rows 64 --timeline-models llama-3.2-1b --timeline-weights bf16}
 # shellcheck disable=SC2086
-python3 bench/decode.py --out "$OUT" --budget-s "$BUDGET" $DECODE_ARGS 2>&1 | tee "$OUT/decode.log" \
+python3 -m bench decode --out "$OUT" --budget-s "$BUDGET" $DECODE_ARGS 2>&1 | tee "$OUT/decode.log" \
   | grep -vE "^\| [a-z]|^\| ---" | tail -n 60
 echo "kernel_gpu.sh: ${SECONDS} s"

@@ -15,23 +15,20 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
     """The (kernel, args, kwargs) that Megakernel.step would launch for this model and batch bucket."""
-    import bench.decode as decode  # the variants table
+    from bench.variants import VARIANTS
     from kernels import megakernel as mk
     from service.backends.megakernel import MegakernelDecoder
     from service.model.synthetic import load_synthetic
 
     config, w, _ = load_synthetic(model, dtype=torch.bfloat16, num_layers=2)
-    cfg = decode.VARIANTS[variant](weights == "fp8")
+    cfg = VARIANTS[variant](weights == "fp8")
     captured = {}
 
     class Launcher:
