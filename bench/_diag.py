@@ -1,7 +1,7 @@
 """Megakernel accuracy diagnostic on a GPU (bench/NOTES.md quotes it): the per-step logits error of the megakernel
 and of the bf16 reference decoder against float32. The per-phase timeline is `bench/decode.py --timeline`.
 
-    python bench/_diag.py [bf16|fp8]
+    python -m bench diag [bf16|fp8]
 """
 
 from __future__ import annotations

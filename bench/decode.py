@@ -1,6 +1,6 @@
 """Decode-step benchmark: the megakernel against its peers and the memory-bandwidth floor, in one GPU run.
 
-    python bench/decode.py [--out bench/results] [--models llama-3.2-1b qwen2.5-1.5b smollm2-135m]
+    python -m bench decode [--out bench/results] [--models llama-3.2-1b qwen2.5-1.5b smollm2-135m]
                            [--weights bf16 fp8] [--batches 1 8] [--wide-batches 32 64] [--contexts 128 2048]
                            [--variants tma w-narrow ...] [--timeline default ...] [--timeline-rows 64] [--hf]
                            [--budget-s 400] [--tag NAME]

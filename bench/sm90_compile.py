@@ -1,6 +1,6 @@
 """Compile the megakernel for the H100 (sm_90) on a machine with no GPU, and say what the compiler made of it.
 
-    python bench/sm90_compile.py [--model llama-3.2-1b] [--batch 1] [--weights bf16|fp8] [--variant NAME]
+    python -m bench sm90-compile [--model llama-3.2-1b] [--batch 1] [--weights bf16|fp8] [--variant NAME]
                                  [--dump DIR]
 
 Triton compiles for a named target without a device, and its bundled ptxas and cuobjdump report registers, spills
