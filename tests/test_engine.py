@@ -19,7 +19,7 @@ from service.engine.engine import Engine
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams
 from service.engine.sampler import SamplingError
-from service.engine.slow_steps import SlowSteps
+from service.engine.slow_steps import SlowIterations, SlowSteps
 from service.model.loader import load_model
 from service.model.synthetic import byte_tokenizer
 
@@ -533,6 +533,21 @@ def test_slow_steps_are_logged_at_most_once_a_minute(caplog):
         steps(10, 0.2)
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 2 and "(101 steps over 50 ms since the last report)" in lines[1]
+
+
+def test_a_slow_engine_iteration_is_logged_with_where_its_time_went(caplog):
+    now = [0.0]
+    slow = SlowIterations(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        slow.observe({"plan": 0.0002, "decode": 0.001})  # 1.2 ms: not slow
+        slow.observe({"plan": 0.0002, "decode": 0.0068})
+        slow.observe({"plan": 0.0002, "decode": 0.0068})  # within the throttle: counted, not logged
+        now[0] += 3.0
+        slow.observe({"plan": 0.006, "decode": 0.001})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["an engine iteration took 7.0 ms (plan 0.2, decode 6.8; 1 iterations over 5 ms since the last "
+                     "report)", "an engine iteration took 7.0 ms (plan 6.0, decode 1.0; 2 iterations over 5 ms since "
+                     "the last report)"]
 
 
 def test_timings_say_which_token_they_time(tiny):
