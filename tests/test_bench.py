@@ -39,7 +39,7 @@ def test_e2e_plan_is_issue_21s() -> None:
     assert list(servers) == ["megakernel.bf16", "megakernel.fp8", "reference.bf16", "qwen.megakernel.bf16"]
     for label, s in servers.items():
         flags = " ".join(s.serve)
-        assert ("--max-batch 16 --max-rows 64" in flags) == ("megakernel" in label)
+        assert ("--max-batch 16 --max-rows 16" in flags) == ("megakernel" in label)
         swept = [t for t in s.loadtests if "--sweep" in t.args]
         assert bool(swept) == (label in ("megakernel.bf16", "megakernel.fp8"))
         for t in swept:  # the sweep searches upward without a cap: doubling from 10/s, then bisecting
