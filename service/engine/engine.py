@@ -373,6 +373,9 @@ class Engine:
                 log.exception("flushing the output of %s failed", req.id)
         with self._lock:
             self._live.discard(req)
+        # the headroom changes as requests come and go (submit sets it too): not every step, whose admission lock
+        # an admission check holds for a forecast
+        self.metrics.sla_headroom.set(self.admission.headroom(ev.at))
         try:
             req.sink(Delta(text, [] if ev.token is None else [ev.token], finish_reason=ev.reason, error=ev.error,
                            usage=req.usage(), timings=req.timings(ev.at)))
@@ -390,7 +393,6 @@ class Engine:
         self.metrics.waiting.set(s.waiting)
         self.metrics.kv_slots_free.set(s.free_slots)
         self.metrics.kv_slots_cached.set(s.cached_slots)
-        self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
 
 
 def _requests_of(plan: StepPlan) -> list[Request]:
