@@ -192,6 +192,14 @@ def timeline(dec: MegakernelDecoder, batch: int, context: int) -> dict:
                                                work / 1e3])
         prev_end = ph_end
     out: dict[str, Any] = {"step_us": end.max().item() / 1e3, "tasks": len(s.tasks), "phases": {}}
+    # every task of layer 1's attention and its neighbours, for reading a phase's stragglers: (op, program, start,
+    # ready, end) in µs from the layer's first QKV start
+    prog = torch.repeat_interleave(torch.arange(k.num_programs), (s.starts[1:] - s.starts[:-1]).long())
+    mine = [i for i, kk in enumerate(keys) if kk[0] == 1 and kk[1] in (int(Op.QKV), int(Op.ATTN), int(Op.OPROJ))]
+    t1 = prof[mine, 0].min()
+    out["layer1_tasks"] = [[Op(keys[i][1]).name, int(prog[i]), round((prof[i, 0] - t1).item() / 1e3, 2),
+                            round((prof[i, 1] - t1).item() / 1e3, 2), round((prof[i, 2] - t1).item() / 1e3, 2)]
+                           for i in mine]
     for name, v in phases.items():
         t = torch.tensor(v)
         out["phases"][name] = {"count": len(v), "phase_us": t[:, 0].mean().item(), "sum_us": t[:, 0].sum().item(),

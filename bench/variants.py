@@ -42,6 +42,12 @@ VARIANTS: dict[str, Callable[[bool], KernelConfig]] = {
     "qkv8": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV,), rows=8)),
     "bk2x": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.DOWN), k_chunk=1024 if fp8 else 512)),
     "invariant": lambda fp8: KernelConfig(batch_invariant=True),
+    # attention splits of one 64-position chunk at least (default: 4): short contexts spread over several programs
+    "split1": lambda fp8: KernelConfig(split_min_chunks=1),
+    "split2": lambda fp8: KernelConfig(split_min_chunks=2),
+    "split1-ch32": lambda fp8: KernelConfig(split_min_chunks=1, chunk=32),
+    # attention waits for the whole QKV phase (one counter a phase), as before the per-KV-head counters
+    "phase-counters": lambda fp8: KernelConfig(head_counters=False),
     # wide buckets: the 16-row buckets' tiles (16-row tiles, 4 k slices) over 128-column k chunks
     "w-narrow": lambda fp8: KernelConfig(tiles=_tiles(fp8, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, rows=16,
                                                       k_slices=4)),

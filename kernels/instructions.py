@@ -182,8 +182,8 @@ class ModelDims:
 @dataclass(frozen=True)
 class Layout:
     """Where each dependency counter (one int32 each) and each scratch slot of sums of squares lives, for one model
-    and batch bucket. Counters: one per (layer, phase), Embed's and the LM head's, then the attention splits'
-    arrivals per (layer, row, KV head). Sums of squares: one slot per norm (each layer's attention and MLP norms, the
+    and batch bucket. Counters: one per (layer, phase), Embed's and the LM head's, the attention splits' arrivals per
+    (layer, row, KV head), then the QKV tasks done per (layer, KV head). Sums of squares: one slot per norm (each layer's attention and MLP norms, the
     final norm), each holding hidden/16 partials per row."""
 
     num_layers: int
@@ -204,9 +204,14 @@ class Layout:
     def arrive(self, layer: int, row: int, kv_head: int) -> int:
         return self.lm_head + 1 + (layer * self.batch + row) * self.kv_heads + kv_head
 
+    def qkv_head(self, layer: int, kv_head: int) -> int:
+        """The QKV tasks of one KV head's group (its query heads, its key and value rows) done in this layer."""
+        return self.arrive(self.num_layers - 1, self.batch - 1, self.kv_heads - 1) + 1 + \
+            layer * self.kv_heads + kv_head
+
     @property
     def counters(self) -> int:
-        return self.arrive(self.num_layers - 1, self.batch - 1, self.kv_heads - 1) + 1
+        return self.qkv_head(self.num_layers - 1, self.kv_heads - 1) + 1
 
     def attn_norm(self, layer: int) -> int:
         """The sums-of-squares slot of layer's attention norm (layer == num_layers: the final norm)."""
@@ -228,6 +233,7 @@ class Tiling:
     rows: dict[Op, int] = field(default_factory=lambda: {Op.QKV: 16, Op.OPROJ: 16, Op.GATEUP: 16, Op.DOWN: 16,
                                                          Op.LMHEAD: 64})
     attn_splits: int = 1  # splits of the cached positions per (row, kv head), at most
+    head_counters: bool = True  # attention for a KV head waits only for its own group's QKV tasks
 
 
 def attention_splits(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16) -> int:
@@ -263,6 +269,21 @@ def split_rows(rows: int, bn: int, parts: int) -> list[tuple[int, int]]:
         out.append((t0 * bn, n))
         t0 += n
     return out
+
+
+def qkv_head_runs(dims: ModelDims, tile: int, parts: int) -> list[list[tuple[int, int]]] | None:
+    """QKV's runs of tiles grouped by KV head: for head g, runs over its query heads' rows, its key rows and its
+    value rows, each segment cut into about its share of `parts` runs. None where a tile would straddle two heads."""
+    D, G, Q, KV = dims.head_dim, dims.group, dims.q_size, dims.kv_size
+    if D % tile:
+        return None
+    total = dims.qkv_rows // tile
+    groups = []
+    for g in range(dims.num_kv_heads):
+        segments = ((g * G * D, G * D), (Q + g * D, D), (Q + KV + g * D, D))
+        groups.append([(start + r0, n) for start, rows in segments
+                       for r0, n in split_rows(rows, tile, max(1, round(parts * rows / tile / total)))])
+    return groups
 
 
 # weight matrices of each matvec: (region names, rows of the matrix, its row length) for the prefetch hints
@@ -302,12 +323,29 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
 
     runs = {op: split_rows(mats[op][1], tile_rows(op), P) for op in mats}
     embed_runs = split_rows(dims.hidden, EMBED_COLS, P)
+    # QKV's runs per KV head, where its tiles fall within heads: attention for a head then waits for its group only
+    qkv_groups = qkv_head_runs(dims, tile_rows(Op.QKV), P) if tiling.head_counters else None
+    if qkv_groups is not None:
+        runs[Op.QKV] = [r for group in qkv_groups for r in group]
 
     def matvecs(op: Op, layer: int, wait: int, target: int, done: int, ssq: int) -> list[Task]:
         bn = tile_rows(op)
         return [Matvec(op=op, layer=layer, wait=wait, target=target, done=done, row0=r0, tiles=n, part=i, ssq=ssq,
                        prefetch=regions(op, layer, r0, n * bn))
                 for i, (r0, n) in enumerate(runs[op])]
+
+    def qkv_tasks(layer: int, wait: int, target: int, ssq: int) -> list[Task]:
+        if qkv_groups is None:
+            return matvecs(Op.QKV, layer, wait, target, cnt.phase(layer, Op.QKV), ssq)
+        bn = tile_rows(Op.QKV)
+        return [Matvec(op=Op.QKV, layer=layer, wait=wait, target=target, done=cnt.qkv_head(layer, g), row0=r0,
+                       tiles=n, ssq=ssq, prefetch=regions(Op.QKV, layer, r0, n * bn))
+                for g, group in enumerate(qkv_groups) for r0, n in group]
+
+    def attention_wait(layer: int, g: int) -> tuple[int, int]:
+        if qkv_groups is None:
+            return cnt.phase(layer, Op.QKV), len(runs[Op.QKV])
+        return cnt.qkv_head(layer, g), len(qkv_groups[g])
 
     phases: list[list[Task]] = [[Embed(col0=c0, tiles=n, done=cnt.embed, ssq=cnt.attn_norm(0))
                                  for c0, n in embed_runs]]
@@ -317,11 +355,11 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
 
         wait, target = (cnt.embed, len(embed_runs)) if layer == 0 else \
             (cnt.phase(layer - 1, Op.DOWN), len(runs[Op.DOWN]))
-        phases.append(matvecs(Op.QKV, layer, wait, target, c(Op.QKV), cnt.attn_norm(layer)))
+        phases.append(qkv_tasks(layer, wait, target, cnt.attn_norm(layer)))
         phases.append([
-            Attention(layer=layer, wait=c(Op.QKV), target=len(runs[Op.QKV]), done=c(Op.ATTN), row=b, kv_head=g,
-                      split=s, arrive=cnt.arrive(layer, b, g))
-            for b in range(batch) for g in range(dims.num_kv_heads) for s in range(tiling.attn_splits)
+            Attention(layer=layer, wait=attention_wait(layer, g)[0], target=attention_wait(layer, g)[1],
+                      done=c(Op.ATTN), row=b, kv_head=g, split=s, arrive=cnt.arrive(layer, b, g))
+            for g in range(dims.num_kv_heads) for b in range(batch) for s in range(tiling.attn_splits)
         ])
         phases.append(matvecs(Op.OPROJ, layer, c(Op.ATTN), batch * dims.num_kv_heads, c(Op.OPROJ),
                               cnt.mlp_norm(layer)))

@@ -949,6 +949,7 @@ class KernelConfig:
     prefetch_own: bool = True  # each task's own first weights, prefetched into L2 before it waits
     prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
     prefetch_kv: bool = True  # attention tasks prefetch their cached keys and values into L2 before they wait
+    head_counters: bool = True  # attention for a KV head waits for its own group's QKV tasks, not the whole phase
     cooperative: bool = True
     max_spin: int = 1 << 22
     profile: bool = False  # record (start, ready, end, SM) per task in Megakernel.prof
@@ -1053,7 +1054,8 @@ class Megakernel:
     def tiling(self, batch: int) -> I.Tiling:
         splits = self.attn_splits.get(batch) or \
             I.attention_splits(self.dims, batch, self.num_programs, self.cfg.max_splits)
-        return I.Tiling(rows={op: t.rows for op, t in self.tiles(batch).items()}, attn_splits=splits)
+        return I.Tiling(rows={op: t.rows for op, t in self.tiles(batch).items()}, attn_splits=splits,
+                        head_counters=self.cfg.head_counters)
 
     def schedule(self, batch: int) -> I.Schedule:
         if batch not in self.schedules:

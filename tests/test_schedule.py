@@ -1,0 +1,72 @@
+"""The megakernel's schedule (kernels/instructions.py), checked on the host: what each task waits for is exactly what
+the tasks before it provide, so that the persistent kernel neither deadlocks nor reads a buffer early."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kernels import instructions as I
+from kernels.instructions import Op
+
+MODELS = {
+    "llama-3.2-1b": I.ModelDims(2048, 16, 32, 8, 64, 8192, 128256, 1e-5, False),
+    "qwen2.5-1.5b": I.ModelDims(1536, 28, 12, 2, 128, 8960, 151936, 1e-6, True),
+    "smollm2-135m": I.ModelDims(576, 30, 9, 3, 64, 1536, 49152, 1e-5, False),
+}
+
+
+def tasks_of(s: I.Schedule) -> list[dict[str, int]]:
+    names = ["op", "layer", "wait", "target", "done"]
+    return [dict(zip(names, rec[:5])) | {"row0": rec[I.MV_ROW0], "tiles": rec[I.MV_TILES],
+                                         "kv_head": rec[I.ATTN_KV_HEAD]} for rec in s.tasks.tolist()]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("programs", [1, 7, 132])
+def test_attention_waits_for_its_own_heads_qkv_rows(model: str, programs: int) -> None:
+    dims = MODELS[model]
+    tile = 32  # QKV's two runs of 16 rows
+    s = I.build_schedule(dims, 2, programs, I.Tiling(attn_splits=3))
+    tasks = tasks_of(s)
+    qkv = [t for t in tasks if t["op"] == Op.QKV and t["layer"] == 1]
+    # the runs cover every row of Wq, Wk, Wv exactly once
+    rows = Counter(r for t in qkv for r in range(t["row0"], t["row0"] + t["tiles"] * tile))
+    assert sorted(rows) == list(range(dims.qkv_rows)) and set(rows.values()) == {1}
+    signals = Counter(t["done"] for t in qkv)
+    d, g = dims.head_dim, dims.group
+    for t in qkv:  # a task signals the counter of the KV head whose rows it computes
+        head = (t["row0"] // (g * d) if t["row0"] < dims.q_size
+                else (t["row0"] - dims.q_size) % dims.kv_size // d)
+        assert t["done"] == s.layout.qkv_head(1, head)
+    for t in (t for t in tasks if t["op"] == Op.ATTN and t["layer"] == 1):
+        assert t["wait"] == s.layout.qkv_head(1, t["kv_head"])
+        assert t["target"] == signals[t["wait"]]  # every QKV task of that head, no more
+    assert max(max(t["wait"], t["done"]) for t in tasks) < s.layout.counters
+
+
+@pytest.mark.parametrize("head_counters", [True, False])
+def test_every_wait_is_met_by_earlier_tasks(head_counters: bool) -> None:
+    """Run the schedule as the GPU would with every program resident: each program takes its next task once the
+    counter it waits for has reached its target. Attention's `done` counts (row, KV head) pairs finished (one split
+    each here); everything else counts tasks. The step must finish, with no counter overshooting a wait."""
+    dims = MODELS["smollm2-135m"]
+    s = I.build_schedule(dims, 3, 16, I.Tiling(head_counters=head_counters))
+    tasks = tasks_of(s)
+    starts = s.starts.tolist()
+    queues = [list(range(starts[p], starts[p + 1])) for p in range(s.num_programs)]
+    counters = Counter[int]()
+    progress = True
+    while progress:
+        progress = False
+        for q in queues:
+            while q and (tasks[q[0]]["wait"] < 0 or counters[tasks[q[0]]["wait"]] >= tasks[q[0]]["target"]):
+                t = tasks[q.pop(0)]
+                if t["done"] >= 0 and t["op"] != Op.ARGMAX:
+                    counters[t["done"]] += 1
+                progress = True
+    assert not any(queues), "a program waits forever"
+    waits = Counter((t["wait"], t["target"]) for t in tasks if t["wait"] >= 0)
+    for (counter, target), _ in waits.items():
+        assert counters[counter] == target, f"counter {counter} ends at {counters[counter]}, awaited at {target}"
