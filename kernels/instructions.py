@@ -183,8 +183,8 @@ class ModelDims:
 class Layout:
     """Where each dependency counter (one int32 each) and each scratch slot of sums of squares lives, for one model
     and batch bucket. Counters: one per (layer, phase), Embed's and the LM head's, the attention splits' arrivals per
-    (layer, row, KV head), then the QKV tasks done per (layer, KV head). Sums of squares: one slot per norm (each layer's attention and MLP norms, the
-    final norm), each holding hidden/16 partials per row."""
+    (layer, row, KV head), then the QKV tasks done per (layer, KV head). Sums of squares: one slot per norm (each
+    layer's attention and MLP norms, the final norm), each holding hidden/16 partials per row."""
 
     num_layers: int
     batch: int
