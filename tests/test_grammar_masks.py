@@ -202,3 +202,30 @@ def test_step_masks_mask_only_the_constrained_rows(tiny, grammars):
     assert len(allowed) == 1 and tiny.tokenizer.decode(allowed) == "["  # a JSON array opens, byte by byte
     assert torch.equal(out.logits[1, allowed], logits[1, allowed])
     assert torch.equal(masks.apply(logits, {}).logits, logits)  # the same buffer: row 1 allows everything again
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_masks_and_choices_are_the_cpus(tiny, grammars):
+    """On CUDA (pinned staging buffers in turn, copies that nobody waits for), step after step: the masked logits and
+    the greedy constrained choices are the CPU's, for constrained rows that change from step to step."""
+    from service.backends.decoder import DecodeOutput
+    from service.engine import sampler
+    from service.engine.output import TextOutput
+    from service.engine.request import Request
+
+    gen = torch.Generator().manual_seed(0)
+    cpu, gpu = StepMasks(), StepMasks()
+    for step in range(12):  # past the buffers' turn
+        logits = torch.randn(6, grammars.vocab_size + 40, generator=gen)
+        rows = {i: constraint(grammars, PERSON if i % 2 else WORDS)[0] for i in range(6) if (i + step) % 3 == 0}
+        on_cpu = cpu.apply(logits, rows).logits
+        on_gpu = gpu.apply(logits.cuda(), rows).logits
+        assert torch.equal(on_gpu.cpu(), on_cpu)
+        reqs = [Request([1], with_constraint(GREEDY, rows[i]) if i in rows else GREEDY, lambda d: None,
+                        TextOutput(tiny.tokenizer.detokenizer())) for i in range(6)]
+        for r in reqs:
+            r.choice = sampler.choice_of(r, draws_tokens=False)
+        dev = logits.cuda()
+        tokens = sampler.choose(DecodeOutput(dev, dev.argmax(-1)), reqs, gpu)
+        tokens.read()
+        assert [tokens.token(i) for i in range(6)] == on_cpu.argmax(-1).tolist()
