@@ -9,9 +9,10 @@ in the same batch, and of the constrained request itself, as clients see them (p
 It starts `parley serve` (its log in bench/results/raw/; or measures --url), runs the two scenarios in turn
 `--repeats` times, and writes <out>/constrained-<device>.json and .md: the device, the versions, and ITL p50/p99 of
 the neighbours without a constrained request (the baseline), of the neighbours beside one, and of the constrained
-request. The synthetic models tokenize as SmolLM2 does, so the grammar works over a real 49k vocabulary; their
-random weights never stop on their own, and the schema (an array of at least --tokens items) keeps the grammar at
-work for every token.
+request; and how often the engine thread waited for a grammar mask (computed off it: parley_grammar_mask_waits).
+The synthetic models tokenize as SmolLM2 does, so the grammar works over a real 49k vocabulary; their random weights
+never stop on their own, and the schema (an array of at least --tokens items) keeps the grammar at work for every
+token.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 from bench.device import describe, file_stem
 from bench.publish import RAW, RESULTS, publish
-from bench.server import serving
+from bench.server import get_text, serving
+from bench.soak import metric, parse_metrics
 from loadtest.clients import ClientPool, Target, http_turn
 from loadtest.record import RequestRecord, finish
 from loadtest.stats import describe as spread
@@ -65,11 +67,19 @@ def figures(itl_ms: list[float]) -> dict[str, Any]:
     return {"n": d["n"], **rounded}
 
 
+def mask_waits(url: str) -> float | None:
+    """The server's count of grammar masks the engine thread waited for (None: not served)."""
+    text = get_text(url, "/metrics")
+    return None if text is None else metric(parse_metrics(text), "parley_grammar_mask_waits_total")
+
+
 async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     # warm-up: the grammar engine's vocabulary is built once
     await scenario(url, 1, 8, constrained=True, stagger_s=0.0)
+    waits_before = await asyncio.to_thread(mask_waits, url)
     itl: dict[str, list[float]] = {"baseline": [], "beside": [], "constrained": []}
     refused: list[str] = []
+    constrained_tokens = 0
     for _ in range(args.repeats):
         for mixed in (False, True):
             for constrained, r in await scenario(url, args.neighbours, args.tokens, mixed,
@@ -77,11 +87,15 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 if r.outcome != "ok":
                     refused.append(f"{r.status} {r.error or ''}".strip())
                 itl["constrained" if constrained else "beside" if mixed else "baseline"] += r.itl_ms
+                constrained_tokens += r.output_tokens if constrained else 0
+    waits_after = await asyncio.to_thread(mask_waits, url)
     base, beside = figures(itl["baseline"]), figures(itl["beside"])
     slowdown = beside["p50"] / base["p50"] - 1 if base["p50"] and beside["p50"] is not None else None
+    waits = None if waits_before is None or waits_after is None else int(waits_after - waits_before)
     return {"itl_ms": {"baseline_neighbours": base, "neighbours_beside_constrained": beside,
                        "constrained": figures(itl["constrained"])},
-            "neighbour_p50_slowdown": slowdown, "refused": refused}
+            "neighbour_p50_slowdown": slowdown, "refused": refused,
+            "grammar_mask_waits": waits, "constrained_tokens": constrained_tokens}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -99,6 +113,9 @@ def markdown(result: dict[str, Any]) -> str:
     if result["neighbour_p50_slowdown"] is not None:
         lines += ["", f"Neighbours' ITL p50 beside a constrained request: {result['neighbour_p50_slowdown']:+.1%} "
                       "against the baseline."]
+    if result.get("grammar_mask_waits") is not None:
+        lines += ["", f"The engine thread waited for {result['grammar_mask_waits']} of the "
+                      f"{result['constrained_tokens']} constrained tokens' grammar masks (computed off it)."]
     if result["refused"]:
         lines += ["", f"{len(result['refused'])} requests were refused or failed, and are not measured: "
                       f"{result['refused'][0]}"]

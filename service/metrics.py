@@ -75,6 +75,9 @@ class Metrics:
         self.prefill_slow_path = Counter(
             "parley_prefill_slow_path", "Prefills on a GPU that could not replay a captured graph (eager: slow)",
             registry=r)
+        self.grammar_mask_waits = Counter(
+            "parley_grammar_mask_waits", "Constrained tokens whose grammar mask (computed off the engine thread) was "
+            "not ready when their step was launched: the engine thread waited for it", registry=r)
         self.running = Gauge("parley_requests_running", "Requests holding a KV slot and decoding", registry=r)
         self.waiting = Gauge("parley_requests_waiting", "Admitted requests waiting for a slot", registry=r)
         self.kv_slots_free = Gauge(

@@ -15,6 +15,7 @@ from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.engine import sampler
 from service.engine.admission import AdmitAll
+from service.engine.constraint import bitmask
 from service.engine.engine import Engine
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams
@@ -446,17 +447,18 @@ def test_a_failed_sampling_raises_for_its_request_alone(tiny):
 class OnlyTokens:
     """A constraint (what a grammar plugs in) that allows a few tokens; it can be made to break on its Nth mask."""
 
-    def __init__(self, allowed, break_at=0):
-        self.allowed, self.break_at = sorted(allowed), break_at
+    def __init__(self, tokens, break_at=0, vocab=512):
+        self.bits, self.break_at = bitmask(tokens, vocab), break_at
         self.masked, self.accepted = 0, []
 
-    def mask(self, logits):
+    def ready(self):
+        return True
+
+    def allowed(self):
         self.masked += 1
         if self.masked == self.break_at:
             raise RuntimeError("the grammar broke")
-        out = torch.full_like(logits, float("-inf"))
-        out[self.allowed] = logits[self.allowed]
-        return out
+        return self.bits
 
     def accept(self, token):
         self.accepted.append(token)

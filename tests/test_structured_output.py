@@ -15,6 +15,7 @@ from service.api.tool_formats import HERMES, LLAMA3_JSON, CallFormat
 from service.api.tool_parsers import Content, ToolCallParser
 from service.api.tools import ChatTools
 from service.engine.grammar import GrammarConstraint, GrammarError, Grammars, closed, json_rule, schema_error
+from service.engine.masks import StepMasks
 from service.model.synthetic import smollm2_tokenizer
 from tests.server_support import Server
 
@@ -38,8 +39,11 @@ def decode_with(constraint: GrammarConstraint, seed: int, max_steps: int = 400) 
     tok = smollm2_tokenizer(PADDED_VOCAB)
     gen = torch.Generator().manual_seed(seed)
     ids: list[int] = []
+    masks = StepMasks()
     for _ in range(max_steps):
-        logits = constraint.mask(torch.randn(PADDED_VOCAB, generator=gen) * 4)
+        masked = masks.apply((torch.randn(PADDED_VOCAB, generator=gen) * 4)[None], {0: constraint})
+        assert not masked.errors
+        logits = masked.logits[0]
         assert torch.isinf(logits[tok.vocab_size:]).all()  # ids past the tokenizer's vocabulary: never
         token = int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
         if token == EOS:

@@ -23,6 +23,7 @@ from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
 from service.engine.kv_slots import KVSlots, Session
+from service.engine.masks import StepMasks
 from service.engine.output import TextOutput
 from service.engine.planner import LAUNCH_MIN_TOKENS, Planner
 from service.engine.prefix_cache import block_hashes
@@ -90,6 +91,7 @@ class Engine:
         self._feed_host = torch.zeros(FEED_BUFFERS, 3 * self.max_rows, dtype=torch.int64,
                                       pin_memory=self.overlap and torch.cuda.is_available())
         self._feed_at = 0
+        self._masks = StepMasks()  # where constrained rows' grammar masks go to the device
         self._last_completed = 0.0
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
@@ -289,9 +291,12 @@ class Engine:
             out = self.decoder.decode(plan.slots, rows, plan.positions, sampler.draws(plan.sampled),
                                       sampled_rows=len(plan.sampled))
             t3 = time.perf_counter()
-            tokens = sampler.choose(out, plan.sampled)
+            tokens = sampler.choose(out, plan.sampled, self._masks)
             self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}
+            if tokens.mask_waits:  # grammar masks not ready in time: the engine thread waited (part of choose)
+                self._launch_phases["mask wait"] = tokens.mask_wait_s
+                self.metrics.grammar_mask_waits.inc(tokens.mask_waits)
         except Exception as e:
             log.exception("step failed")
             self._publish([Finished(r, "error", time.perf_counter(), error=f"step failed: {e}")

@@ -1,17 +1,20 @@
 """Constrained decoding with llguidance: a grammar (llguidance's Lark, JSON schemas embedded as `%json {...}`)
-compiled against the served model's tokenizer into a TokenConstraint, which masks the logits before each choice to
-the tokens the grammar allows next (~25 µs a token for a 50k vocabulary) and advances with the token chosen.
+compiled against the served model's tokenizer into a TokenConstraint: a bitmask of the tokens the grammar allows
+next (~50 µs a token for a 50k vocabulary, up to ~0.5 ms; computed on a worker thread, not the engine's), and the token
+chosen, to advance with.
 
 The API asks for a grammar (a JSON schema for response_format, a model family's tool-call syntax: service/api/
-tools.py); the sampler applies it (Request.constraint). Once the grammar is complete, the mask allows only the
-end-of-sequence tokens, so the request ends there.
+tools.py); the sampler applies the masks of a step's constrained rows together (masks.py, Request.constraint).
+Once the grammar is complete, the mask allows only the end-of-sequence tokens, so the request ends there.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import llguidance
@@ -28,6 +31,9 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+
+
+MASK_WORKERS = 4  # threads computing masks, at most (one per CPU core)
 
 
 class GrammarError(ValueError):
@@ -83,34 +89,42 @@ def schema_error(schema: dict[str, Any]) -> str | None:
 
 
 class GrammarConstraint:
-    """One request's grammar state: a TokenConstraint (service/engine/sampler.py)."""
+    """One request's grammar state: a TokenConstraint (service/engine/constraint.py). Its next mask is computed on the
+    grammar's worker pool as soon as it can be (when the constraint is made, and after each token accepted), while
+    the engine thread launches steps; llguidance releases the GIL while it computes one."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, pool: Executor | None = None) -> None:
         self._matcher = matcher
-        # one bit per token, on the host (pinned where the logits are on a GPU, so that the copy need not wait).
-        # (llguidance.torch does the same, but importing it costs seconds of torch._dynamo.)
-        self._bits = torch.zeros((tokenizer_vocab + 31) // 32, dtype=torch.int32,
-                                 pin_memory=torch.cuda.is_available())
+        # one bit per token, on the host: the sampler copies it into a step's pinned staging buffer
+        self._bits = torch.zeros((tokenizer_vocab + 31) // 32, dtype=torch.int32)
+        self._pool = pool
+        self._next: Future[torch.Tensor] | None = None
+        self._start()
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with what the grammar does not allow next at -inf, on the logits' device, without waiting
-        for it."""
+    def _compute(self) -> torch.Tensor:
         self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
-        # Not waiting for the copy is safe: the bits are rewritten only at the next mask, after the token chosen
-        # from these logits has been read back (and accepted), by when the copy has long run.
-        words = self._bits.to(logits.device, non_blocking=True)
-        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-        allowed = ((words[:, None] >> shifts) & 1).flatten().bool()
-        vocab = logits.shape[-1]
-        if allowed.numel() < vocab:  # ids past the tokenizer's vocabulary (a padded embedding) are never allowed
-            allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
-        return logits.masked_fill(~allowed[:vocab], float("-inf"))
+        return self._bits
+
+    def _start(self) -> None:
+        """The next position's mask, on the pool (inline, when allowed() asks, without one)."""
+        self._next = self._pool.submit(self._compute) if self._pool is not None else None
+
+    def ready(self) -> bool:
+        return self._next is not None and self._next.done()
+
+    def allowed(self) -> torch.Tensor:
+        if self._next is None:
+            return self._compute()
+        return self._next.result()
 
     def accept(self, token: int) -> None:
+        if self._next is not None and not self._next.done():  # never two threads in the matcher at once
+            wait([self._next])
         if not self._matcher.consume_token(token):
             raise GrammarError(self._matcher.get_error() or f"token {token} is not allowed here")
+        self._start()  # (a complete grammar's mask allows its end-of-sequence tokens)
 
 
 class Grammars:
@@ -126,6 +140,9 @@ class Grammars:
         self._eos = eos or None
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        # where masks are computed: a few threads, each mask of one request at a time (a request's masks in order)
+        self.pool = ThreadPoolExecutor(max_workers=min(MASK_WORKERS, os.cpu_count() or 1),
+                                       thread_name_prefix="parley-grammar")
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -138,13 +155,21 @@ class Grammars:
                                                       eos_token=self._eos[0] if self._eos else None)
             return self._ll
 
-    def constraint(self, lark: str) -> GrammarConstraint:
-        """A fresh constraint for a Lark grammar (its `start` rule); GrammarError if it does not compile."""
-        ll = self._lltokenizer()
-        matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+    def matcher(self, lark: str) -> llguidance.LLMatcher:
+        """A fresh matcher for a Lark grammar (its `start` rule); GrammarError if it does not compile."""
+        matcher = llguidance.LLMatcher(self._lltokenizer(), llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return GrammarConstraint(matcher, ll.vocab_size)
+        return matcher
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the masks cover: the tokenizer's (a padded embedding's extra ids are never allowed)."""
+        return self._lltokenizer().vocab_size
+
+    def constraint(self, lark: str) -> GrammarConstraint:
+        """A fresh constraint for a Lark grammar, its first mask under way; GrammarError if it does not compile."""
+        return GrammarConstraint(self.matcher(lark), self.vocab_size, self.pool)
 
 
 @functools.lru_cache(maxsize=4)

@@ -8,7 +8,9 @@ A request's Choice is decided once (choice_of):
 - DEVICE: from its row's logits on the device: unseeded top-k/top-p requests together, in a few batched kernels;
   seeded ones that the decoder cannot draw with their own generator;
 - HOST: constrained requests: a grammar masks the logits first, and advances with each token on the host, so the
-  request's next row can be planned only once its last token has been read back (it lags: planner.py).
+  request's next row can be planned only once its last token has been read back (it lags: planner.py). The masks of
+  a step's constrained rows are computed off the engine thread beforehand and applied together (masks.py); the rows
+  are then chosen with the DEVICE ones (a seeded one with its own generator).
 Every choice is made on the logits' device as soon as the step is launched, without waiting for it: the tokens come to
 the host together, in the one wait of a step (StepTokens.read), and the next step can be fed them before that.
 
@@ -24,6 +26,7 @@ import torch
 
 from service.backends.decoder import DecodeOutput, Draw
 from service.engine.constraint import TokenConstraint
+from service.engine.masks import StepMasks
 from service.engine.request import Choice, Request, SamplingParams
 
 __all__ = ["Choice", "SamplingError", "StepTokens", "TokenConstraint", "choice_of", "choose", "draws"]
@@ -61,34 +64,37 @@ def draws(requests: list[Request]) -> list[Draw] | None:
     return [Draw(r.params.temperature if d else 0.0, r.draw_seed) for r, d in zip(requests, drawn)]
 
 
-def choose(out: DecodeOutput, requests: list[Request]) -> StepTokens:
+def choose(out: DecodeOutput, requests: list[Request], masks: StepMasks | None = None) -> StepTokens:
     """The tokens of a step's sampled rows (row i is requests[i]'s), chosen on the device now: the step need not have
-    run. Their trip to the host starts at once; read() waits for it."""
+    run. Constrained rows are masked all together first (masks.py; their masks computed off this thread beforehand),
+    then sampled with the rest; only rows with a seed of their own are sampled one at a time, with their generator.
+    Their trip to the host starts at once; read() waits for it."""
     chosen = out.sampled if out.sampled is not None else out.argmax
-    pooled = [r.choice is Choice.DEVICE and r.params.seed is None for r in requests]
-    chosen = _sample_on_device(out.logits, chosen, requests, keep=[not p for p in pooled])
-    own: dict[int, torch.Tensor] = {}
+    logits = out.logits
+    constrained = {i: r.constraint for i, r in enumerate(requests) if r.constraint is not None}
     errors: dict[int, Exception] = {}
+    waits, wait_s = 0, 0.0
+    if constrained:
+        masked = (masks or StepMasks()).apply(logits, constrained)
+        logits, errors, waits, wait_s = masked.logits, masked.errors, masked.waits, masked.wait_s
+    own = [r.choice is not Choice.STEP and r.params.seed is not None and not r.params.greedy for r in requests]
+    pooled = [r.choice is not Choice.STEP and not o for r, o in zip(requests, own)]
+    chosen = _sample_on_device(logits, chosen, requests, keep=[not p for p in pooled])
+    rows: dict[int, torch.Tensor] = {}
     for i, req in enumerate(requests):
-        if req.choice is Choice.HOST or (req.choice is Choice.DEVICE and not pooled[i]):
+        if own[i] and i not in errors:
             try:
-                own[i] = _choose(out.logits[i], req)
+                rows[i] = _sample_one(logits[i], req)
             except Exception as e:  # this row alone: it fails when read
                 errors[i] = e
-    if own:
-        at = to_device(list(own), torch.int64, chosen.device)
-        chosen = chosen.index_copy(0, at, torch.stack(list(own.values())).to(chosen.dtype))
-    tokens = StepTokens(requests, chosen, set(own), errors)
+    if rows:
+        at = to_device(list(rows), torch.int64, chosen.device)
+        chosen = chosen.index_copy(0, at, torch.stack(list(rows.values())).to(chosen.dtype))
+    tokens = StepTokens(requests, chosen, set(rows) | set(constrained), errors, mask_waits=waits, mask_wait_s=wait_s)
     if chosen.is_cuda:  # start the tokens' trip to the host now; read() waits for it
         tokens.host, tokens.ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
         tokens.ready.record()
     return tokens
-
-
-def _choose(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """The request's token from its logits [vocab], on their device, without waiting for them: -1 where they allow no
-    choice."""
-    return _sample_one(logits if req.constraint is None else req.constraint.mask(logits.float()), req)
 
 
 def accept(req: Request, token: int) -> int:
@@ -110,8 +116,10 @@ class StepTokens:
 
     requests: list[Request]
     chosen: torch.Tensor
-    own: set[int]  # rows chosen one request at a time: checked, and told to their constraint, when read
+    checked: set[int]  # rows checked, and told to their constraint, when read (constrained or sampled alone)
     errors: dict[int, Exception]  # rows whose choice failed
+    mask_waits: int = 0  # constrained rows whose mask was not ready when the step was launched
+    mask_wait_s: float = 0.0  # how long choose() waited for those
     host: torch.Tensor | None = None  # `chosen` on its way to the host, there once `ready` has fired
     ready: torch.cuda.Event | None = None
     _read: list[int] = field(default_factory=list)
@@ -125,7 +133,7 @@ class StepTokens:
         """Row i's token (after read()); raises SamplingError for row i's request alone."""
         if i in self.errors:
             raise SamplingError(self.requests[i], self.errors[i])
-        if i in self.own:
+        if i in self.checked:
             return accept(self.requests[i], self._read[i])
         return self._read[i]
 
@@ -170,31 +178,34 @@ def _sample_on_device(logits: torch.Tensor, chosen: torch.Tensor, requests: list
                       keep: list[bool]) -> torch.Tensor:
     """The same choice as _sample_one, for a whole batch at once and without waiting for the device: the result
     stays on the GPU, where the next decode step can read it before the host does. Rows draw by the Gumbel-max
-    trick over the temperature-scaled, top-k and top-p truncated scores; `keep` rows keep `chosen`."""
+    trick over the temperature-scaled, top-k and top-p truncated scores, greedy ones (constrained: their logits are
+    masked) take their argmax; `keep` rows keep `chosen`. The rows' parameters go to the device in one copy."""
     dev = logits.device
     if all(keep):
         return chosen
-
-    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, dev)[:, None]
-
     vocab = logits.shape[-1]
-    temp = column([r.params.temperature if not r.params.greedy else 1.0 for r in requests], torch.float32)
-    keep_rows = column(keep, torch.bool)[:, 0]
-    if all(untruncated(r.params) for r in requests):
+    drawn = [r for r, k in zip(requests, keep) if not k]
+    greedy = [r.params.greedy and not k for r, k in zip(requests, keep)]
+    params = to_device([[r.params.temperature if not r.params.greedy else 1.0, k, g,
+                         min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab, r.params.top_p]
+                        for r, k, g in zip(requests, keep, greedy)], torch.float32, dev)
+    temp, keep_rows = params[:, 0:1], params[:, 1] != 0
+    scaled = logits.float() / temp
+    if all(untruncated(r.params) for r in drawn):
         # no truncation (what most clients send): no sort over the vocabulary, a handful of small kernels
-        noise = torch.empty_like(logits, dtype=torch.float32).exponential_()
-        sampled = ((logits.float() / temp).softmax(-1) / noise).argmax(-1)
-        return torch.where(keep_rows, chosen, sampled)
-    top_k = column([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests], torch.int64)
-    top_p = column([r.params.top_p for r in requests], torch.float32)
-    scores, order = torch.sort(logits.float() / temp, dim=-1, descending=True)
-    rank = torch.arange(vocab, device=dev)[None, :]
-    scores = scores.masked_fill(rank >= top_k, float("-inf"))
-    probs = scores.softmax(-1)
-    drop = (probs.cumsum(-1) - probs >= top_p) & (rank > 0)  # the smallest prefix reaching top_p; never the top
-    scores = scores.masked_fill(drop, float("-inf"))
-    noise = torch.empty_like(scores).exponential_()
-    choice = (scores.softmax(-1) / noise).argmax(-1, keepdim=True)  # Gumbel-max, as an exponential race
-    sampled = order.gather(-1, choice)[:, 0]
+        noise = torch.empty_like(scaled).exponential_()
+        sampled = (scaled.softmax(-1) / noise).argmax(-1)
+    else:
+        top_k, top_p = params[:, 3:4], params[:, 4:5]
+        scores, order = torch.sort(scaled, dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        scores = scores.masked_fill(rank >= top_k, float("-inf"))
+        probs = scores.softmax(-1)
+        drop = (probs.cumsum(-1) - probs >= top_p) & (rank > 0)  # the smallest prefix reaching top_p; never the top
+        scores = scores.masked_fill(drop, float("-inf"))
+        noise = torch.empty_like(scores).exponential_()
+        choice = (scores.softmax(-1) / noise).argmax(-1, keepdim=True)  # Gumbel-max, as an exponential race
+        sampled = order.gather(-1, choice)[:, 0]
+    if any(greedy):
+        sampled = torch.where(params[:, 2] != 0, logits.argmax(-1), sampled)
     return torch.where(keep_rows, chosen, sampled)
