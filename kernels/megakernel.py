@@ -151,7 +151,9 @@ class StepInputs(NamedTuple):
     tokens: torch.Tensor  # int32 [rows]
     slots: torch.Tensor  # int32 [rows]
     positions: torch.Tensor  # int32 [rows]
-    draw: torch.Tensor  # int32 [3, rows]: temperature's float32 bits (0: greedy), seed's low and high words
+    draw: torch.Tensor  # int32 [4, rows]: temperature's float32 bits (0: greedy), seed's low and high words, and
+    # whether the row's logits go through its grammar mask (1) or not (0)
+    masks: torch.Tensor  # int32 [lm rows, ceil(vocab / 32)]: the tokens a grammar allows, a bit each (masked rows)
 
 
 class Weights(NamedTuple):
@@ -241,6 +243,14 @@ class QkvOut(NamedTuple):
     sin: Any
     slots: Any
     positions: Any
+
+
+class LmOut(NamedTuple):
+    """Where the LM head's epilogue puts the logits, and the grammar masks it applies first (per row, where flagged)."""
+
+    logits: Any
+    masks: Any
+    masked: Any
 
 
 class ResidualOut(NamedTuple):
@@ -400,11 +410,17 @@ def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl
 
 
 @triton.jit
-def _lm_out(lg, rows, rb, B, best_v, best_i, logits_ptr, N: tl.constexpr):
-    """LMHEAD's epilogue: the logits (float32, rounded to the activations' dtype first as the reference's are), and
-    the running (max, first argmax) of the task's tiles."""
+def _lm_out(lg, rows, rb, B, best_v, best_i, out, N: tl.constexpr):
+    """LMHEAD's epilogue: the logits (float32, rounded to the activations' dtype first as the reference's are), with
+    the tokens a flagged row's grammar does not allow at -inf (so the greedy choice, the draw and whoever reads the
+    logits see only allowed tokens), and the running (max, first argmax) of the task's tiles."""
     m = (rb[:, None] < B) & (rows[None, :] < N)
-    tl.store(logits_ptr + rb[:, None] * N + rows[None, :], lg, mask=m)
+    flags = tl.load(out.masked + rb, mask=rb < B, other=0)
+    if tl.max(flags, axis=0) > 0:
+        W: tl.constexpr = (N + 31) // 32
+        words = tl.load(out.masks + rb[:, None] * W + rows[None, :] // 32, mask=m & (flags[:, None] > 0), other=-1)
+        lg = tl.where(((words >> (rows[None, :] % 32)) & 1) != 0, lg, float("-inf"))
+    tl.store(out.logits + rb[:, None] * N + rows[None, :], lg, mask=m)
     lg = tl.where(rows[None, :] < N, lg, float("-inf"))
     mx = tl.max(lg, axis=1)
     idx = tl.min(tl.where(lg == mx[:, None], rows[None, :], N), axis=1).to(tl.int32)  # first index of the max
@@ -417,7 +433,7 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
               dt: tl.constexpr, MODEL: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
               CG: tl.constexpr):
     """What a matvec does with a finished tile: float32 sums [BPAD, BN] of its rows (and acc2: QKV's second run,
-    gate/up's up). out: QkvOut (QKV), ResidualOut (OPROJ, DOWN), the ffn buffer (GATEUP), the logits (LMHEAD)."""
+    gate/up's up). out: QkvOut (QKV), ResidualOut (OPROJ, DOWN), the ffn buffer (GATEUP), LmOut (LMHEAD)."""
     rb = tl.arange(0, BPAD)
     if ws.scale is not None:  # FP8: one scale per output row
         acc = acc * tl.load(ws.scale + rows, mask=rows < N, other=0.0)[None, :]
@@ -541,7 +557,7 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
 @triton.jit
 def _load_draw(draw_ptr, pos_ptr, B, R: tl.constexpr, DSTRIDE: tl.constexpr):
     """How each of the first R rows picks its token: temperature (0: greedy), seed words, position; and whether any
-    row samples. draw_ptr holds three int32 rows of DSTRIDE: the temperature's float32 bits, the seed's words."""
+    row samples. draw_ptr holds int32 rows of DSTRIDE: the temperature's float32 bits, the seed's words."""
     rb = tl.arange(0, R)
     m = rb < B
     temperature = tl.load(draw_ptr + rb, mask=m, other=0).to(tl.float32, bitcast=True)
@@ -871,7 +887,8 @@ def megakernel(
             sc = scales.lm_head if FP8 else None
             best_v, best_i = _matvec(I.LMHEAD, row0, tiles, lm_rows, layer,
                                      MatvecWeights(w.lm_head, None, sc, None, None, d_lm, None, 0), xn_ptr, ssq,
-                                     acts.logits, eps, dt, MODEL, H, V, T_LMHEAD, BS, BPAD, CG)
+                                     LmOut(acts.logits, inputs.masks, inputs.draw + 3 * DSTRIDE), eps, dt,
+                                     MODEL, H, V, T_LMHEAD, BS, BPAD, CG)
             _lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), tl.load(rec + I.MV_PART), best_v,
                          best_i, lm_rows, lm, acts.logits, inputs.draw, inputs.positions, V, BS, DSTRIDE, CG)
         elif op == I.EMBED:
@@ -972,8 +989,9 @@ class Megakernel:
     """Buffers, schedules (one per row bucket) and the launch of the decode-step kernel.
 
     k_cache/v_cache: [layers, slots, kv_heads, max_context, head_dim]; cos/sin: float32 [max_context, head_dim/2].
-    Inputs are the int32 tensors `tokens`, `slots`, `positions` ([max_rows]) and `draw` ([3, max_rows]: each
-    row's temperature as float32 bits, 0 for greedy, and its seed's two words); outputs, for the first
+    Inputs are the int32 tensors `tokens`, `slots`, `positions` ([max_rows]), `draw` ([4, max_rows]: each
+    row's temperature as float32 bits, 0 for greedy, its seed's two words, and 1 where its logits go through its
+    grammar mask) and `masks` ([max_sampled, ceil(vocab/32)]: a bit per token, 1 where allowed); outputs, for the first
     min(rows, max_sampled) rows, `logits` (float32 [max_sampled, vocab]), `argmax` and `sampled` (int64).
     `step(bucket)` reads and writes only those.
     """
@@ -1012,7 +1030,8 @@ class Megakernel:
         self.slots = z(bp, dtype=torch.int32)
         self.positions = z(bp, dtype=torch.int32)
         # how each row picks its token (kernels/sampling.py): temperature as float32 bits (0: greedy), seed words
-        self.draw = z(3, bp, dtype=torch.int32)
+        self.draw = z(4, bp, dtype=torch.int32)
+        self.masks = z(sp, (d.vocab + 31) // 32, dtype=torch.int32)  # rows flagged in draw[3]: grammar masks
         self.x, self.xn, self.q = z(bp, d.hidden), z(bp, d.hidden), z(bp, d.q_size)
         self.attn, self.ffn = z(bp, d.q_size), z(bp, d.ffn)
         self.logits = z(sp, d.vocab, dtype=torch.float32)
@@ -1120,7 +1139,7 @@ class Megakernel:
         pf = not INTERPRET  # the interpreter runs no inline PTX
         megakernel[(self.num_programs,)](
             launch.sched._replace(prof=self.prof_buffer(s)),
-            StepInputs(self.tokens, self.slots, self.positions, self.draw),
+            StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks),
             batch, min(batch, self.max_sampled), s.tiling.attn_splits,
             Weights(w.embed, w.wqkv, w.bqkv, w.wo, w.w_gate, w.w_up, w.w_down, w.attn_norm, w.mlp_norm,
                     w.final_norm, w.lm_head),

@@ -71,7 +71,7 @@ class StandIn:
     def prefill_graph_buckets(self) -> list[int] | None:
         return self.buckets
 
-    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None) -> DecodeOutput:
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None) -> DecodeOutput:
         assert len(slots) == len(token_ids) == len(positions) and max(positions) < self.max_context
         rows = len(slots)
         self.calls.append(("decode", list(slots), list(positions), sampled_rows))

@@ -380,8 +380,8 @@ class DrawingDecoder:
             self.drawn += 1
         return torch.tensor(out)
 
-    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None):
-        out = self.inner.decode(slots, token_ids, positions, sampled_rows=sampled_rows)
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None):
+        out = self.inner.decode(slots, token_ids, positions, sampled_rows=sampled_rows, masks=masks)
         if draws is None:
             return out
         sampled = out.argmax.clone()
@@ -572,10 +572,10 @@ class RecordingDecoder(ReferenceDecoder):
         super().__init__(model.config, model.weights, max_slots=slots, max_context=ctx)
         self.steps = []
 
-    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None):
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None):
         self.steps.append(Recorded(list(slots), list(positions), isinstance(token_ids, torch.Tensor),
                                    len(slots) if sampled_rows is None else sampled_rows))
-        return super().decode(slots, token_ids, positions, draws, sampled_rows)
+        return super().decode(slots, token_ids, positions, draws, sampled_rows, masks)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import torch
 
+from service.backends.decoder import DecodeOutput
 from service.backends.reference import ReferenceDecoder
 from service.engine.engine import Engine
 from service.engine.grammar import GrammarConstraint, Grammars, json_rule
@@ -80,8 +81,37 @@ def constraint(grammars: Grammars, schema: dict, **watch) -> tuple[GrammarConstr
     return GrammarConstraint(matcher, grammars.vocab_size, grammars.pool), matcher
 
 
-def engine(tiny, eos, overlap: bool) -> Engine:
-    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=4, max_context=256)
+class InStepReference(ReferenceDecoder):
+    """The reference decoder as one that draws its tokens inside its step and takes the grammar masks there (as the
+    megakernel does): the engine's in-step path, on the CPU. Its draw: a seeded softmax sample per row."""
+
+    draws_tokens = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.masked_steps = 0  # steps that carried grammar masks
+
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None) -> DecodeOutput:
+        self.masked_steps += bool(masks)
+        out = super().decode(slots, token_ids, positions, draws, sampled_rows, masks)
+        if draws is None:
+            return out
+        return DecodeOutput(out.logits, out.argmax, self.draw(out.logits, draws[:len(out.logits)], positions))
+
+    def draw(self, logits, draws, positions) -> torch.Tensor:
+        out = []
+        for row, d, pos in zip(logits, draws, positions):
+            if d.temperature <= 0:
+                out.append(int(row.argmax()))
+            else:
+                g = torch.Generator().manual_seed((d.seed + pos) % 2**63)
+                out.append(int(torch.multinomial((row.float() / d.temperature).softmax(-1), 1, generator=g)))
+        return torch.tensor(out)
+
+
+def engine(tiny, eos, overlap: bool, in_step: bool = False) -> Engine:
+    kind = InStepReference if in_step else ReferenceDecoder
+    dec = kind(tiny.config, tiny.weights, max_slots=4, max_context=256)
     eng = Engine(dec, tiny.tokenizer, eos_token_ids=(eos,), sla_tokens=8)
     eng.overlap = overlap  # run a step ahead as on a GPU
     return eng
@@ -127,10 +157,14 @@ def stepwise(tiny, grammars: Grammars, eos: int, prompt: list[int], schema: dict
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "ahead"])
-def test_constrained_output_is_the_masked_greedy_decode_and_valid_json(tiny, grammars, eos, overlap):
+@pytest.mark.parametrize("in_step", [False, True], ids=["masked-after", "masked-in-step"])
+def test_constrained_output_is_the_masked_greedy_decode_and_valid_json(tiny, grammars, eos, overlap, in_step):
     c, _ = constraint(grammars, PERSON)
-    [(tokens, finish, _)] = run(engine(tiny, eos, overlap), [([5, 6, 7], with_constraint(GREEDY, c))])
+    eng = engine(tiny, eos, overlap, in_step)
+    [(tokens, finish, _)] = run(eng, [([5, 6, 7], with_constraint(GREEDY, c))])
     assert tokens == stepwise(tiny, grammars, eos, [5, 6, 7], PERSON)
+    if in_step:  # the masks went into the steps (every step after the first token's, which the prefill chose)
+        assert eng.decoder.masked_steps >= len(tokens) - 1
     assert finish == "stop" and tokens[-1] == eos  # the grammar ended it, at its EOS
     jsonschema.validate(json.loads(tiny.tokenizer.decode(tokens[:-1])), PERSON)
 
@@ -144,8 +178,9 @@ def test_masks_are_computed_on_the_grammar_workers_never_on_the_engine_thread(ti
     assert all(name.startswith("parley-grammar") for name in watched.threads), set(watched.threads)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "ahead"])
-def test_constrained_and_plain_requests_together_get_what_each_gets_alone(tiny, grammars, eos, overlap):
+@pytest.mark.parametrize("overlap,in_step", [(False, False), (True, False), (True, True)],
+                         ids=["step-by-step", "ahead", "ahead-masked-in-step"])
+def test_constrained_and_plain_requests_together_get_what_each_gets_alone(tiny, grammars, eos, overlap, in_step):
     plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def jobs():
@@ -154,8 +189,8 @@ def test_constrained_and_plain_requests_together_get_what_each_gets_alone(tiny, 
                 ([100, 3], with_constraint(GREEDY, constraint(grammars, WORDS)[0])),
                 ([1, 2, 3, 4], plain)]
 
-    alone = [run(engine(tiny, eos, overlap), [job])[0] for job in jobs()]
-    together = run(engine(tiny, eos, overlap), jobs())
+    alone = [run(engine(tiny, eos, overlap, in_step), [job])[0] for job in jobs()]
+    together = run(engine(tiny, eos, overlap, in_step), jobs())
     assert together == alone
     assert [finish for _, finish, _ in together] == ["stop", "length", "stop", "length"]
     jsonschema.validate(json.loads(tiny.tokenizer.decode(together[2][0][:-1])), WORDS)
@@ -226,6 +261,6 @@ def test_on_the_gpu_masks_and_choices_are_the_cpus(tiny, grammars):
         for r in reqs:
             r.choice = sampler.choice_of(r, draws_tokens=False)
         dev = logits.cuda()
-        tokens = sampler.choose(DecodeOutput(dev, dev.argmax(-1)), reqs, gpu)
+        tokens = sampler.choose(DecodeOutput(dev, dev.argmax(-1)), reqs, masks=gpu)
         tokens.read()
         assert [tokens.token(i) for i in range(6)] == on_cpu.argmax(-1).tolist()

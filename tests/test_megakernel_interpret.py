@@ -79,6 +79,17 @@ MIXED = {
 }
 
 
+def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
+    """What a constrained request relies on: its row's logits, greedy token and draw see only what its grammar
+    allows, and its neighbours' rows (and the next step) are untouched."""
+    r = _run("megakernel-masks")
+    assert r["same_inf"], r
+    assert r["logit_err"] < 1e-5, r
+    assert r["argmax"] == r["expected_argmax"] and r["argmax"][1] != r["row1_top"], r
+    assert r["sampled"] == r["expected_sampled"] and r["sampled"][2] in r["allowed_row2"], r
+    assert r["unmasked_again"], r
+
+
 @pytest.mark.parametrize("case", sorted(MIXED))
 def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     """A step of 18 rows (the 32-row bucket): two decode rows, the 7 new tokens of a prompt on top of a cached
@@ -168,6 +179,53 @@ def _check_megakernel_draws() -> dict:
     return {"seed": seed, "sampled": out.sampled.tolist(), "expected": expected.tolist(),
             "greedy_equal": int(out.sampled[0]) == int(out.argmax[0]),
             "repeat_equal": again.sampled.tolist() == out.sampled.tolist(), "distinct_over_seeds": len(set(hot))}
+
+
+def _check_megakernel_masks() -> dict:
+    """A step with grammar masks on two of its four sampled rows (one greedy, one drawn): the kernel's logits, argmax
+    and draw against the unmasked step's logits with the masks applied on the host."""
+    import torch
+
+    from kernels.sampling import draw
+    from service.backends.decoder import Draw, mask_logits
+    from service.backends.megakernel import MegakernelDecoder
+    from service.model.synthetic import load_synthetic
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    config, weights, _ = load_synthetic("tiny", seed=seed, num_layers=1)
+    v = config.vocab_size
+    mk = MegakernelDecoder(config, weights, 4, 128, device="cpu", dtype=torch.float32)
+    slots, pos = [0, 1, 2, 3], []
+    for s in slots:
+        n = int(torch.randint(3, 40, (1,), generator=g))
+        mk.prefill(s, torch.randint(0, v, (n,), generator=g).tolist())
+        pos.append(n)
+    toks = torch.randint(0, v, (4,), generator=g).tolist()
+    seeds = torch.randint(0, 2**62, (4,), generator=g).tolist()
+    draws = [Draw(0.0, seeds[0]), Draw(0.0, seeds[1]), Draw(1.0, seeds[2]), Draw(1.0, seeds[3])]
+    plain = mk.decode(slots, toks, pos, draws)
+    # row 1 (greedy) may not take its own argmax; row 2 (drawn) only one of a few random tokens
+    words = (v + 31) // 32
+    allow1 = torch.full((words,), -1, dtype=torch.int32)
+    top = int(plain.argmax[1])
+    allow1[top // 32] &= ~(1 << (top % 32)) if top % 32 < 31 else 0x7FFFFFFF
+    few = torch.randperm(v, generator=g)[:5].tolist()
+    allow2 = torch.zeros(words, dtype=torch.int32)
+    for t in few:
+        allow2[t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+    masks = {1: allow1, 2: allow2}
+    masked = mk.decode(slots, toks, pos, draws, masks=masks)
+    expected_logits = mask_logits(plain.logits, masks)
+    finite = torch.isfinite(expected_logits)
+    expected_draw = draw(expected_logits, torch.tensor([d.temperature for d in draws]), torch.tensor(seeds),
+                         torch.tensor(pos))
+    after = mk.decode(slots, toks, pos, draws)  # the next step without masks: nothing left over
+    return {"seed": seed, "same_inf": bool(torch.equal(finite, torch.isfinite(masked.logits))),
+            "logit_err": (masked.logits[finite] - expected_logits[finite]).abs().max().item(),
+            "argmax": masked.argmax.tolist(), "expected_argmax": expected_logits.argmax(-1).tolist(),
+            "sampled": masked.sampled.tolist(), "expected_sampled": expected_draw.tolist(), "allowed_row2": few,
+            "unmasked_again": bool(torch.equal(after.logits, plain.logits)), "row1_top": top}
 
 
 def _check(case: str) -> dict:
@@ -356,5 +414,6 @@ def _check_mixed(case: str) -> dict:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     what = sys.argv[1]
-    check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws}.get(what)
+    check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws,
+             "megakernel-masks": _check_megakernel_masks}.get(what)
     print(json.dumps(check() if check else _check_mixed(what) if what in MIXED else _check(what)))

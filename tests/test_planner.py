@@ -119,6 +119,32 @@ def test_a_request_that_needs_its_token_on_the_host_sits_out_the_step_after_its_
     assert third.sampled == [host, dev] and third.feed == {1: 0} and third.tokens[0] == 7
 
 
+class SlowMask:
+    """A grammar whose next mask is (not yet) computed."""
+
+    def __init__(self) -> None:
+        self.is_ready = False
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+
+def test_a_grammar_still_computing_its_mask_sits_out_unless_nobody_else_decodes():
+    p = planner()
+    host, dev = request(3, choice=Choice.HOST, first=1), request(3, first=50)
+    mask = SlowMask()
+    host.constraint = mask
+    p.add(host)
+    p.add(dev)
+    run(p, p.plan())  # both prompts ride and choose their first tokens
+    assert p.plan().sampled == [dev]  # the mask for host's next token is not ready: dev's step does not wait for it
+    mask.is_ready = True
+    assert p.plan().sampled == [host, dev]
+    p.finish(dev)
+    mask.is_ready = False
+    assert p.plan().sampled == [host]  # alone: its step waits for its mask
+
+
 def test_no_row_is_planned_past_max_tokens_or_the_context():
     p = planner()
     req = request(3, max_tokens=2)

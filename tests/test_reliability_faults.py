@@ -129,11 +129,11 @@ class NaNLogitsDecoder:
         return self.inner.prefill(slot, token_ids, start_pos)
 
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int], draws: object = None,
-               sampled_rows: int | None = None) -> DecodeOutput:
+               sampled_rows: int | None = None, masks: dict | None = None) -> DecodeOutput:
         for s, t, p in zip(slots, token_ids, positions):  # a prompt's first token rides in a step
             if p == 0:
                 (self.poisoned.add if t == POISON else self.poisoned.discard)(s)
-        out = self.inner.decode(slots, token_ids, positions, sampled_rows=sampled_rows)
+        out = self.inner.decode(slots, token_ids, positions, sampled_rows=sampled_rows, masks=masks)
         logits = out.logits.clone()
         for i in range(len(logits)):
             if slots[i] in self.poisoned:

@@ -60,7 +60,8 @@ class Decoder(Protocol):
     draws_tokens: bool  # whether decode() honours `draws` (returns `sampled`) and draw() exists
 
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+               draws: list[Draw] | None = None, sampled_rows: int | None = None,
+               masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         """One step over rows: token_ids[i] sits at positions[i] of slots[i]. Several rows may share a slot (a prompt
         chunk at consecutive positions). Every row writes its K/V before any row's attention reads positions
         [0, positions[i]] of its slot, so the rows of one slot attend causally among themselves (and a row may rewrite
@@ -68,10 +69,29 @@ class Decoder(Protocol):
         greedy token, and where the decoder draws tokens and `draws` is given (one per such row), each one's drawn
         token; the other rows' logits are never computed. Asynchronous on a GPU: nothing waits for the device.
         `token_ids` may be a device tensor (tokens chosen by the step before), so that a step can be launched before
-        the last one's tokens reach the host."""
+        the last one's tokens reach the host. `masks`: sampled row → the tokens its grammar allows (int32 words on
+        the host, a bit per token, bit t % 32 of word t // 32); that row's logits, greedy token and draw see only
+        those (the others at -inf)."""
         ...
 
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
         """Where draws_tokens: the draw decode() makes, over given float32 logits [n, vocab] (a prefill's last
         ones) for tokens at `positions`; int64 [n] on the device."""
         ...
+
+
+def mask_logits(logits: torch.Tensor, masks: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    """`logits` [rows, vocab] with each masked row's disallowed tokens at -inf (see Decoder.decode's `masks`); a
+    token past a mask's words is disallowed."""
+    if not masks:
+        return logits
+    rows, vocab = logits.shape
+    words = (vocab + 31) // 32
+    bits = torch.full((rows, words), -1, dtype=torch.int32)
+    for i, allowed in masks.items():
+        n = min(words, allowed.numel())
+        bits[i] = 0
+        bits[i, :n] = allowed[:n]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed_t = ((bits[:, :, None] >> shifts) & 1).bool().view(rows, words * 32)[:, :vocab]
+    return logits.masked_fill(~allowed_t.to(logits.device, non_blocking=True), float("-inf"))

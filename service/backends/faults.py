@@ -47,7 +47,8 @@ class FaultInjectingDecoder:
         return self.inner.draw(logits, draws, positions)
 
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+               draws: list[Draw] | None = None, sampled_rows: int | None = None,
+               masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         if self.armed:
             self.steps += 1
         if self.armed and self.steps == self.fail_step:
@@ -56,4 +57,4 @@ class FaultInjectingDecoder:
             time.sleep(self.hang_s)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return self.inner.decode(slots, token_ids, positions, draws, sampled_rows)
+        return self.inner.decode(slots, token_ids, positions, draws, sampled_rows, masks)

@@ -95,9 +95,11 @@ class MegakernelDecoder:
         self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.bpad)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # one host buffer for the int32 input rows (tokens, slots, positions, the draw's three), one transfer
+        # one host buffer for the int32 input rows (tokens, slots, positions, the draw's four), one transfer
         n = self.kernel.bpad
-        self._host = torch.zeros(6, n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        pinned = self.device.type == "cuda"
+        self._host = torch.zeros(7, n, dtype=torch.int32, pin_memory=pinned)
+        self._host_masks = torch.zeros(self.kernel.masks.shape, dtype=torch.int32, pin_memory=pinned)
         # the last asynchronous copy out of _host; _host is not rewritten before it has run
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._inputs = torch.cat([torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions]),
@@ -138,11 +140,14 @@ class MegakernelDecoder:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+               draws: list[Draw] | None = None, sampled_rows: int | None = None,
+               masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         """One step of rows (slots[i], token_ids[i], positions[i]): decode rows and prompt rows alike, several rows
         of a slot at consecutive positions attending causally among themselves. The first `sampled_rows` rows
         (None: all) get logits, a greedy token and, with `draws` (one per row, or per sampled row), a drawn one;
-        the others only write their K/V. At most max_rows rows, at most max_batch of them sampled."""
+        the others only write their K/V. At most max_rows rows, at most max_batch of them sampled. `masks` (sampled
+        row → the tokens its grammar allows, a bit each) apply inside the step: the kernel's LM head puts the
+        disallowed logits at -inf before its argmax and its draw."""
         n = len(slots)
         if not (n == len(token_ids) == len(positions)) or n == 0:
             raise ValueError("decode needs one slot, token and position per row")
@@ -155,6 +160,8 @@ class MegakernelDecoder:
             raise ValueError(f"a step samples at most {self.max_batch} rows (max_batch), not {m}")
         if draws is not None and len(draws) not in (n, m):
             raise ValueError(f"{len(draws)} draws for {n} rows of which {m} sample")
+        if masks and not all(0 <= i < m for i in masks):
+            raise ValueError(f"masks for rows {sorted(masks)}, of which {m} sample")
         if max(positions) >= self.max_context or min(positions) < 0:
             raise ValueError(f"a position is outside the context of {self.max_context}")
         b = self.bucket(n)
@@ -172,7 +179,15 @@ class MegakernelDecoder:
             self._host[3, :m] = temps.view(torch.int32)
             from kernels.sampling import seed_words
 
-            self._host[4:, :m] = seed_words(torch.tensor([d.seed for d in draws[:m]])).T
+            self._host[4:6, :m] = seed_words(torch.tensor([d.seed for d in draws[:m]])).T
+        if masks:
+            words = self._host_masks.shape[1]
+            for i, allowed in masks.items():
+                k = min(words, allowed.numel())
+                self._host_masks[i, :k] = allowed[:k]
+                self._host_masks[i, k:] = 0
+                self._host[6, i] = 1
+            self.kernel.masks[:m].copy_(self._host_masks[:m], non_blocking=True)
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:
             assert isinstance(token_ids, torch.Tensor)

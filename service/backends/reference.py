@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.backends.decoder import DecodeOutput, Draw
+from service.backends.decoder import DecodeOutput, Draw, mask_logits
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
 
@@ -206,7 +206,8 @@ class ReferenceDecoder:
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
-               draws: list[Draw] | None = None, sampled_rows: int | None = None) -> DecodeOutput:
+               draws: list[Draw] | None = None, sampled_rows: int | None = None,
+               masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         """The Decoder's step; `draws` is not honoured here (draws_tokens is False): the engine samples. The rows of
         one slot (a prompt chunk) run as one sequence, attending causally among themselves; the other rows run as one
         batch of single tokens."""
@@ -239,7 +240,7 @@ class ReferenceDecoder:
             x = self.weights.embed[ids[at]].unsqueeze(0)  # [1, m, hidden]
             hidden[at] = self.forward(x, pos[None], torch.tensor([slots[rows[0]]], device=dev),
                                       positions[rows[-1]] + 1)[0]
-        logits = self.logits(hidden[:k])
+        logits = mask_logits(self.logits(hidden[:k]), masks)
         return DecodeOutput(logits, logits.argmax(-1))
 
     def decode_tensors(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

@@ -288,10 +288,15 @@ class Engine:
             t1 = time.perf_counter()
             rows = self._row_tokens(plan, inflight)
             t2 = time.perf_counter()
-            out = self.decoder.decode(plan.slots, rows, plan.positions, sampler.draws(plan.sampled),
-                                      sampled_rows=len(plan.sampled))
+            # constrained rows' masks (computed off this thread): into the step where the decoder masks there
+            constrained = {i: r.constraint for i, r in enumerate(plan.sampled) if r.constraint is not None}
+            collected = self._masks.collect(constrained) if constrained else None
+            masked_in_step = collected is not None and self.decoder.draws_tokens
+            out = self.decoder.decode(plan.slots, rows, plan.positions, sampler.draws(plan.sampled, masked_in_step),
+                                      sampled_rows=len(plan.sampled),
+                                      masks=collected.masks if masked_in_step and collected else None)
             t3 = time.perf_counter()
-            tokens = sampler.choose(out, plan.sampled, self._masks)
+            tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step)
             self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}
             if tokens.mask_waits:  # grammar masks not ready in time: the engine thread waited (part of choose)

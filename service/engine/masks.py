@@ -1,7 +1,8 @@
-"""StepMasks: the grammar masks of a step's constrained rows applied to its logits in one go, whatever their number:
-their bitmasks stacked on the host in a pinned buffer, one copy to the device, one expansion to a bool mask, one
-masked_fill over the step's logits. The masks themselves are computed off the engine thread (grammar.py); the engine
-waits for one only where it is not ready when its step is launched (counted: `waits`).
+"""StepMasks: the grammar masks of a step's constrained rows, collected when the step is launched (computed off the
+engine thread beforehand: grammar.py; the engine waits for one only where it is not ready, counted in `waits`).
+A decoder that masks inside its step (the megakernel's LM head: Decoder.decode's `masks`) takes them as they are;
+for one that does not, apply() masks the step's logits in one go, whatever their number: the bitmasks stacked on
+the host in a pinned buffer, one copy to the device, one expansion to a bool mask, one masked_fill.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ STAGING_BUFFERS = 4  # pinned buffers the masks go through, in turn (a step in f
 class Masked:
     """A step's logits with its constrained rows masked, and what went wrong or waited on the way."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # row → its grammar's bitmask (int32 words, host)
     errors: dict[int, Exception] = field(default_factory=dict)  # rows whose mask failed: they fail when read
     waits: int = 0  # masks not ready when the step was launched
     wait_s: float = 0.0  # how long the engine thread waited for them
@@ -56,22 +58,16 @@ class StepMasks:
                                            device=dev)
         return self._bits[dev]
 
-    def apply(self, logits: torch.Tensor, constrained: dict[int, TokenConstraint]) -> Masked:
-        """`logits` [rows, vocab] with the tokens each constrained row's mask (row → its constraint) does not allow at
-        -inf, without waiting for the device; the other rows are left as they are. A row whose mask fails, or allows
-        nothing, is in `errors`."""
-        rows, vocab = logits.shape
-        words = (vocab + 31) // 32
-        host, masked_rows = self._buffer(rows, words, logits.device)
-        staged = host.numpy()
-        out = Masked(logits)
+    def collect(self, constrained: dict[int, TokenConstraint]) -> Masked:
+        """Each constrained row's mask (row → its constraint), read from the host (waiting only for one not computed
+        yet), in `masks`; a row whose mask fails, or allows nothing, is in `errors` instead. What a decoder that
+        masks inside its step takes (Decoder.decode's `masks`); `logits` is left unset."""
+        out = Masked(None)
         for i, constraint in constrained.items():
-            masked_rows.append(i)
-            staged[i] = 0
             waited = not constraint.ready()
             t0 = time.perf_counter() if waited else 0.0
             try:
-                allowed = constraint.allowed().numpy()
+                allowed = constraint.allowed()
             except Exception as e:  # this row alone: it fails when read
                 out.errors[i] = e
                 continue
@@ -79,11 +75,32 @@ class StepMasks:
                 if waited:
                     out.waits += 1
                     out.wait_s += time.perf_counter() - t0
-            n = min(allowed.shape[0], words)
-            staged[i, :n] = allowed[:n]
-            if not staged[i].any():
+            if not allowed.any():
                 out.errors[i] = ValueError("the grammar allows no token here")
+                continue
+            out.masks[i] = allowed
+        return out
+
+    def apply(self, logits: torch.Tensor, collected: Masked | dict[int, TokenConstraint]) -> Masked:
+        """`logits` [rows, vocab] with the tokens each collected mask (or each constraint's, row → constraint) does
+        not allow at -inf, without waiting for the device (a decoder that does not mask inside its step); the other
+        rows are left as they are."""
+        if not isinstance(collected, Masked):
+            collected = self.collect(collected)
+        rows, vocab = logits.shape
+        words = (vocab + 31) // 32
+        host, masked_rows = self._buffer(rows, words, logits.device)
+        staged = host.numpy()
+        for i, allowed in collected.masks.items():
+            masked_rows.append(i)
+            a = allowed.numpy()
+            n = min(a.shape[0], words)
+            staged[i] = 0
+            staged[i, :n] = a[:n]
+        for i in collected.errors:  # a failed row is read as an error, whatever its logits say
+            masked_rows.append(i)
+            staged[i] = 0
         dev = host.to(logits.device, non_blocking=True)
         blocked = (dev[:, :, None] & self._bit(logits.device)) == 0
-        out.logits = logits.masked_fill(blocked.view(rows, words * 32)[:, :vocab], float("-inf"))
-        return out
+        collected.logits = logits.masked_fill(blocked.view(rows, words * 32)[:, :vocab], float("-inf"))
+        return collected

@@ -5,7 +5,8 @@ The policy, Sarathi-Serve's inside one launch:
 - at most `max_batch` requests hold a seat (a prompt being prefilled or a reply being decoded): the sampled rows of a
   step (decode rows and prompts' last rows) never exceed it;
 - every seated request that can take a token gets a decode row; a request whose choice needs its last token on the
-  host (a grammar) and whose last row is still in flight sits this step out (it lags: a token every other step);
+  host (a grammar) and whose last row is still in flight sits this step out (it lags: a token every other step), as
+  does one whose grammar's next mask is not computed yet, where others decode (nobody waits for a grammar);
 - prompt tokens fill what is left of the token budget (`max_rows` rows a step), oldest prompt first: a long prompt
   is chunked across steps, so no running stream waits more than one step for it;
 - a prompt with at least `launch_min_tokens` new tokens, or one that will not fit a step while nobody is decoding,
@@ -81,10 +82,14 @@ class Planner:
         pending = {} if inflight is None else {id(r): i for i, r in enumerate(inflight.sampled)}
         plan = StepPlan()
         prompt_rows: list[tuple[int, int, int]] = []  # (slot, position, token) of prompt rows that sample nothing
-        for req in self.running:
+        decoding = [r for r in self.running if self._decodes(r, id(r) in pending)]
+        # a grammar's next mask still being computed (off the engine thread): its request sits this step out rather
+        # than hold up the launch for everyone, unless nobody else decodes (then the engine waits for the mask)
+        unmasked = [r for r in decoding if r.constraint is not None and not r.constraint.ready()]
+        if len(unmasked) < len(decoding):
+            decoding = [r for r in decoding if r not in unmasked]
+        for req in decoding:
             at = pending.get(id(req))
-            if not self._decodes(req, at is not None):
-                continue
             done = len(req.output_ids) + (at is not None)  # tokens it will have once `inflight` is read
             row = plan.add_row(_slot(req), len(req.prompt_ids) + done - 1, req.output_ids[-1] if req.output_ids
                                else req.prompt_ids[-1])

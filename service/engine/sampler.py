@@ -9,8 +9,10 @@ A request's Choice is decided once (choice_of):
   seeded ones that the decoder cannot draw with their own generator;
 - HOST: constrained requests: a grammar masks the logits first, and advances with each token on the host, so the
   request's next row can be planned only once its last token has been read back (it lags: planner.py). The masks of
-  a step's constrained rows are computed off the engine thread beforehand and applied together (masks.py); the rows
-  are then chosen with the DEVICE ones (a seeded one with its own generator).
+  a step's constrained rows are computed off the engine thread beforehand (masks.py). Where the decoder draws tokens,
+  it applies them inside its step (its LM head puts disallowed logits at -inf), and the rows are chosen there as
+  STEP rows are (top-k/top-p ones as DEVICE rows, from the masked logits); elsewhere they mask the logits together
+  after the step, and the rows are chosen with the DEVICE ones (a seeded one with its own generator).
 Every choice is made on the logits' device as soon as the step is launched, without waiting for it: the tokens come to
 the host together, in the one wait of a step (StepTokens.read), and the next step can be fed them before that.
 
@@ -26,7 +28,7 @@ import torch
 
 from service.backends.decoder import DecodeOutput, Draw
 from service.engine.constraint import TokenConstraint
-from service.engine.masks import StepMasks
+from service.engine.masks import Masked, StepMasks
 from service.engine.request import Choice, Request, SamplingParams
 
 __all__ = ["Choice", "SamplingError", "StepTokens", "TokenConstraint", "choice_of", "choose", "draws"]
@@ -55,30 +57,44 @@ def choice_of(req: Request, draws_tokens: bool) -> Choice:
     return Choice.DEVICE
 
 
-def draws(requests: list[Request]) -> list[Draw] | None:
+def in_step(req: Request, masked_in_step: bool) -> bool:
+    """Whether the step itself chooses the request's token (its argmax, or its draw inside the step)."""
+    return req.choice is Choice.STEP or (masked_in_step and req.choice is Choice.HOST and untruncated(req.params))
+
+
+def draws(requests: list[Request], masked_in_step: bool = False) -> list[Draw] | None:
     """What the decoder should draw inside its step for these sampled rows (temperature 0: its argmax); None: nothing
-    to draw."""
-    drawn = [r.choice is Choice.STEP and not r.params.greedy for r in requests]
+    to draw. masked_in_step: the decoder masks the constrained rows' logits inside the step (they draw there too)."""
+    drawn = [in_step(r, masked_in_step) and not r.params.greedy for r in requests]
     if not any(drawn):
         return None
     return [Draw(r.params.temperature if d else 0.0, r.draw_seed) for r, d in zip(requests, drawn)]
 
 
-def choose(out: DecodeOutput, requests: list[Request], masks: StepMasks | None = None) -> StepTokens:
+def choose(out: DecodeOutput, requests: list[Request], collected: Masked | None = None,
+           masks: StepMasks | None = None, masked_in_step: bool = False) -> StepTokens:
     """The tokens of a step's sampled rows (row i is requests[i]'s), chosen on the device now: the step need not have
-    run. Constrained rows are masked all together first (masks.py; their masks computed off this thread beforehand),
-    then sampled with the rest; only rows with a seed of their own are sampled one at a time, with their generator.
-    Their trip to the host starts at once; read() waits for it."""
+    run. `collected`: the constrained rows' masks (masks.py; computed off this thread beforehand). Where the decoder
+    applied them inside the step (masked_in_step), its logits and choices are masked already; otherwise they mask the
+    logits all together here. Then the rows the step did not choose are sampled together; only rows with a seed of
+    their own are sampled one at a time, with their generator. Their trip to the host starts at once; read() waits
+    for it."""
     chosen = out.sampled if out.sampled is not None else out.argmax
     logits = out.logits
     constrained = {i: r.constraint for i, r in enumerate(requests) if r.constraint is not None}
     errors: dict[int, Exception] = {}
     waits, wait_s = 0, 0.0
     if constrained:
-        masked = (masks or StepMasks()).apply(logits, constrained)
-        logits, errors, waits, wait_s = masked.logits, masked.errors, masked.waits, masked.wait_s
-    own = [r.choice is not Choice.STEP and r.params.seed is not None and not r.params.greedy for r in requests]
-    pooled = [r.choice is not Choice.STEP and not o for r, o in zip(requests, own)]
+        if collected is None:
+            collected = (masks or StepMasks()).collect(constrained)
+        errors, waits, wait_s = dict(collected.errors), collected.waits, collected.wait_s
+        if not masked_in_step:
+            masked = (masks or StepMasks()).apply(logits, collected).logits
+            assert masked is not None
+            logits = masked
+    stepped = [in_step(r, masked_in_step) for r in requests]
+    own = [not st and r.params.seed is not None and not r.params.greedy for r, st in zip(requests, stepped)]
+    pooled = [not st and not o for st, o in zip(stepped, own)]
     chosen = _sample_on_device(logits, chosen, requests, keep=[not p for p in pooled])
     rows: dict[int, torch.Tensor] = {}
     for i, req in enumerate(requests):
