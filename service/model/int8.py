@@ -6,9 +6,9 @@ perplexity, its 3 mantissa bits being the loss, not the scale; int8 with a scale
 measurable (the source weights are Q4_1 blocks of 32, so a block of int8 holds them almost exactly) for 1.0625
 bytes a weight. A Q8_0 GGUF file keeps its own values and scales (ModelWeights.int8): the same format.
 
-scale = float16(absmax / 127) per block, data = round(w / scale) in [-127, 127] (a zero block: scale 0, data 0).
-Dequantized = data * scale: what the reference decoder runs, and (but for the last bf16 rounding of each weight)
-what the megakernel computes with.
+Per block, as llama.cpp quantizes Q8_0 (bit for bit: tests/test_int8.py): d = absmax / 127, data = w × (1 / d)
+rounded half away from zero, scale = float16(d) (a zero block: scale 0, data 0). Dequantized = data × scale: what
+the reference decoder runs, and (but for the last bf16 rounding of each weight) what the megakernel computes with.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ INT8_MAX = 127
 
 
 def quantize(w: torch.Tensor, block: int = BLOCK) -> Int8Matrix:
-    """Per block of `block` columns of each row: a float16 scale absmax / 127, the values rounded to int8."""
+    """Per block of `block` columns of each row: a float16 scale absmax / 127, the values rounded to int8 (float32
+    arithmetic in llama.cpp's order)."""
     rows, cols = w.shape
     if cols % block:
         raise ValueError(f"a matrix of {cols} columns does not split into int8 blocks of {block}")
     wb = w.float().reshape(rows, cols // block, block)
-    scale = (wb.abs().amax(dim=2) / INT8_MAX).to(torch.float16)
-    s = scale.float()[:, :, None]
-    data = torch.where(s > 0, wb / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-INT8_MAX, INT8_MAX)
-    return Int8Matrix(data.to(torch.int8).reshape(rows, cols), scale)
+    d = wb.abs().amax(dim=2, keepdim=True) / INT8_MAX
+    x = wb * torch.where(d > 0, 1 / torch.where(d > 0, d, 1.0), 0.0)
+    data = (x.sign() * (x.abs() + 0.5).floor()).clamp(-INT8_MAX, INT8_MAX)
+    return Int8Matrix(data.to(torch.int8).reshape(rows, cols), d[:, :, 0].to(torch.float16))
 
 
 def quantize_model(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel[Int8Matrix]:
