@@ -54,6 +54,7 @@ from kernels.sampling import gumbel_best
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INT8_BLOCK = 32  # columns per scale of int8 weights (GGUF's Q8_0)
+I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
 
 
 @dataclass
@@ -386,14 +387,14 @@ def _weight_dot(a, w, acc, scale, rows, k0, N: tl.constexpr, K: tl.constexpr, BK
     r at j × SB_STRIDE + r)."""
     if W_INT8:
         BKS: tl.constexpr = BK // KS
-        tl.static_assert(INT8_BLOCK % BKS == 0, "int8 weights: a k slice (k_chunk / k_slices) within one block")
+        tl.static_assert(I8_BLOCK % BKS == 0, "int8 weights: a k slice (k_chunk / k_slices) within one block")
         part = tl.dot(a, tl.permute(_int8_f16(w), (0, 2, 1)))
-        blk = (k0 + tl.arange(0, KS) * BKS) // INT8_BLOCK  # [KS]
+        blk = (k0 + tl.arange(0, KS) * BKS) // I8_BLOCK  # [KS]
         s_ptrs = scale + blk[:, None] * SB_STRIDE + rows[None, :]  # [KS, BN]
         if EVEN:
             s = tl.load(s_ptrs)
         else:
-            s = tl.load(s_ptrs, mask=(blk[:, None] < K // INT8_BLOCK) & (rows[None, :] < N), other=0.0)
+            s = tl.load(s_ptrs, mask=(blk[:, None] < K // I8_BLOCK) & (rows[None, :] < N), other=0.0)
         return acc + part * s.to(tl.float32)[:, None, :]
     else:
         return tl.dot(a, tl.permute(w.to(DOT_T), (0, 2, 1)), acc)
@@ -961,10 +962,15 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     0.7 KB: bench/sm90_compile.py). Not yet measured on the H100: bench/decode.py times the 32- and 64-row steps
     and its `--variants w-...` the alternatives.
 
-    int8 weights stream FP8's chunks, cut into one k slice per block of 32 columns (int8_slices): the dot's slices
-    are scaled one by one. Not yet measured on the H100."""
+    int8 weights: a k slice per block of 32 columns (int8_slices: the dot's slices are scaled one by one), over
+    bf16's chunk widths (256 columns, 8 slices; at FP8's 512 the 16 slices' accumulators spilled at 1 row), and at
+    32+ rows over one-block chunks (4 slices of 128 columns spilled 3 KB a thread at 64 rows, one block
+    0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100."""
     if int8:
-        return {op: int8_slices(t) for op, t in default_tiles(True, rows).items()}
+        tiles = default_tiles(True, rows)
+        if rows <= 16:
+            return {op: int8_slices(t._replace(k_chunk=256)) for op, t in tiles.items()}
+        return {op: int8_slices(t._replace(k_chunk=INT8_BLOCK)) for op, t in tiles.items()}
     k = 2 if fp8 else 1
     if rows <= 16:
         tiles = {op: MatvecTile(k_chunk=256 * k) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
