@@ -1,7 +1,7 @@
 """Decode-step benchmark: the megakernel against its peers and the memory-bandwidth floor, in one GPU run.
 
     python -m bench decode [--out bench/results] [--models llama-3.2-1b qwen2.5-1.5b smollm2-135m]
-                           [--weights bf16 fp8 int8] [--int8-models llama-3.2-1b] [--batches 1 8]
+                           [--weights bf16 fp8 int8 int8-row] [--int8-models llama-3.2-1b] [--batches 1 8]
                            [--wide-batches 32 64] [--contexts 128 2048]
                            [--variants tma w-narrow ...] [--timeline default ...] [--timeline-rows 64] [--hf]
                            [--budget-s 400] [--tag NAME]
@@ -297,14 +297,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "smollm2-135m"])
-    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8", "int8"], choices=["bf16", "fp8", "int8"])
+    formats = ["bf16", "fp8", "int8", "int8-row"]
+    ap.add_argument("--weights", nargs="+", default=formats, choices=formats)
     ap.add_argument("--int8-models", nargs="*", default=["llama-3.2-1b"],
-                    help="models timed with int8 weights where --weights names int8 (the default run stays short)")
+                    help="models timed with int8 weights where --weights names int8 or int8-row (the default run "
+                    "stays short)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--wide-batches", nargs="*", type=int, default=[32, 64],
                     help="row counts timed for --wide-models only (steps of prompt rows and decode rows)")
     ap.add_argument("--wide-models", nargs="*", default=["llama-3.2-1b"])
-    ap.add_argument("--wide-weights", nargs="*", default=["bf16"], choices=["bf16", "fp8", "int8"])
+    ap.add_argument("--wide-weights", nargs="*", default=["bf16"], choices=formats)
     ap.add_argument("--sampled", type=int, default=16,
                     help="rows a step samples at most (max_batch): the LM head's rows in the wide steps")
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048])
@@ -371,7 +373,7 @@ def main() -> None:
                 skipped.append(f"{model_name} {fmt}")
                 print(f"SKIPPED {model_name} {fmt}: past the {args.budget_s:.0f} s budget", flush=True)
                 continue
-            if fmt == "int8" and model_name not in args.int8_models:
+            if fmt.startswith("int8") and model_name not in args.int8_models:
                 continue
             eight_bit = fmt != "bf16"
             batches = args.batches + (args.wide_batches if model_name in args.wide_models and

@@ -8,11 +8,11 @@ reference manual's topics, in order), in windows of `--window` tokens, with the 
 and bf16 on each 8-bit format's dequantized weights (the values a kernel would read); and greedy agreement of each
 with bf16 over chat prompts. The formats (FORMATS): e4m3 with a power-of-two scale per output row (today's "fp8",
 service/model/fp8.py), e4m3 with a float scale per row or per group of 128 or 32 columns (along K), int8 with a
-float scale per row, int8 with a float16 scale per block of 32 columns (GGUF's Q8_0: the "int8" weight format,
-service/model/int8.py). Each with the LM head (tied to the embedding in SmolLM2) kept bf16 or quantized (the
-embedding lookup stays bf16, as served), and with the embedding quantized too (HEADS). The source weights are Q4_1
-(blocks of 32) and the embedding Q8_0 in the GGUF, dequantized. Runs on the CPU (or a GPU if present), about a
-minute a variant at the defaults. Writes bench/results/fp8-quality.json and .md.
+float scale per row (the "int8-row" weight format), int8 with a float16 scale per block of 32 columns (GGUF's Q8_0:
+the "int8" weight format; both service/model/int8.py). Each with the LM head (tied to the embedding in SmolLM2) kept
+bf16 or quantized (the embedding lookup stays bf16, as served), and with the embedding quantized too (HEADS). The
+source weights are Q4_1 (blocks of 32) and the embedding Q8_0 in the GGUF, dequantized. Runs on the CPU (or a GPU if
+present), about a minute a variant at the defaults. Writes bench/results/fp8-quality.json and .md.
 """
 
 from __future__ import annotations
@@ -52,20 +52,13 @@ def e4m3_groups(w: torch.Tensor, group: int | None) -> torch.Tensor:
     return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(rows, -1)[:, :cols]
 
 
-def int8_rows(w: torch.Tensor) -> torch.Tensor:
-    """int8 with a float32 scale per row (absmax / 127); dequantized."""
-    amax = w.float().abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, 1.0)
-    return (w.float() / scale).round().clamp(-127, 127) * scale
-
-
 # each format: a matrix -> its dequantized float32 values
 FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "e4m3-row-pow2": lambda w: fp8.quantize(w).dequantize(torch.float32),  # today's "fp8"
     "e4m3-row": lambda w: e4m3_groups(w, None),
     "e4m3-g128": lambda w: e4m3_groups(w, 128),
     "e4m3-g32": lambda w: e4m3_groups(w, 32),
-    "int8-row": int8_rows,
+    "int8-row": lambda w: int8.quantize(w, None).dequantize(torch.float32),  # the "int8-row" weight format
     "int8-b32": lambda w: int8.quantize(w).dequantize(torch.float32),  # the "int8" weight format (Q8_0)
 }
 # what else is quantized beside the layers' matrices: nothing, the LM head (as served), the LM head and the embedding
@@ -180,10 +173,10 @@ def main() -> None:
         "matrices are Q4_1 (blocks of 32) and its embedding (the tied LM head) Q8_0, dequantized: the bf16 row is "
         "the reference.", "",
         "Formats: e4m3-row-pow2 = today's `fp8` (a power-of-two scale per output row); e4m3-row / -g128 / -g32 = a "
-        "float scale per row / per 128 / per 32 columns along K; int8-row = a float scale per row; int8-b32 = "
-        "GGUF's Q8_0 (a float16 scale per 32 columns along K), the `int8` weight format. Head: bf16 = LM head and "
-        "embedding in bf16; quantized = the LM head quantized, the embedding lookup bf16 (as served); embed-too = "
-        "both quantized.", "",
+        "float scale per row / per 128 / per 32 columns along K; int8-row = a float scale per row, the `int8-row` "
+        "weight format; int8-b32 = GGUF's Q8_0 (a float16 scale per 32 columns along K), the `int8` weight format. "
+        "Head: bf16 = LM head and embedding in bf16; quantized = the LM head quantized, the embedding lookup bf16 "
+        "(as served); embed-too = both quantized.", "",
         "| format | head | perplexity | vs bf16 | greedy identical | shared prefix |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]

@@ -16,8 +16,9 @@ tasks that write the residual stream also write x * norm_weight of the next norm
 ready operand, and computes rstd from x itself (no atomics anywhere in the arithmetic: a step is deterministic).
 
 Weights are bf16; or FP8 (e4m3) with one float32 scale per output row, converted in registers after the load and
-scaled in the epilogue; or int8 with one float16 scale per block of 32 columns (GGUF's Q8_0), converted by bit
-manipulation and scaled per k slice of the dot (_weight_dot): the same tensor-core dot streams half the bytes.
+scaled in the epilogue; or int8, converted by bit manipulation, with one float32 scale per output row (scaled in the
+epilogue) or one float16 scale per block of 32 columns (GGUF's Q8_0; scaled per k slice of the dot: _weight_dot):
+the same tensor-core dot streams half the bytes.
 
 Synchronisation: a task spins on a volatile load of its counter, then takes an acquire atomic; a finished task
 passes a CTA barrier and adds one to its counter with release semantics. Activations are read with `.cg` (L2,
@@ -61,10 +62,10 @@ I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
 class PackedWeights:
     """The model's tensors in the layout the kernel reads (layer-stacked, out × in). With FP8, the matrices are
     float8_e4m3fn and `scales` holds each one's float32 scale per output row ([L, rows], [V] for the LM head). With
-    int8, `scales` holds a float16 scale per block of INT8_BLOCK columns, block-major ([K / 32, L, rows],
-    [K / 32, V] for the LM head): a layer's first scale is at layer × rows as with FP8's, and a k slice's scales of a
-    tile's consecutive rows are contiguous. The embedding table stays in the activations' dtype (it is looked up,
-    not streamed)."""
+    int8, `scales` holds a float32 scale per output row as FP8's, or a float16 scale per block of INT8_BLOCK
+    columns, block-major ([K / 32, L, rows], [K / 32, V] for the LM head): a layer's first scale is at layer × rows as
+    with FP8's, and a k slice's scales of a tile's consecutive rows are contiguous. The embedding table stays in the
+    activations' dtype (it is looked up, not streamed)."""
 
     embed: torch.Tensor  # [V, H]
     wqkv: torch.Tensor  # [L, q + 2 kv, H]
@@ -92,6 +93,11 @@ class PackedWeights:
     @property
     def int8(self) -> bool:
         return self.wqkv.dtype == torch.int8
+
+    @property
+    def int8_blocks(self) -> bool:
+        """int8 with a scale per block of INT8_BLOCK columns (not per row)."""
+        return self.int8 and self.scales is not None and self.scales["qkv"].dtype == torch.float16
 
     def nbytes(self) -> int:
         """What one decode step streams: every matrix (and scale) once, the norms."""
@@ -380,12 +386,13 @@ def _int8_f16(w):
 def _weight_dot(a, w, acc, scale, rows, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SB_STRIDE: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.constexpr, W_INT8: tl.constexpr):
     """acc + the dot of the activation tile a [KS, BPAD, BK/KS] with the weight tile w [KS, BN, BK/KS], per k slice.
-    int8 weights: the dot runs on the integers (exact in float16) and each slice's float32 result is scaled by its
-    block's scale, one multiply per (row, output) a slice, where scaling the tile before the dot would cost one per
-    weight (at batch 1 the issue slots, not the bytes, bound the 8-bit stream: bench/NOTES.md) and round each
-    weight to float16. So a slice is at most one block: BK/KS divides INT8_BLOCK (scale at `scale`, block j of row
-    r at j × SB_STRIDE + r)."""
-    if W_INT8:
+    int8 weights with block scales (float16 at `scale`, block j of row r at j × SB_STRIDE + r): the dot runs on the
+    integers (exact in float16) and each slice's float32 result is scaled by its block's scale: the weights stay
+    exact (scaling the tile before the dot would round each weight to float16), for one multiply per (row, output)
+    a slice, as many as that would cost per pair of weights while the dot's M is padded to 16, and fewer at 32+
+    rows (one-block chunks). So a slice is at most one block: BK/KS divides INT8_BLOCK. Row scales (float32) wait
+    for the epilogue, as FP8's."""
+    if W_INT8 and scale.dtype.element_ty == tl.float16:
         BKS: tl.constexpr = BK // KS
         tl.static_assert(I8_BLOCK % BKS == 0, "int8 weights: a k slice (k_chunk / k_slices) within one block")
         part = tl.dot(a, tl.permute(_int8_f16(w), (0, 2, 1)))
@@ -396,6 +403,8 @@ def _weight_dot(a, w, acc, scale, rows, k0, N: tl.constexpr, K: tl.constexpr, BK
         else:
             s = tl.load(s_ptrs, mask=(blk[:, None] < K // I8_BLOCK) & (rows[None, :] < N), other=0.0)
         return acc + part * s.to(tl.float32)[:, None, :]
+    elif W_INT8:
+        return tl.dot(a, tl.permute(_int8_f16(w), (0, 2, 1)), acc)
     else:
         return tl.dot(a, tl.permute(w.to(DOT_T), (0, 2, 1)), acc)
 
@@ -461,7 +470,7 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
     gate/up's up). out: QkvOut (QKV), ResidualOut (OPROJ, DOWN), the ffn buffer (GATEUP), the logits (LMHEAD)."""
     rb = tl.arange(0, BPAD)
     if ws.scale is not None:
-        if ws.w.dtype.element_ty != tl.int8:  # FP8: one scale per output row (int8's blocks are scaled per k slice)
+        if ws.scale.dtype.element_ty == tl.float32:  # one scale per output row (int8 blocks: per k slice, float16)
             acc = acc * tl.load(ws.scale + rows, mask=rows < N, other=0.0)[None, :]
             if ws.scale2 is not None:
                 acc2 = acc2 * tl.load(ws.scale2 + rows2, mask=rows2 < N, other=0.0)[None, :]
@@ -1099,7 +1108,7 @@ class Megakernel:
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
         if t is None:
-            return default_tiles(self.w.fp8, rows, self.w.int8)
+            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks)
         return t(rows) if callable(t) else t
 
     def tiles(self, batch: int) -> TileTable:
@@ -1107,7 +1116,7 @@ class Megakernel:
         runs of rows half a head apart: a run is at most half a head."""
         tiles = self._table(self.rows_of(batch)) | {Op.LMHEAD: self._table(self.lm_rows_of(batch))[Op.LMHEAD]}
         for op, t in tiles.items():
-            if self.w.int8 and INT8_BLOCK % (t.k_chunk // t.k_slices):
+            if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
                 raise ValueError(f"int8 weights: {op.name}'s k slices of {t.k_chunk // t.k_slices} columns cross "
                                  f"blocks of {INT8_BLOCK} (int8_slices makes a tile's slices fit)")
         qkv = tiles[Op.QKV]

@@ -52,6 +52,15 @@ def test_the_same_blocks_as_ggufs_q8_0() -> None:
     assert np.array_equal(q.data.numpy().reshape(16, 4, BLOCK), blocks[:, :, 2:].copy().view(np.int8))
 
 
+def test_per_row_scales() -> None:
+    """block=None ("int8-row"): one float32 scale per row, each row's largest value at ±127, half a step of error."""
+    w = _fresh(24, 4 * BLOCK)[:, :3 * BLOCK + 7]  # rows need not split into blocks
+    q = quantize(w, None)
+    assert q.scale.shape == (24, 1) and q.scale.dtype == torch.float32 and q.block == w.shape[1]
+    assert (q.data.abs().amax(dim=1) == 127).all()
+    assert ((q.dequantize(torch.float32) - w).abs() <= q.scale / 2 * (1 + 1e-5) + 1e-12).all()
+
+
 def test_a_row_that_does_not_split_into_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="blocks of 32"):
         quantize(torch.randn(4, 40))
@@ -65,7 +74,7 @@ def test_packed_for_the_kernel_block_major() -> None:
     config, weights, _ = load_synthetic("tiny", seed=int(torch.randint(0, 2**31, (1,))))
     q = quantize_model(weights, torch.float32)
     p = pack_int8(config, q, torch.device("cpu"), torch.float32)
-    assert p.int8 and not p.fp8 and p.scales is not None
+    assert p.int8 and p.int8_blocks and not p.fp8 and p.scales is not None
     L, h = config.num_layers, config.hidden_size
     gate = p.scales["gate"]
     assert gate.shape == (h // BLOCK, L, config.intermediate_size)
@@ -82,14 +91,33 @@ def test_packed_for_the_kernel_block_major() -> None:
         4 * (p.attn_norm.numel() + p.mlp_norm.numel() + p.final_norm.numel())
 
 
-def test_reference_backend_runs_the_quantized_model() -> None:
-    """--weights int8 on the reference backend: the same logits as a reference decoder built on the dequantized
-    int8 weights, and not those of the original (the weights really changed)."""
+def test_packed_for_the_kernel_per_row() -> None:
+    """pack_int8 of row scales: float32 [L, rows] as FP8's (the LM head's [V]); a model mixing rows and blocks is
+    refused."""
+    from service.backends.packing import pack_int8
+
     config, weights, _ = load_synthetic("tiny", seed=int(torch.randint(0, 2**31, (1,))))
-    int8 = make_decoder("reference", config, weights, 2, 64, "cpu", weight_format="int8")
+    q = quantize_model(weights, torch.float32, None)
+    p = pack_int8(config, q, torch.device("cpu"), torch.float32)
+    assert p.int8 and not p.int8_blocks and p.scales is not None
+    assert p.scales["down"].shape == (config.num_layers, config.hidden_size)
+    assert torch.equal(p.scales["down"][1], q.layers[1]["w_down"].scale[:, 0])
+    assert torch.equal(p.scales["lm_head"], q.lm_head.scale[:, 0])
+    q.layers[0]["wo"] = quantize(weights.layers[0].wo)
+    with pytest.raises(ValueError, match="every matrix alike"):
+        pack_int8(config, q, torch.device("cpu"), torch.float32)
+
+
+def test_reference_backend_runs_the_quantized_model() -> None:
+    """--weights int8 / int8-row on the reference backend: the same logits as a reference decoder built on the
+    dequantized int8 weights, and not those of the original (the weights really changed)."""
+    config, weights, _ = load_synthetic("tiny", seed=int(torch.randint(0, 2**31, (1,))))
     plain = make_decoder("reference", config, weights, 2, 64, "cpu")
-    oracle = make_decoder("reference", config, quantize_model(weights, torch.float32).dequantized, 2, 64, "cpu")
     ids = torch.randint(0, config.vocab_size, (20,)).tolist()
-    a, b, c = int8.prefill(0, ids), oracle.prefill(0, ids), plain.prefill(0, ids)
-    assert torch.equal(a, b)
-    assert not torch.equal(a, c)
+    c = plain.prefill(0, ids)
+    for fmt, block in (("int8", BLOCK), ("int8-row", None)):
+        int8 = make_decoder("reference", config, weights, 2, 64, "cpu", weight_format=fmt)
+        deq = quantize_model(weights, torch.float32, block).dequantized
+        a, b = int8.prefill(0, ids), make_decoder("reference", config, deq, 2, 64, "cpu").prefill(0, ids)
+        assert torch.equal(a, b), fmt
+        assert not torch.equal(a, c), fmt

@@ -95,9 +95,11 @@ def _as_good_as_the_reference(r: dict) -> bool:
 
 # (shape, rows, weights): Llama at 8 rows in both formats (the invariance test below reuses their compiles), Qwen
 # (QKV bias, 6 query heads a KV head, head_dim 128) at 8, SmolLM2 (hidden 576: ragged k chunks) at 1 row; int8
-# (Q8_0 blocks) on Llama at 8 rows and on SmolLM2 at 1 (its ragged chunks: blocks past K masked)
+# (Q8_0 blocks) on Llama at 8 rows and on SmolLM2 at 1 (its ragged chunks: blocks past K masked), int8 with row
+# scales on Llama at 8
 CASES = [("llama-3.2-1b", 8, "bf16"), ("llama-3.2-1b", 8, "fp8"), ("qwen2.5-1.5b", 8, "bf16"),
-         ("smollm2-135m", 1, "bf16"), ("llama-3.2-1b", 8, "int8"), ("smollm2-135m", 1, "int8")]
+         ("smollm2-135m", 1, "bf16"), ("llama-3.2-1b", 8, "int8"), ("smollm2-135m", 1, "int8"),
+         ("llama-3.2-1b", 8, "int8-row")]
 
 
 @pytest.mark.parametrize(("shape", "batch", "weight_format"), CASES)

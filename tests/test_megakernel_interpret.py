@@ -29,6 +29,7 @@ CASES = {
     "llama-int8": (False, True, 256, 3, 64, 1, "int8"),
     "qwen-int8": (True, False, 200, 2, 32, 4, "int8"),
     "qwen-int8-tma": (True, False, 200, 2, 32, 4, "int8"),
+    "qwen-int8-row": (True, False, 200, 2, 32, 4, "int8-row"),  # int8, a scale per row (in the epilogue)
 }
 
 

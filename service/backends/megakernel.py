@@ -61,7 +61,7 @@ class MegakernelDecoder:
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_format = weight_format
-        if weight_format in ("fp8", "int8"):
+        if weight_format != "bf16":
             quantized = quantize_model(weights, weight_format, dtype)
             packed = (pack_fp8 if weight_format == "fp8" else pack_int8)(config, quantized, self.device, dtype)
             views = quantized.dequantized.to(self.device, dtype)

@@ -84,26 +84,29 @@ def pack_fp8(config: ModelConfig, quantized: QuantizedModel[Fp8Matrix], device: 
 
 def pack_int8(config: ModelConfig, quantized: QuantizedModel[Int8Matrix], device: torch.device,
               dtype: torch.dtype) -> PackedWeights:
-    """Int8 matrices stacked like pack_weights' and their float16 scales per block of 32 columns, block-major as the
-    kernel reads them ([K / 32, L, rows]; the LM head's [K / 32, V]); the embedding table, norms and biases in
-    `dtype`."""
+    """Int8 matrices stacked like pack_weights' and their scales: float16 per block of 32 columns, block-major as the
+    kernel reads them ([K / 32, L, rows]; the LM head's [K / 32, V]), or float32 per row as FP8's ([L, rows], [V]);
+    the embedding table, norms and biases in `dtype`."""
     layers = quantized.layers
-    for qs in layers:
-        for m in qs.values():
-            if m.block != INT8_BLOCK:
-                raise ValueError(f"the megakernel reads int8 blocks of {INT8_BLOCK} columns, not {m.block}")
+    head = quantized.lm_head
+    per_row = head.scale.shape[1] == 1
+    for m in [head, *(m for qs in layers for m in qs.values())]:
+        if (m.scale.shape[1] == 1) != per_row or not (per_row or m.block == INT8_BLOCK):
+            raise ValueError(f"the megakernel reads int8 blocks of {INT8_BLOCK} columns or rows, every matrix alike, "
+                             f"not blocks of {m.block}")
 
     def stack(parts: tuple[str, ...]) -> torch.Tensor:
         return _stack([torch.cat([qs[p].data for p in parts]) for qs in layers], device, None)
 
     def scales(parts: tuple[str, ...]) -> torch.Tensor:
-        per_layer = [torch.cat([qs[p].scale for p in parts]) for qs in layers]  # [rows, K / 32] each
+        per_layer = [torch.cat([qs[p].scale for p in parts]) for qs in layers]  # [rows, K / 32 or 1] each
+        if per_row:
+            return _stack([s[:, 0] for s in per_layer], device, None)
         return _stack(per_layer, device, None).permute(2, 0, 1).contiguous()
 
-    head = quantized.lm_head
+    head_scale = head.scale.to(device)[:, 0].contiguous() if per_row else head.scale.to(device).T.contiguous()
     return _packed(config, quantized, device, dtype, {name: stack(parts) for name, parts in GROUPS.items()},
-                   {name: scales(parts) for name, parts in GROUPS.items()}
-                   | {"lm_head": head.scale.to(device).T.contiguous()})
+                   {name: scales(parts) for name, parts in GROUPS.items()} | {"lm_head": head_scale})
 
 
 def _packed(config: ModelConfig, quantized: QuantizedModel, device: torch.device, dtype: torch.dtype,

@@ -45,13 +45,14 @@ def quantize_with(weights: ModelWeights, dtype: torch.dtype, quantize: Callable[
 
 
 def quantize_model(weights: ModelWeights, weight_format: str, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel:
-    """The model in an 8-bit weight format: "fp8" (service/model/fp8.py) or "int8" (service/model/int8.py)."""
+    """The model in an 8-bit weight format: "fp8" (service/model/fp8.py), "int8" or "int8-row"
+    (service/model/int8.py)."""
     if weight_format == "fp8":
         from service.model import fp8
 
         return fp8.quantize_model(weights, dtype)
-    if weight_format == "int8":
+    if weight_format in ("int8", "int8-row"):
         from service.model import int8
 
-        return int8.quantize_model(weights, dtype)
-    raise ValueError(f"{weight_format!r} is not an 8-bit weight format (fp8, int8)")
+        return int8.quantize_model(weights, dtype, int8.BLOCK if weight_format == "int8" else None)
+    raise ValueError(f"{weight_format!r} is not an 8-bit weight format (fp8, int8, int8-row)")

@@ -32,7 +32,8 @@ class Fp8Matrix:
 @dataclass
 class Int8Matrix:
     """A matrix in int8 blocks (service/model/int8.py makes them; GGUF's Q8_0): W ≈ data.float() * scale repeated
-    over each block of `block` columns, data int8 [rows, cols], scale float16 [rows, cols / block]."""
+    over each block of `block` columns, data int8 [rows, cols], scale float16 [rows, cols / block]; or per row:
+    scale float32 [rows, 1] (block = cols)."""
 
     data: torch.Tensor
     scale: torch.Tensor
