@@ -7,7 +7,7 @@
 
 Why int8 and not e4m3: on the real SmolLM2 weights (bench/fp8_quality.py, bench/results/fp8-quality.md) e4m3 with a
 scale per row costs +6.5% perplexity and per 32 columns still +2.1%: its 3 mantissa bits are the loss, not the
-scale. Int8 per row costs +0.44%, int8 blocks +0.10% (float32 against bf16: +0.08%; the source weights are Q4_1
+scale. Int8 per row costs +0.25%, int8 blocks +0.10% (float32 against bf16: +0.08%; the source weights are Q4_1
 blocks of 32, which a block of int8 holds almost exactly).
 
 Quantized as llama.cpp quantizes Q8_0 (bit for bit: tests/test_int8.py): d = absmax / 127 per block (or row),
