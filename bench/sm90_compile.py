@@ -1,6 +1,6 @@
 """Compile the megakernel for the H100 (sm_90) on a machine with no GPU, and say what the compiler made of it.
 
-    python -m bench sm90-compile [--model llama-3.2-1b] [--batch 1] [--weights bf16|fp8] [--variant NAME]
+    python -m bench sm90-compile [--model llama-3.2-1b] [--batch 1] [--weights bf16|fp8|int8] [--variant NAME]
                                  [--dump DIR]
 
 Triton compiles for a named target without a device, and its bundled ptxas and cuobjdump report registers, spills
@@ -28,7 +28,7 @@ def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
     from service.model.synthetic import load_synthetic
 
     config, w, _ = load_synthetic(model, dtype=torch.bfloat16, num_layers=2)
-    cfg = VARIANTS[variant](weights == "fp8")
+    cfg = VARIANTS[variant](weights)
     captured = {}
 
     class Launcher:
@@ -98,7 +98,11 @@ def report(compiled, dump: Path | None) -> dict:  # noqa: ANN001
                       ("cp.async.wait_group", r"cp\.async\.wait_group"),
                       ("mbarrier.try_wait", r"mbarrier\.try_wait"),
                       ("ld.global (plain)", r"\bld\.global\.(?!nc)"), ("mma", r"\bmma\.sync"),
-                      ("wgmma", r"wgmma\.mma_async"), ("cvt from e4m3", r"cvt\.[^;]*e4m3")):
+                      ("wgmma", r"wgmma\.mma_async"), ("cvt from e4m3", r"cvt\.[^;]*e4m3"),
+                      # int8 → float16 by bits (_int8_f16): an integer and a float16 add per pair; cvt from s8 would
+                      # be a float conversion per element
+                      ("int8 pairs (add.s16x2)", r"add\.s16x2"),
+                      ("cvt to f16 from s8/s16", r"cvt\.rn\.f16\.s(?:8|16)")):
         out[what] = len(re.findall(pat, ptx))
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)

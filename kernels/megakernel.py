@@ -15,8 +15,10 @@ accumulated in float32. One reordering: RMSNorm(x) @ W^T is computed as rstd * (
 tasks that write the residual stream also write x * norm_weight of the next norm, so a consumer's matvec streams a
 ready operand, and computes rstd from x itself (no atomics anywhere in the arithmetic: a step is deterministic).
 
-Weights are bf16, or FP8 (e4m3) with one float32 scale per output row, converted in registers after the load and
-scaled in the epilogue: the same tensor-core dot streams half the bytes.
+Weights are bf16; or FP8 (e4m3) with one float32 scale per output row, converted in registers after the load and
+scaled in the epilogue; or int8, converted by bit manipulation, with one float32 scale per output row (scaled in the
+epilogue) or one float16 scale per block of 32 columns (GGUF's Q8_0; scaled per k slice of the dot: _weight_dot):
+the same tensor-core dot streams half the bytes.
 
 Synchronisation: a task spins on a volatile load of its counter, then takes an acquire atomic; a finished task
 passes a CTA barrier and adds one to its counter with release semantics. Activations are read with `.cg` (L2,
@@ -52,13 +54,18 @@ from kernels.instructions import Op
 from kernels.sampling import gumbel_best
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INT8_BLOCK = 32  # columns per scale of int8 weights (GGUF's Q8_0)
+I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
 
 
 @dataclass
 class PackedWeights:
     """The model's tensors in the layout the kernel reads (layer-stacked, out × in). With FP8, the matrices are
-    float8_e4m3fn and `scales` holds each one's float32 scale per output row ([L, rows], [V] for the LM head); the
-    embedding table stays in the activations' dtype (it is looked up, not streamed)."""
+    float8_e4m3fn and `scales` holds each one's float32 scale per output row ([L, rows], [V] for the LM head). With
+    int8, `scales` holds a float32 scale per output row as FP8's, or a float16 scale per block of INT8_BLOCK
+    columns, block-major ([K / 32, L, rows], [K / 32, V] for the LM head): a layer's first scale is at layer × rows as
+    with FP8's, and a k slice's scales of a tile's consecutive rows are contiguous. The embedding table stays in the
+    activations' dtype (it is looked up, not streamed)."""
 
     embed: torch.Tensor  # [V, H]
     wqkv: torch.Tensor  # [L, q + 2 kv, H]
@@ -83,10 +90,19 @@ class PackedWeights:
     def fp8(self) -> bool:
         return self.wqkv.dtype == torch.float8_e4m3fn
 
+    @property
+    def int8(self) -> bool:
+        return self.wqkv.dtype == torch.int8
+
+    @property
+    def int8_blocks(self) -> bool:
+        """int8 with a scale per block of INT8_BLOCK columns (not per row)."""
+        return self.int8 and self.scales is not None and self.scales["qkv"].dtype == torch.float16
+
     def nbytes(self) -> int:
         """What one decode step streams: every matrix (and scale) once, the norms."""
         mats = sum(self.matrix(n).numel() * self.matrix(n).element_size() for n in self.MATRICES)
-        scales = sum(s.numel() * 4 for s in (self.scales or {}).values())
+        scales = sum(s.numel() * s.element_size() for s in (self.scales or {}).values())
         norms = sum(t.numel() * t.element_size() for t in (self.attn_norm, self.mlp_norm, self.final_norm))
         return mats + scales + norms
 
@@ -171,7 +187,7 @@ class Weights(NamedTuple):
 
 
 class Scales(NamedTuple):
-    """FP8 weights' float32 scales per output row."""
+    """8-bit weights' scales: FP8's float32 per output row, int8's float16 per block (PackedWeights)."""
 
     qkv: torch.Tensor
     o: torch.Tensor
@@ -370,6 +386,40 @@ def _load_tile(w_ptr, desc, drow, rows, k0, N: tl.constexpr, K: tl.constexpr, BN
 
 
 @triton.jit
+def _int8_f16(w):
+    """int8 → float16 exactly, by bits instead of a conversion instruction per element: the float16 with bits
+    0x6400 + (b + 128) is 1024 + (b + 128), so one integer add and one float16 subtraction of 1152 leave b."""
+    return (w.to(tl.int16) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def _weight_dot(a, w, acc, scale, rows, k0, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                SB_STRIDE: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.constexpr, W_INT8: tl.constexpr):
+    """acc + the dot of the activation tile a [KS, BPAD, BK/KS] with the weight tile w [KS, BN, BK/KS], per k slice.
+    int8 weights with block scales (float16 at `scale`, block j of row r at j × SB_STRIDE + r): the dot runs on the
+    integers (exact in float16) and each slice's float32 result is scaled by its block's scale: the weights stay
+    exact (scaling the tile before the dot would round each weight to float16), for one multiply per (row, output)
+    a slice, as many as that would cost per pair of weights while the dot's M is padded to 16, and fewer at 32+
+    rows (one-block chunks). So a slice is at most one block: BK/KS divides INT8_BLOCK. Row scales (float32) wait
+    for the epilogue, as FP8's."""
+    if W_INT8 and scale.dtype.element_ty == tl.float16:
+        BKS: tl.constexpr = BK // KS
+        tl.static_assert(I8_BLOCK % BKS == 0, "int8 weights: a k slice (k_chunk / k_slices) within one block")
+        part = tl.dot(a, tl.permute(_int8_f16(w), (0, 2, 1)))
+        blk = (k0 + tl.arange(0, KS) * BKS) // I8_BLOCK  # [KS]
+        s_ptrs = scale + blk[:, None] * SB_STRIDE + rows[None, :]  # [KS, BN]
+        if EVEN:
+            s = tl.load(s_ptrs)
+        else:
+            s = tl.load(s_ptrs, mask=(blk[:, None] < K // I8_BLOCK) & (rows[None, :] < N), other=0.0)
+        return acc + part * s.to(tl.float32)[:, None, :]
+    elif W_INT8:
+        return tl.dot(a, tl.permute(_int8_f16(w), (0, 2, 1)), acc)
+    else:
+        return tl.dot(a, tl.permute(w.to(DOT_T), (0, 2, 1)), acc)
+
+
+@triton.jit
 def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl.constexpr):
     """QKV's epilogue on the tile's two runs [rows, BN] (float32, bias added): RoPE on q and k rows at each row's
     position (run one holds x[d], run two x[d + head_dim/2]), q to the attention's input, k and v into the KV cache
@@ -435,10 +485,11 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
     """What a matvec does with a finished tile: float32 sums [BPAD, BN] of its rows (and acc2: QKV's second run,
     gate/up's up). out: QkvOut (QKV), ResidualOut (OPROJ, DOWN), the ffn buffer (GATEUP), LmOut (LMHEAD)."""
     rb = tl.arange(0, BPAD)
-    if ws.scale is not None:  # FP8: one scale per output row
-        acc = acc * tl.load(ws.scale + rows, mask=rows < N, other=0.0)[None, :]
-        if ws.scale2 is not None:
-            acc2 = acc2 * tl.load(ws.scale2 + rows2, mask=rows2 < N, other=0.0)[None, :]
+    if ws.scale is not None:
+        if ws.scale.dtype.element_ty == tl.float32:  # one scale per output row (int8 blocks: per k slice, float16)
+            acc = acc * tl.load(ws.scale + rows, mask=rows < N, other=0.0)[None, :]
+            if ws.scale2 is not None:
+                acc2 = acc2 * tl.load(ws.scale2 + rows2, mask=rows2 < N, other=0.0)[None, :]
     m = (rb[:, None] < B) & (rows[None, :] < N)
     if OP == I.QKV:
         lo = acc * rstd[:, None]
@@ -486,9 +537,9 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
     streams run side by side where they can (more bytes in flight per SM): QKV's and gate/up's second run of rows
     (see _tile_rows), or with TILE.k_halves the second half of K. Ops that follow a norm stream a = x * norm_weight
     and scale by rstd (from the partial sums of squares at ssq_ptr, SSQ_STRIDE rows apart); OPROJ and DOWN leave
-    theirs at ssq_ptr. With FP8 weights (ws.scale set) the dot runs in float16 (e4m3 converts to it in one
-    instruction per pair; the activations, scaled by rstd first, fit its range). ws: MatvecWeights. Returns the LM
-    head's running (max, argmax) per row."""
+    theirs at ssq_ptr. With 8-bit weights (ws.scale set) the dot runs in float16 (e4m3 converts to it in one
+    instruction per pair, int8 by bits: _int8_f16; the activations, scaled by rstd first, fit its range).
+    ws: MatvecWeights. Returns the LM head's running (max, argmax) per row."""
     BN: tl.constexpr = TILE.rows
     BK: tl.constexpr = TILE.k_chunk
     KS: tl.constexpr = TILE.k_slices
@@ -496,9 +547,11 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
     K_HALVES: tl.constexpr = TILE.k_halves and not ROWS2
     TR: tl.constexpr = 2 * BN if OP == I.QKV else BN  # rows per tile
     NORM: tl.constexpr = (OP == I.QKV) or (OP == I.GATEUP) or (OP == I.LMHEAD)
-    W_FP8: tl.constexpr = ws.scale is not None
-    PRE_NORM: tl.constexpr = NORM and W_FP8
-    DOT_T: tl.constexpr = tl.float16 if W_FP8 else dt
+    W8: tl.constexpr = ws.scale is not None  # FP8 or int8
+    W_INT8: tl.constexpr = ws.w.dtype.element_ty == tl.int8
+    SB: tl.constexpr = N if OP == I.LMHEAD else MODEL.layers * N  # int8: one block's scales, layer-stacked
+    PRE_NORM: tl.constexpr = NORM and W8
+    DOT_T: tl.constexpr = tl.float16 if W8 else dt
     KB: tl.constexpr = (K + BK - 1) // BK
     KB1: tl.constexpr = (KB + 1) // 2 if K_HALVES else KB  # chunks per stream
     EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0) and (KB1 * (2 if K_HALVES else 1) == KB)
@@ -534,14 +587,14 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
         rk = kb * BK + koff  # [KS, BKS]
         a = _operand(a_ptr, rb, rk, B, rstd, K, EVEN, DOT_T, PRE_NORM, CG)
         w = _load_tile(ws.w, ws.desc, ws.drow, rows, kb * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
-        acc = tl.dot(a, tl.permute(w.to(DOT_T), (0, 2, 1)), acc)
+        acc = _weight_dot(a, w, acc, ws.scale, rows, kb * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if ROWS2:
             w2 = _load_tile(ws.w2, ws.desc2, ws.drow, rows2, kb * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
-            acc2 = tl.dot(a, tl.permute(w2.to(DOT_T), (0, 2, 1)), acc2)
+            acc2 = _weight_dot(a, w2, acc2, ws.scale2, rows2, kb * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if K_HALVES:  # the same rows' second half of K
             a2 = _operand(a_ptr, rb, rk + KB1 * BK, B, rstd, K, EVEN, DOT_T, PRE_NORM, CG)
             w2 = _load_tile(ws.w, ws.desc, ws.drow, rows, (kb + KB1) * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
-            acc2 = tl.dot(a2, tl.permute(w2.to(DOT_T), (0, 2, 1)), acc2)
+            acc2 = _weight_dot(a2, w2, acc2, ws.scale, rows, (kb + KB1) * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if kb == KB1 - 1:
             if K_HALVES:
                 sums, sums2 = tl.sum(acc, axis=0) + tl.sum(acc2, axis=0), tl.zeros([BPAD, BN], tl.float32)
@@ -919,7 +972,7 @@ MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
 TileTable = dict[Op, MatvecTile]
 
 
-def default_tiles(fp8: bool = False, rows: int = 1) -> TileTable:
+def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileTable:
     """The tiles of a launch whose matvecs have `rows` rows (its bucket; the LM head's own rows for the LM head).
 
     Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core
@@ -933,7 +986,17 @@ def default_tiles(fp8: bool = False, rows: int = 1) -> TileTable:
     (the most tiles) streams 32-row tiles, every k chunk is 128 columns, one k slice (at 32+ rows the dot's M
     spreads over the warps already; with 2 or 4 slices the 64-row launch spilled 1.5-3.5 KB a thread, with one
     0.7 KB: bench/sm90_compile.py). Not yet measured on the H100: bench/decode.py times the 32- and 64-row steps
-    and its `--variants w-...` the alternatives."""
+    and its `--variants w-...` the alternatives.
+
+    int8 weights: a k slice per block of 32 columns (int8_slices: the dot's slices are scaled one by one), over
+    bf16's chunk widths (256 columns, 8 slices; at FP8's 512 the 16 slices' accumulators spilled at 1 row), and at
+    32+ rows over one-block chunks (4 slices of 128 columns spilled 3 KB a thread at 64 rows, one block
+    0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100."""
+    if int8:
+        tiles = default_tiles(True, rows)
+        if rows <= 16:
+            return {op: int8_slices(t._replace(k_chunk=256)) for op, t in tiles.items()}
+        return {op: int8_slices(t._replace(k_chunk=INT8_BLOCK)) for op, t in tiles.items()}
     k = 2 if fp8 else 1
     if rows <= 16:
         tiles = {op: MatvecTile(k_chunk=256 * k) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
@@ -945,6 +1008,11 @@ def default_tiles(fp8: bool = False, rows: int = 1) -> TileTable:
     wide[Op.DOWN] = MatvecTile(k_chunk=128, k_slices=1, k_halves=True)
     wide[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     return wide
+
+
+def int8_slices(t: MatvecTile) -> MatvecTile:
+    """The tile with one k slice per int8 block of its k chunk (a slice must lie within one block)."""
+    return t._replace(k_slices=max(1, t.k_chunk // INT8_BLOCK))
 
 
 # what KernelConfig.tiles may be: one table for every launch, or a function of the launch's rows
@@ -1060,13 +1128,17 @@ class Megakernel:
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
         if t is None:
-            return default_tiles(self.w.fp8, rows)
+            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks)
         return t(rows) if callable(t) else t
 
     def tiles(self, batch: int) -> TileTable:
         """Each matvec's tile in a launch for this bucket (the LM head's chosen for its own rows). A QKV tile pairs
         runs of rows half a head apart: a run is at most half a head."""
         tiles = self._table(self.rows_of(batch)) | {Op.LMHEAD: self._table(self.lm_rows_of(batch))[Op.LMHEAD]}
+        for op, t in tiles.items():
+            if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
+                raise ValueError(f"int8 weights: {op.name}'s k slices of {t.k_chunk // t.k_slices} columns cross "
+                                 f"blocks of {INT8_BLOCK} (int8_slices makes a tile's slices fit)")
         qkv = tiles[Op.QKV]
         return tiles | {Op.QKV: qkv._replace(rows=min(qkv.rows, self.dims.head_dim // 2))}
 

@@ -5,4 +5,6 @@ service.backends re-exports them."""
 from __future__ import annotations
 
 BACKENDS = ("auto", "reference", "megakernel")
-WEIGHT_FORMATS = ("bf16", "fp8")  # fp8: e4m3 matrices, a scale per output row (service/model/fp8.py)
+# fp8: e4m3 matrices, a scale per output row (service/model/fp8.py); int8: int8 matrices, a scale per block of 32
+# columns, GGUF's Q8_0; int8-row: int8 matrices, a scale per output row (service/model/int8.py)
+WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int8-row")

@@ -190,11 +190,35 @@ def _llamacpp_rope_factors(cfg):
     return torch.tensor(out, dtype=torch.float32)
 
 
-def _write_gguf(path, hf, arch, rope_factors=None):
+def _q8_0_bytes(a):
+    """A matrix as Q8_0 blocks (float16 scale, 32 int8) with scales twice what a quantizer picks (values within
+    ±64): blocks only a loader that keeps the file's own values, instead of requantizing, returns as written."""
+    import gguf
+    import numpy as np
+
+    blocks = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0).reshape(a.shape[0], -1, 34).copy()
+    scale = blocks[:, :, :2].view(np.float16)
+    scale *= 2
+    q = blocks[:, :, 2:].view(np.int8)
+    q //= 2
+    return blocks.reshape(a.shape[0], -1)
+
+
+def _write_gguf(path, hf, arch, rope_factors=None, q8_0=False):
+    """A GGUF file as llama.cpp's converter writes one (F32; with q8_0, every matrix and the embedding in Q8_0)."""
     import gguf
 
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), arch)
+    if q8_0:
+        add = w.add_tensor
+
+        def add_q8_0(name, a):
+            if a.ndim == 2:
+                return add(name, _q8_0_bytes(a), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            return add(name, a)
+
+        w.add_tensor = add_q8_0
     w.add_name("tiny-" + arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -277,6 +301,49 @@ def test_gguf_llama3_rope_and_qwen2(arch, tmp_path):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, 89:].float()
     torch.testing.assert_close(torch.stack(ours), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_q8_0_matrices_keep_their_own_values(arch, tmp_path):
+    """A GGUF whose matrices and embedding are Q8_0: the loader keeps every layer matrix and the LM head as the
+    file's int8 values and float16 scales (ModelWeights.int8, Llama's Q/K rows un-interleaved like the floats),
+    the float tensors are exactly their dequantized values, and the int8 weight format uses them bit for bit."""
+    import numpy as np
+
+    from service.model.int8 import quantize_model
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, initializer_range=0.1, rms_norm_eps=1e-5, max_position_embeddings=256,
+                  vocab_size=272)
+    torch.manual_seed(int.from_bytes(np.random.bytes(4), "little"))
+    if arch == "llama":
+        rope = {**LLAMA3_ROPE, "original_max_position_embeddings": 32}
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope,
+                                                                    tie_word_embeddings=False))
+    else:
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True))
+    hf = _randomize(hf, seed=int(torch.randint(0, 2**31, (1,))))
+    weights = load_model(str(_write_gguf(tmp_path / f"q8-{arch}.gguf", hf, arch, q8_0=True))).weights
+    assert weights.int8 is not None and len(weights.int8) == 2 * 7 + 1
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    head = sd["lm_head.weight"] if arch == "llama" else sd["model.embed_tokens.weight"]
+    written = _q8_0_bytes(head).reshape(head.shape[0], -1, 34)
+    m = weights.int8["lm_head"]
+    assert np.array_equal(m.data.numpy().reshape(written.shape[0], -1, 32), written[:, :, 2:].view(np.int8))
+    assert np.array_equal(m.scale.numpy(), written[:, :, :2].view(np.float16)[:, :, 0])
+    assert m.data.abs().max() <= 64  # the file's values, not requantized (a quantizer's reach ±127)
+    q = quantize_model(weights, torch.float32)
+    assert q.lm_head is m
+    for i, lw in enumerate(weights.layers):
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            own = weights.int8[f"layers.{i}.{name}"]
+            assert q.layers[i][name] is own
+            assert torch.equal(own.dequantize(torch.float32), getattr(lw, name)), (i, name)
+    assert torch.equal(m.dequantize(torch.float32), weights.lm_head)
+    # Llama's Q rows un-interleaved: they match the HF checkpoint's (to Q8_0's rounding)
+    wq = torch.from_numpy(sd["model.layers.0.self_attn.q_proj.weight"])
+    assert (weights.layers[0].wq - wq).abs().max() <= wq.abs().max() / 60
 
 
 def test_gguf_rope_freqs_not_llama3_is_refused(tmp_path):

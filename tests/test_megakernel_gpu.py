@@ -1,6 +1,6 @@
 """The megakernel on a GPU against the reference decoder: the real (synthetic) shapes, teacher-forced steps at
-contexts up to 4096, bf16 and FP8 weights, fresh random weights and inputs every run (the seed is reported). A
-float32 run of the reference decoder is the exact answer both bf16 computations are measured against; with FP8
+contexts up to 4096, bf16, FP8 and int8 weights, fresh random weights and inputs every run (the seed is reported). A
+float32 run of the reference decoder is the exact answer both bf16 computations are measured against; with 8-bit
 weights both run the same quantized weights (the reference on their dequantized values). Then a mixed step of 64
 rows (prompt chunks beside decode rows), batch invariance (a row's logits are the same bits alone and in any
 bucket), and the real embedded SmolLM2 weights against transformers.
@@ -94,9 +94,12 @@ def _as_good_as_the_reference(r: dict) -> bool:
 
 
 # (shape, rows, weights): Llama at 8 rows in both formats (the invariance test below reuses their compiles), Qwen
-# (QKV bias, 6 query heads a KV head, head_dim 128) at 8, SmolLM2 (hidden 576: ragged k chunks) at 1 row
+# (QKV bias, 6 query heads a KV head, head_dim 128) at 8, SmolLM2 (hidden 576: ragged k chunks) at 1 row; int8
+# (Q8_0 blocks) on Llama at 8 rows and on SmolLM2 at 1 (its ragged chunks: blocks past K masked), int8 with row
+# scales on Llama at 8
 CASES = [("llama-3.2-1b", 8, "bf16"), ("llama-3.2-1b", 8, "fp8"), ("qwen2.5-1.5b", 8, "bf16"),
-         ("smollm2-135m", 1, "bf16")]
+         ("smollm2-135m", 1, "bf16"), ("llama-3.2-1b", 8, "int8"), ("smollm2-135m", 1, "int8"),
+         ("llama-3.2-1b", 8, "int8-row")]
 
 
 @pytest.mark.parametrize(("shape", "batch", "weight_format"), CASES)
@@ -166,7 +169,7 @@ def test_megakernel_samples_from_the_softmax_on_gpu() -> None:
     assert chi2 < limit, (seed, chi2, limit, dof)
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8", "int8"])
 def test_a_row_gets_the_same_bits_alone_and_in_any_bucket(weight_format: str) -> None:
     """Batch invariance (KernelConfig(batch_invariant=True), every step padded to max_rows = 8): a sequence's
     logits, and so its greedy tokens, are bit-for-bit the same whether it decodes alone or among 1, 3 or 7 other

@@ -25,6 +25,11 @@ CASES = {
     "qwen-fp8": (True, False, 200, 2, 32, 4, "fp8"),
     "llama-tma": (False, True, 256, 3, 64, 1, "bf16"),  # weights through tensor descriptors (TMA on the GPU)
     "qwen-fp8-tma": (True, False, 200, 2, 32, 4, "fp8"),
+    # int8 blocks of 32 (Q8_0): llama's k slices of 4 columns share a block's scale, qwen's are one block each
+    "llama-int8": (False, True, 256, 3, 64, 1, "int8"),
+    "qwen-int8": (True, False, 200, 2, 32, 4, "int8"),
+    "qwen-int8-tma": (True, False, 200, 2, 32, 4, "int8"),
+    "qwen-int8-row": (True, False, 200, 2, 32, 4, "int8-row"),  # int8, a scale per row (in the epilogue)
 }
 
 
@@ -39,9 +44,9 @@ def _run(case: str) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_megakernel_matches_reference_in_interpreter(case: str) -> None:
     result = _run(case)
-    # float32 everywhere, but with FP8 weights the dot runs in float16 (as on the GPU): the activations round to
+    # float32 everywhere, but with 8-bit weights the dot runs in float16 (as on the GPU): the activations round to
     # its 11 significant bits on the way in
-    tol = 3e-3 if "fp8" in case else 1e-4
+    tol = 3e-3 if "fp8" in case or "int8" in case else 1e-4
     for r in result["steps"]:
         assert r["rel_err"] < tol, (result["seed"], r)
         assert r["argmax"] == r["ref_argmax"], (result["seed"], r)
@@ -232,11 +237,11 @@ def _check(case: str) -> dict:
     import torch
 
     from kernels.instructions import Op
-    from kernels.megakernel import MATVECS, KernelConfig, MatvecTile
+    from kernels.megakernel import MATVECS, KernelConfig, MatvecTile, int8_slices
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model.config import ModelConfig, RopeScaling
-    from service.model.fp8 import quantize_model
+    from service.model.quantized import quantize_model
     from service.model.weights import LayerWeights, ModelWeights
 
     bias, scaling, vocab, splits, bn_lm, split_min, weight_format = CASES[case]
@@ -262,8 +267,8 @@ def _check(case: str) -> dict:
     embed = r(vocab, h, std=1.0)
     w = ModelWeights(embed=embed, layers=layers, final_norm=1 + r(h), lm_head=embed)
     max_slots, max_context = 4, 256
-    # the oracle runs the weights the kernel reads: with FP8, their dequantized values
-    ref_w = quantize_model(w, torch.float32).dequantized if weight_format == "fp8" else w
+    # the oracle runs the weights the kernel reads: with FP8 or int8, their dequantized values
+    ref_w = quantize_model(w, weight_format, torch.float32).dequantized if weight_format != "bf16" else w
     ref = ReferenceDecoder(c, ref_w, max_slots, max_context, device="cpu", dtype=torch.float32)
     # LM tiles that leave a ragged tail; O and down stream K's halves side by side; llama's k chunks of a quarter
     # of the hidden size make several chunks per stream (qwen's one); with "-tma", weights through tensor descriptors
@@ -271,6 +276,8 @@ def _check(case: str) -> dict:
     k_chunk = 16 if case.startswith("llama") else 256
     tiles = {op: MatvecTile(rows=bn_lm if op is Op.LMHEAD else 16, k_chunk=k_chunk, k_slices=2 if tma else 4, tma=tma,
                             k_halves=op in (Op.OPROJ, Op.DOWN)) for op in MATVECS}
+    if weight_format == "int8" and k_chunk // 4 > 32:  # a k slice within one int8 block
+        tiles = {op: int8_slices(t) for op, t in tiles.items()}
     mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
                            kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles),
                            weight_format=weight_format)

@@ -29,11 +29,12 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
                  batch_invariant: bool = False, max_rows: int | None = None) -> Decoder:
     """The backend's decoder over `max_slots` KV slots (cached conversations), decoding up to `max_batch` of them a
     step (the megakernel sizes its buffers by it, its KV cache by max_slots + a scratch slot). weight_format "fp8":
-    the matrices in FP8 (e4m3, a scale per output row; service/model/fp8.py): the megakernel streams them, the
-    reference decoder runs their dequantized values (the same function, at bf16 bytes). batch_invariant: the
-    megakernel pads every batch to the largest bucket, so a sequence's tokens never depend on the batch it ran in
-    (costs the padding at small batches). max_rows: the rows a step carries at most (the megakernel's largest
-    bucket; None: its own limit)."""
+    the matrices in FP8 (e4m3, a scale per output row; service/model/fp8.py), "int8": in int8 blocks (a scale per 32
+    columns, GGUF's Q8_0), "int8-row": in int8 with a scale per output row (service/model/int8.py): the megakernel
+    streams them, the reference decoder runs their dequantized values (the same function, at bf16 bytes).
+    batch_invariant: the megakernel pads every batch to the largest bucket, so a sequence's tokens never depend on
+    the batch it ran in (costs the padding at small batches). max_rows: the rows a step carries at most (the
+    megakernel's largest bucket; None: its own limit)."""
     backend = resolve_backend(backend)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if weight_format not in WEIGHT_FORMATS:
@@ -51,8 +52,8 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
                                  kernel_config=KernelConfig(batch_invariant=batch_invariant))
     from service.backends.reference import ReferenceDecoder
 
-    if weight_format == "fp8":
-        from service.model.fp8 import quantize_model
+    if weight_format != "bf16":
+        from service.model.quantized import quantize_model
 
-        weights = quantize_model(weights, weights.embed.dtype).dequantized
+        weights = quantize_model(weights, weight_format, weights.embed.dtype).dequantized
     return ReferenceDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device)

@@ -8,7 +8,7 @@ sampling (`sampled_rows`), at most `max_batch` of them a step.
 Prefill also stays available in PyTorch (the ReferenceDecoder, compute-bound work that cuBLAS and SDPA do well),
 writing into the same KV cache the kernel reads. The weights are packed once into the layer-stacked layout the
 kernel reads (service/backends/packing.py); with bf16 weights the reference decoder sees views of those same
-tensors, with FP8 it runs on their dequantized copy.
+tensors, with FP8 or int8 it runs on their dequantized copy.
 
 A step pads its rows to the next bucket (1, 2, 4, ..., 64) with rows that write into a spare scratch slot, and
 on a GPU replays one CUDA graph per bucket.
@@ -52,8 +52,8 @@ class MegakernelDecoder:
         kernel_config.batch_invariant every step pads to max_rows."""
         from kernels.instructions import ModelDims
         from kernels.megakernel import Megakernel
-        from service.backends.packing import pack_fp8, pack_weights
-        from service.model.fp8 import quantize_model
+        from service.backends.packing import pack_fp8, pack_int8, pack_weights
+        from service.model.quantized import quantize_model
 
         self.config = config
         self.max_slots = max_slots
@@ -61,9 +61,9 @@ class MegakernelDecoder:
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_format = weight_format
-        if weight_format == "fp8":
-            quantized = quantize_model(weights, dtype)
-            packed = pack_fp8(config, quantized, self.device, dtype)
+        if weight_format != "bf16":
+            quantized = quantize_model(weights, weight_format, dtype)
+            packed = (pack_fp8 if weight_format == "fp8" else pack_int8)(config, quantized, self.device, dtype)
             views = quantized.dequantized.to(self.device, dtype)
         else:
             packed, views = pack_weights(config, weights, self.device, dtype)

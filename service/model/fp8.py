@@ -12,9 +12,9 @@ as published FP8 checkpoints store them) keeps its own values and scales (ModelW
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
+
+from service.model.quantized import LAYER_MATRICES, QuantizedModel, quantize_with
 
 # Fp8Matrix lives with the weights that hold it (weights.py); it is imported from here too (hf_checkpoint.py).
 from service.model.weights import Fp8Matrix, ModelWeights
@@ -23,7 +23,6 @@ __all__ = ["E4M3_MAX", "LAYER_MATRICES", "Fp8Matrix", "QuantizedModel", "from_ch
            "quantize_model"]
 
 E4M3_MAX = 448.0
-LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def quantize(w: torch.Tensor) -> Fp8Matrix:
@@ -48,28 +47,8 @@ def from_checkpoint(data: torch.Tensor, weight_scale: torch.Tensor) -> Fp8Matrix
     return Fp8Matrix(data, s.contiguous())
 
 
-@dataclass
-class QuantizedModel:
-    """The FP8 matrices of every layer and the LM head, and the model they dequantize to (the reference's)."""
-
-    layers: list[dict[str, Fp8Matrix]]
-    lm_head: Fp8Matrix
-    dequantized: ModelWeights
-
-
-def quantize_model(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel:
+def quantize_model(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel[Fp8Matrix]:
     """Every layer matrix and the LM head in FP8 (the checkpoint's own where it ships FP8); the embedding table
     stays in `dtype` (it is looked up, not streamed). Norms and biases stay as they are."""
     own = weights.fp8 or {}
-
-    def q(key: str, w: torch.Tensor) -> Fp8Matrix:
-        return own[key] if key in own else quantize(w)
-
-    layers = [{name: q(f"layers.{i}.{name}", getattr(lw, name)) for name in LAYER_MATRICES}
-              for i, lw in enumerate(weights.layers)]
-    lm_head = q("lm_head", weights.lm_head)
-    deq_layers = [replace(lw, **{name: m.dequantize(dtype) for name, m in qs.items()})
-                  for lw, qs in zip(weights.layers, layers)]
-    dequantized = ModelWeights(embed=weights.embed.to(dtype), layers=[lw.to(lw.wq.device, dtype) for lw in deq_layers],
-                               final_norm=weights.final_norm.to(dtype), lm_head=lm_head.dequantize(dtype))
-    return QuantizedModel(layers, lm_head, dequantized)
+    return quantize_with(weights, dtype, lambda key, w: own[key] if key in own else quantize(w))

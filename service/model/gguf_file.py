@@ -1,4 +1,5 @@
-"""Load a Llama-family model from a GGUF file with the `gguf` package: metadata, tokenizer, dequantized tensors."""
+"""Load a Llama-family model from a GGUF file with the `gguf` package: metadata, tokenizer, dequantized tensors (and
+the Q8_0 matrices as they are, for the int8 weight format: ModelWeights.int8)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.model.config import ModelConfig, ModelError, RopeScaling
 from service.model.tokenizer import Tokenizer
-from service.model.weights import LayerWeights, ModelWeights
+from service.model.weights import Int8Matrix, LayerWeights, ModelWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -93,6 +94,14 @@ def _llama3_scaling(config: ModelConfig, factors: torch.Tensor, original: int, p
     return scaling
 
 
+def _q8_0(raw: np.ndarray, rows: int) -> Int8Matrix:
+    """A Q8_0 tensor's bytes as they are: per block of 32 values, a float16 scale then 32 int8."""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, 34)
+    scale = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16)[:, :, 0])
+    data = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8).reshape(rows, -1))
+    return Int8Matrix(data, scale)
+
+
 def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
     path = Path(path)
     if not path.is_file():
@@ -106,6 +115,7 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
         raise ModelError(f"{path}: architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
 
     tensors: dict[str, torch.Tensor] = {}
+    q8_0: dict[str, Int8Matrix] = {}
     for t in reader.tensors:
         data = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -113,6 +123,8 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
         if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memory-mapped file
             arr = arr.copy()
         tensors[t.name] = torch.from_numpy(arr)
+        if t.tensor_type == GGMLQuantizationType.Q8_0 and len(shape) == 2:
+            q8_0[t.name] = _q8_0(t.data, shape[0])
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -155,9 +167,18 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
         return tensors[name]
 
     permute = arch == "llama"  # llama.cpp's converter interleaves Q/K rows for Llama only
+    int8: dict[str, Int8Matrix] = {}  # the Q8_0 matrices, under ModelWeights.int8's keys
+    names = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate",
+             "w_up": "ffn_up", "w_down": "ffn_down"}
     layers = []
     for i in range(config.num_layers):
         p = f"blk.{i}."
+        for key, name in names.items():
+            if (m := q8_0.get(f"{p}{name}.weight")) is not None:
+                if permute and key in ("wq", "wk"):
+                    heads = n_heads if key == "wq" else n_kv
+                    m = Int8Matrix(_unpermute_rope_rows(m.data, heads), _unpermute_rope_rows(m.scale, heads))
+                int8[f"layers.{i}.{key}"] = m
         wq, wk = take(p + "attn_q.weight"), take(p + "attn_k.weight")
         if permute:
             wq, wk = _unpermute_rope_rows(wq, n_heads), _unpermute_rope_rows(wk, n_kv)
@@ -178,10 +199,14 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, ModelWeights, Tokenizer]:
             )
         )
     embed = take("token_embd.weight")
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    if head in q8_0:
+        int8["lm_head"] = q8_0[head]
     weights = ModelWeights(
         embed=embed,
         layers=layers,
         final_norm=take("output_norm.weight"),
         lm_head=embed if config.tie_word_embeddings else take("output.weight"),
+        int8=int8 or None,
     )
     return config, weights, tokenizer
