@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from websockets.asyncio.client import ClientConnection
+
+from bench.server import stop as stop_process  # SIGTERM (the server drains), SIGKILL after a timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0  # loading + calibrating the embedded model takes ~10-90 s on two busy cores
@@ -103,18 +104,6 @@ def start_server(log: Path, *args: str, timeout_s: float = START_TIMEOUT_S) -> S
 def tiny_server(log: Path, *args: str) -> Server:
     """A server on the tiny synthetic model (it loads and calibrates in seconds)."""
     return start_server(log, *TINY, *args, timeout_s=120)
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int | None:
-    """SIGTERM (a server drains, then exits), SIGKILL if it is still there after `timeout_s`; the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    return proc.returncode
 
 
 def stop_server(server: Server, timeout_s: float = 60.0) -> int | None:

@@ -156,11 +156,11 @@ def _check_sampling() -> dict:
             "same_key_same_draw": bool((again == first).all()), "new_position_new_draw": bool((moved != first).any())}
 
 
-def _check_megakernel_draws() -> dict:
+def _four_decode_rows():  # noqa: ANN202
+    """A one-layer tiny megakernel (interpreted) with four slots prefilled to random lengths, and a decode step's rows
+    for them: (seed, generator, vocab, decoder, slots, positions, tokens, draw seeds)."""
     import torch
 
-    from kernels.sampling import draw
-    from service.backends.decoder import Draw
     from service.backends.megakernel import MegakernelDecoder
     from service.model.synthetic import load_synthetic
 
@@ -176,6 +176,16 @@ def _check_megakernel_draws() -> dict:
         pos.append(n)
     toks = torch.randint(0, v, (4,), generator=g).tolist()
     seeds = torch.randint(0, 2**62, (4,), generator=g).tolist()
+    return seed, g, v, mk, slots, pos, toks, seeds
+
+
+def _check_megakernel_draws() -> dict:
+    import torch
+
+    from kernels.sampling import draw
+    from service.backends.decoder import Draw
+
+    seed, g, v, mk, slots, pos, toks, seeds = _four_decode_rows()
     draws = [Draw(0.0, seeds[0]), Draw(0.7, seeds[1]), Draw(1.3, seeds[2]), Draw(2.0, seeds[3])]
     out = mk.decode(slots, toks, pos, draws)
     again = mk.decode(slots, toks, pos, draws)  # the same step again: it rewrites the same K/V
@@ -193,33 +203,15 @@ def _check_megakernel_masks() -> dict:
 
     from kernels.sampling import draw
     from service.backends.decoder import Draw, mask_logits
-    from service.backends.megakernel import MegakernelDecoder
-    from service.model.synthetic import load_synthetic
+    from service.engine.constraint import bitmask
 
-    seed = int.from_bytes(os.urandom(4), "little")
-    g = torch.Generator().manual_seed(seed)
-    config, weights, _ = load_synthetic("tiny", seed=seed, num_layers=1)
-    v = config.vocab_size
-    mk = MegakernelDecoder(config, weights, 4, 128, device="cpu", dtype=torch.float32)
-    slots, pos = [0, 1, 2, 3], []
-    for s in slots:
-        n = int(torch.randint(3, 40, (1,), generator=g))
-        mk.prefill(s, torch.randint(0, v, (n,), generator=g).tolist())
-        pos.append(n)
-    toks = torch.randint(0, v, (4,), generator=g).tolist()
-    seeds = torch.randint(0, 2**62, (4,), generator=g).tolist()
+    seed, g, v, mk, slots, pos, toks, seeds = _four_decode_rows()
     draws = [Draw(0.0, seeds[0]), Draw(0.0, seeds[1]), Draw(1.0, seeds[2]), Draw(1.0, seeds[3])]
     plain = mk.decode(slots, toks, pos, draws)
     # row 1 (greedy) may not take its own argmax; row 2 (drawn) only one of a few random tokens
-    words = (v + 31) // 32
-    allow1 = torch.full((words,), -1, dtype=torch.int32)
     top = int(plain.argmax[1])
-    allow1[top // 32] &= ~(1 << (top % 32)) if top % 32 < 31 else 0x7FFFFFFF
     few = torch.randperm(v, generator=g)[:5].tolist()
-    allow2 = torch.zeros(words, dtype=torch.int32)
-    for t in few:
-        allow2[t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
-    masks = {1: allow1, 2: allow2}
+    masks = {1: bitmask((t for t in range(v) if t != top), v), 2: bitmask(few, v)}
     masked = mk.decode(slots, toks, pos, draws, masks=masks)
     expected_logits = mask_logits(plain.logits, masks)
     finite = torch.isfinite(expected_logits)

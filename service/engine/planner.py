@@ -86,7 +86,7 @@ class Planner:
         # a grammar's next mask still being computed (off the engine thread): its request sits this step out rather
         # than hold up the launch for everyone, unless nobody else decodes (then the engine waits for the mask)
         unmasked = [r for r in decoding if r.constraint is not None and not r.constraint.ready()]
-        if len(unmasked) < len(decoding):
+        if unmasked and len(unmasked) < len(decoding):
             decoding = [r for r in decoding if r not in unmasked]
         for req in decoding:
             at = pending.get(id(req))
