@@ -426,8 +426,12 @@ def main() -> None:
                         k.tokens[:batch] = tokens
                         k.slots[:batch] = row_slots
                         k.positions[:batch] = row_positions
-                        dec.run_step(batch)
-                        torch.cuda.synchronize()
+                        try:  # a variant that does not compile at this shape (shared memory, registers) is no result
+                            dec.run_step(batch)
+                            torch.cuda.synchronize()
+                        except Exception as e:  # noqa: BLE001
+                            print(f"   {v} at {batch} rows failed: {repr(e)[:300]}", flush=True)
+                            continue
                         dec.check_errors()
                         # before timing: as close to the float32 answer as the bf16 reference decoder is (a broken
                         # variant is no result)

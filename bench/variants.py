@@ -26,6 +26,25 @@ def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **cha
 
 
 WIDE = 32  # the buckets whose default tiles differ (default_tiles)
+
+
+def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[int, int], down: tuple[int, int],
+          k_chunk: int = 128, k_slices: int = 1, stages: int = 4, min_rows: int = 1, swap: bool = False
+          ) -> Callable[[int], dict[Op, MatvecTile]]:
+    """Wide weight tiles with K split (issue 29): (rows per tile, parts of K) for each matvec; QKV's rows are per run
+    (a tile is two runs). The LM head keeps its default."""
+    shape = {Op.QKV: qkv, Op.OPROJ: o, Op.GATEUP: gateup, Op.DOWN: down}
+
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8")
+        if rows < min_rows:
+            return tiles
+        k = k_chunk * (2 if weights == "fp8" and k_chunk < 256 else 1)
+        out = tiles | {op: MatvecTile(rows=r, k_chunk=k, k_slices=k_slices, stages=stages, k_splits=n, swap=swap)
+                       for op, (r, n) in shape.items()}
+        return {op: int8_slices(t) for op, t in out.items()} if weights == "int8" else out
+
+    return table
 BK2X = {"bf16": 512, "fp8": 1024, "int8": 512}  # twice the default k chunk of the 16-row buckets
 
 # Kernel variants the bench can time beside the default (--variants NAME ...): each a function of the weights' format
@@ -60,6 +79,23 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "w-od32": lambda w: KernelConfig(tiles=_tiles(w, (Op.OPROJ, Op.DOWN), WIDE, rows=32)),
     # wide buckets: one k slice (the dot's M spreads over the warps already)
     "w-ks1": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, k_slices=1)),
+    # flat steps (issue 29): wide weight tiles, K split so that every program streams (rows per tile, parts of K)
+    "flat-a": lambda w: KernelConfig(tiles=_flat(w, (32, 2), (64, 4), (64, 1), (64, 4))),
+    "flat-b": lambda w: KernelConfig(tiles=_flat(w, (32, 2), (64, 4), (64, 1), (64, 4), k_slices=2)),
+    "flat-c": lambda w: KernelConfig(tiles=_flat(w, (32, 4), (128, 8), (64, 1), (128, 8))),
+    "flat-d": lambda w: KernelConfig(tiles=_flat(w, (32, 2), (64, 4), (64, 1), (64, 4), stages=3, k_chunk=256)),
+    "flat-e": lambda w: KernelConfig(tiles=_flat(w, (16, 2), (32, 2), (32, 1), (32, 2))),
+    "flat-w": lambda w: KernelConfig(tiles=_flat(w, (32, 2), (64, 4), (64, 1), (64, 4), min_rows=WIDE)),
+    # the same with the operands swapped (weights as the dot's wide side, rows padded to 16)
+    "swap-a": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (32, 2), (64, 4), (64, 1), (64, 4), swap=True)),
+    "swap-b": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (64, 4), (64, 1), (64, 4), swap=True,
+                                                              k_chunk=256, stages=3)),
+    "swap-c": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (32, 2), (64, 4), (64, 1), (64, 4), swap=True,
+                                                              k_chunk=256, stages=3)),
+    "swap-d": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (16, 1), (32, 1), (16, 1), swap=True,
+                                                              k_chunk=256)),
+    "swap-e": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (32, 1), (64, 2), (64, 1), (64, 2), swap=True,
+                                                              k_chunk=64, stages=6)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

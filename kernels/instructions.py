@@ -20,6 +20,11 @@ The instructions (one layer = QKV → ATTN → OPROJ → GATEUP → DOWN):
            GATEUP  ffn = silu(RMSNorm(x) @ Wgate^T) * (RMSNorm(x) @ Wup^T)
            DOWN    x += ffn @ Wdown^T
            LMHEAD  logits = RMSNorm(x) @ lm_head^T, and the task's (max, argmax) per row as partial `part`
+           A matvec whose K is split (Tiling.k_splits) runs each tile as that many tasks, one per part of K
+           (`k_split`); each leaves its float32 sums in the tile's scratch `slot` and arrives on the tile's counter
+           `arrive`; the last to arrive adds the parts up in split order (the same sums whoever comes last) and
+           finishes the tile. So a matrix with fewer tiles than the GPU has programs still keeps every program
+           streaming, with tiles wide enough that each activation chunk feeds many weight rows.
   Attention one split of flash-decoding for (batch row, KV head) over the cached positions, the new one included;
            the last split to arrive (counted on counter `arrive`) merges the partials. How many splits take part is
            decided at run time from the position (short contexts: one split, which writes attn directly)
@@ -117,6 +122,9 @@ class Matvec(Task):
     tiles: int = 0
     part: int = 0  # LMHEAD: which (max, argmax) partial this task leaves
     ssq: int = 0  # after a norm (QKV, GATEUP, LMHEAD): the slot of the sums it reads; OPROJ, DOWN: the one it writes
+    k_split: int = 0  # which part of K this task streams (K split: one tile a task)
+    arrive: int = -1  # K split: the tile's arrival counter
+    slot: int = 0  # K split: the tile's scratch slot of partial sums
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,7 @@ RECORD_LEN = Task.HEADER_LEN + max(len(cls.own_fields()) for cls in INSTRUCTIONS
 F_OP, F_LAYER, F_WAIT, F_TARGET, F_DONE, F_PF0, F_PF0_BYTES, F_PF1, F_PF1_BYTES = range(Task.HEADER_LEN)
 EMBED_COL0, EMBED_TILES, EMBED_SSQ = Embed.offset("col0"), Embed.offset("tiles"), Embed.offset("ssq")
 MV_ROW0, MV_TILES, MV_PART, MV_SSQ = (Matvec.offset(f) for f in ("row0", "tiles", "part", "ssq"))
+MV_K_SPLIT, MV_ARRIVE, MV_SLOT = (Matvec.offset(f) for f in ("k_split", "arrive", "slot"))
 SSQ_COLS = 16  # columns per partial sum of squares
 ATTN_ROW, ATTN_KV_HEAD = Attention.offset("row"), Attention.offset("kv_head")
 ATTN_SPLIT, ATTN_ARRIVE = Attention.offset("split"), Attention.offset("arrive")
@@ -183,12 +192,14 @@ class ModelDims:
 class Layout:
     """Where each dependency counter (one int32 each) and each scratch slot of sums of squares lives, for one model
     and batch bucket. Counters: one per (layer, phase), Embed's and the LM head's, the attention splits' arrivals per
-    (layer, row, KV head), then the QKV tasks done per (layer, KV head). Sums of squares: one slot per norm (each
-    layer's attention and MLP norms, the final norm), each holding hidden/16 partials per row."""
+    (layer, row, KV head), the QKV tasks done per (layer, KV head), then the arrivals of each split-K tile per layer
+    (tile_arrivals a layer). Sums of squares: one slot per norm (each layer's attention and MLP norms, the final
+    norm), each holding hidden/16 partials per row."""
 
     num_layers: int
     batch: int
     kv_heads: int
+    tile_arrivals: int = 0  # tiles per layer whose K is split (their parts arrive on a counter each)
 
     def phase(self, layer: int, op: Op) -> int:
         return layer * len(LAYER_OPS) + LAYER_OPS.index(op)
@@ -209,9 +220,13 @@ class Layout:
         return self.arrive(self.num_layers - 1, self.batch - 1, self.kv_heads - 1) + 1 + \
             layer * self.kv_heads + kv_head
 
+    def tile_arrive(self, layer: int, tile: int) -> int:
+        """The counter the K parts of a split tile arrive on (tile: numbered across the layer's split matvecs)."""
+        return self.qkv_head(self.num_layers - 1, self.kv_heads - 1) + 1 + layer * self.tile_arrivals + tile
+
     @property
     def counters(self) -> int:
-        return self.qkv_head(self.num_layers - 1, self.kv_heads - 1) + 1
+        return self.qkv_head(self.num_layers - 1, self.kv_heads - 1) + 1 + self.num_layers * self.tile_arrivals
 
     def attn_norm(self, layer: int) -> int:
         """The sums-of-squares slot of layer's attention norm (layer == num_layers: the final norm)."""
@@ -234,6 +249,10 @@ class Tiling:
                                                          Op.LMHEAD: 64})
     attn_splits: int = 1  # splits of the cached positions per (row, kv head), at most
     head_counters: bool = True  # attention for a KV head waits only for its own group's QKV tasks
+    k_splits: dict[Op, int] = field(default_factory=dict)  # parts of K per matvec (absent: 1); never the LM head's
+
+    def k_split(self, op: Op) -> int:
+        return self.k_splits.get(op, 1)
 
 
 def attention_splits(dims: ModelDims, batch: int, num_programs: int, max_splits: int = 16) -> int:
@@ -271,6 +290,14 @@ def split_rows(rows: int, bn: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def k_split_runs(runs: list[tuple[int, int]], bn: int, splits: int) -> list[tuple[int, int, int]]:
+    """(first row, tiles, part of K) of each task: the runs as they are where K is whole, else every tile of every
+    run as `splits` tasks of one tile, one per part of K."""
+    if splits == 1:
+        return [(r0, n, 0) for r0, n in runs]
+    return [(r0 + i * bn, 1, s) for r0, n in runs for i in range(n) for s in range(splits)]
+
+
 def qkv_head_runs(dims: ModelDims, tile: int, parts: int) -> list[list[tuple[int, int]]] | None:
     """QKV's runs of tiles grouped by KV head: for head g, runs over its query heads' rows, its key rows and its
     value rows, each segment cut into about its share of `parts` runs. None where a tile would straddle two heads."""
@@ -303,10 +330,32 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
     never for correctness (None: no hints).
     """
     L, P = dims.num_layers, num_programs
-    cnt = Layout(L, batch, dims.num_kv_heads)
     mats = _matrices(dims)
+    if tiling.k_split(Op.LMHEAD) != 1:
+        raise ValueError("the LM head's K is never split (its tiles are many, and its partials are (max, argmax))")
 
-    def regions(op: Op, layer: int, row0: int, rows: int) -> tuple[Region, Region]:
+    def tile_rows(op: Op) -> int:  # QKV's tiles are two runs of tiling.rows each (rotation pairs: see Matvec)
+        return 2 * tiling.rows[op] if op is Op.QKV else tiling.rows[op]
+
+    def parts(op: Op) -> int:  # runs to cut a matvec into: one per program, or one per tile where K is split
+        return P if tiling.k_split(op) == 1 else -(-mats[op][1] // tile_rows(op))
+
+    plain = {op: split_rows(mats[op][1], tile_rows(op), parts(op)) for op in mats}
+    embed_runs = split_rows(dims.hidden, EMBED_COLS, P)
+    # QKV's runs per KV head, where its tiles fall within heads: attention for a head then waits for its group only
+    qkv_groups = qkv_head_runs(dims, tile_rows(Op.QKV), parts(Op.QKV)) if tiling.head_counters else None
+    if qkv_groups is not None:
+        plain[Op.QKV] = [r for group in qkv_groups for r in group]
+    runs = {op: k_split_runs(r, tile_rows(op), tiling.k_split(op)) for op, r in plain.items()}
+    # each split matvec's first arrival counter among the layer's
+    arrive_base, n_arrive = {}, 0
+    for op in (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN):
+        if tiling.k_split(op) > 1:
+            arrive_base[op] = n_arrive
+            n_arrive += -(-mats[op][1] // tile_rows(op))
+    cnt = Layout(L, batch, dims.num_kv_heads, n_arrive)
+
+    def regions(op: Op, layer: int, row0: int, rows: int, k_split: int) -> tuple[Region, Region]:
         names, total, row_len = mats[op]
         if weight_regions is None:
             return NO_REGION, NO_REGION
@@ -314,38 +363,33 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
         for name in names:
             addr, per_layer, elem = weight_regions[name]
             n = max(0, min(rows, total - row0))
+            k0 = k_split * row_len // tiling.k_split(op)  # a split task's first column
             nbytes = min(n * row_len * elem, prefetch_bytes) // 16 * 16
-            out.append(Region(addr + layer * per_layer + row0 * row_len * elem, nbytes))
+            out.append(Region(addr + layer * per_layer + (row0 * row_len + k0) * elem, nbytes))
         return (out[0], out[1] if len(out) > 1 else NO_REGION)
 
-    def tile_rows(op: Op) -> int:  # QKV's tiles are two runs of tiling.rows each (rotation pairs: see Matvec)
-        return 2 * tiling.rows[op] if op is Op.QKV else tiling.rows[op]
-
-    runs = {op: split_rows(mats[op][1], tile_rows(op), P) for op in mats}
-    embed_runs = split_rows(dims.hidden, EMBED_COLS, P)
-    # QKV's runs per KV head, where its tiles fall within heads: attention for a head then waits for its group only
-    qkv_groups = qkv_head_runs(dims, tile_rows(Op.QKV), P) if tiling.head_counters else None
-    if qkv_groups is not None:
-        runs[Op.QKV] = [r for group in qkv_groups for r in group]
+    def matvec(op: Op, layer: int, wait: int, target: int, done: int, ssq: int, i: int, r0: int, n: int,
+               k_split: int) -> Matvec:
+        bn = tile_rows(op)
+        split = tiling.k_split(op) > 1
+        return Matvec(op=op, layer=layer, wait=wait, target=target, done=done, row0=r0, tiles=n, part=i, ssq=ssq,
+                      prefetch=regions(op, layer, r0, n * bn, k_split), k_split=k_split, slot=r0 // bn,
+                      arrive=cnt.tile_arrive(layer, arrive_base[op] + r0 // bn) if split else -1)
 
     def matvecs(op: Op, layer: int, wait: int, target: int, done: int, ssq: int) -> list[Task]:
-        bn = tile_rows(op)
-        return [Matvec(op=op, layer=layer, wait=wait, target=target, done=done, row0=r0, tiles=n, part=i, ssq=ssq,
-                       prefetch=regions(op, layer, r0, n * bn))
-                for i, (r0, n) in enumerate(runs[op])]
+        return [matvec(op, layer, wait, target, done, ssq, i, r0, n, ks) for i, (r0, n, ks) in enumerate(runs[op])]
 
     def qkv_tasks(layer: int, wait: int, target: int, ssq: int) -> list[Task]:
         if qkv_groups is None:
             return matvecs(Op.QKV, layer, wait, target, cnt.phase(layer, Op.QKV), ssq)
-        bn = tile_rows(Op.QKV)
-        return [Matvec(op=Op.QKV, layer=layer, wait=wait, target=target, done=cnt.qkv_head(layer, g), row0=r0,
-                       tiles=n, ssq=ssq, prefetch=regions(Op.QKV, layer, r0, n * bn))
-                for g, group in enumerate(qkv_groups) for r0, n in group]
+        split = tiling.k_split(Op.QKV)
+        return [matvec(Op.QKV, layer, wait, target, cnt.qkv_head(layer, g), ssq, 0, r0, n, ks)
+                for g, group in enumerate(qkv_groups) for r0, n, ks in k_split_runs(group, tile_rows(Op.QKV), split)]
 
     def attention_wait(layer: int, g: int) -> tuple[int, int]:
         if qkv_groups is None:
             return cnt.phase(layer, Op.QKV), len(runs[Op.QKV])
-        return cnt.qkv_head(layer, g), len(qkv_groups[g])
+        return cnt.qkv_head(layer, g), len(k_split_runs(qkv_groups[g], tile_rows(Op.QKV), tiling.k_split(Op.QKV)))
 
     phases: list[list[Task]] = [[Embed(col0=c0, tiles=n, done=cnt.embed, ssq=cnt.attn_norm(0))
                                  for c0, n in embed_runs]]

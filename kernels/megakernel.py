@@ -122,7 +122,8 @@ class MatvecTile(NamedTuple):
     """How one matvec streams its weights (a constexpr of the kernel): rows per tile, k chunk per pipeline stage,
     independent k slices of the dot, pipeline stages, row tiles kept on their way into L2 ahead of the stream
     (0: none), whether the tensor-memory accelerator loads the weights (descriptors) instead of pointers, whether
-    K's two halves stream side by side (matvecs of one run of rows: OPROJ, DOWN, LM head)."""
+    K's two halves stream side by side (matvecs of one run of rows: OPROJ, DOWN, LM head), and how many tasks
+    share each tile's K (split K: wide tiles while every program still streams)."""
 
     rows: int = 16
     k_chunk: int = 256
@@ -131,6 +132,8 @@ class MatvecTile(NamedTuple):
     prefetch_tiles: int = 0
     tma: bool = False
     k_halves: bool = False
+    k_splits: int = 1  # parts of K, each a task of one tile (the last to arrive adds them up: instructions.py)
+    swap: bool = False  # the weights as the dot's wide side (M), the step's rows (padded to 16) as N; one k slice
 
 
 class ModelShape(NamedTuple):
@@ -161,6 +164,7 @@ class Sched(NamedTuple):
     counters: torch.Tensor  # int32 dependency counters (Layout)
     err: torch.Tensor  # int32 [1]: a wait timed out
     prof: torch.Tensor | None  # int64 [tasks, 4] (start, ready, end, SM) where profiling
+    k_sums: torch.Tensor  # float32 partial sums of split-K tiles (KSplit.sums)
 
 
 class StepInputs(NamedTuple):
@@ -228,6 +232,17 @@ class LmPartials(NamedTuple):
     gidx: torch.Tensor
     smax: torch.Tensor
     sidx: torch.Tensor
+
+
+class KSplit(NamedTuple):
+    """What a split-K matvec task needs beyond its rows: its part of K, its tile's arrival counter and scratch slot,
+    the counters and the scratch of float32 partial sums ([slots, parts, runs, BPAD, rows per run])."""
+
+    part: Any
+    arrive: Any
+    slot: Any
+    counters: Any
+    sums: Any
 
 
 class StepOutputs(NamedTuple):
@@ -529,9 +544,118 @@ def _operand(a_ptr, rb, rk, B, rstd, K: tl.constexpr, EVEN: tl.constexpr, DOT_T:
 
 
 @triton.jit
+def _k_merge(sums, sums2, ks, PARTS: tl.constexpr, TWO: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
+             CG: tl.constexpr):
+    """Split K: leave this task's float32 sums of the tile (and its second run's) in the tile's scratch slot and
+    arrive on the tile's counter. The last task to arrive gets the whole sums back, added in part order (the same
+    bits whichever task comes last), and 1; the others zeros and 0."""
+    rb = tl.arange(0, BPAD)
+    rn = tl.arange(0, BN)
+    RUN: tl.constexpr = BPAD * BN
+    PER: tl.constexpr = (2 if TWO else 1) * RUN
+    base = ks.sums + ks.slot * (PARTS * PER)
+    off = rb[:, None] * BN + rn[None, :]
+    tl.store(base + ks.part * PER + off, sums)
+    if TWO:
+        tl.store(base + ks.part * PER + RUN + off, sums2)
+    tl.debug_barrier()  # every thread's sums stored before the arrival is released
+    arrived = tl.atomic_add(ks.counters + ks.arrive, 1, sem="acq_rel", scope="gpu")
+    last = arrived == PARTS - 1
+    tot = tl.zeros([BPAD, BN], tl.float32)
+    tot2 = tl.zeros([BPAD, BN], tl.float32)
+    if last:
+        every = rb[:, None] < BPAD
+        for p in tl.static_range(PARTS):
+            tot += _ld_act(base + p * PER + off, every, CG)
+            if TWO:
+                tot2 += _ld_act(base + p * PER + RUN + off, every, CG)
+    return tot, tot2, last
+
+
+@triton.jit
+def _finish_tile(OP: tl.constexpr, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr, ks,
+                 PARTS: tl.constexpr, dt: tl.constexpr, MODEL: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr,
+                 BN: tl.constexpr, CG: tl.constexpr):
+    """A tile's float32 sums [BPAD, BN] are complete (or, with K split, this task's part is): the epilogue, by the
+    last part to arrive where K is split."""
+    if PARTS > 1:
+        sums, sums2, mine = _k_merge(sums, sums2, ks, PARTS, (OP == I.GATEUP) or (OP == I.QKV), BPAD, BN, CG)
+        if mine:
+            best_v, best_i = _epilogue(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr,
+                                       dt, MODEL, N, BPAD, BN, CG)
+    else:
+        best_v, best_i = _epilogue(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr,
+                                   dt, MODEL, N, BPAD, BN, CG)
+    return best_v, best_i
+
+
+@triton.jit
+def _swapped_tile(w_ptr, desc, drow, rows, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, DOT_T: tl.constexpr,
+                  W_INT8: tl.constexpr):
+    """The weight tile [BN, BK] of `rows` and columns [k0, k0 + BK), in the dot's type (8-bit converted)."""
+    if TMA:
+        w = desc.load([(drow + tl.min(rows, axis=0)).to(tl.int32), k0.to(tl.int32)])
+    else:
+        rk = k0 + tl.arange(0, BK)
+        if EVEN:
+            w = tl.load(w_ptr + rows[:, None] * K + rk[None, :])
+        else:
+            w = tl.load(w_ptr + rows[:, None] * K + rk[None, :], mask=(rows[:, None] < N) & (rk[None, :] < K),
+                        other=0.0)
+    if W_INT8:
+        return _int8_f16(w)
+    return w.to(DOT_T)
+
+
+@triton.jit
+def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, rstd_out, best_v,
+                    best_i, ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                    TILE: tl.constexpr, BPAD: tl.constexpr, KB: tl.constexpr, DOT_T: tl.constexpr,
+                    PRE_NORM: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
+    """_matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
+    W [BN, BK] @ a^T [BK, BPAD], so the weight tile is the dot's wide side and each activation chunk feeds all BN
+    weight rows; one k slice, the rows padded to a tensor-core side (BPAD >= 16)."""
+    BN: tl.constexpr = TILE.rows
+    BK: tl.constexpr = TILE.k_chunk
+    ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
+    TR: tl.constexpr = 2 * BN if OP == I.QKV else BN
+    EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0)
+    rb = tl.arange(0, BPAD)
+    acc = tl.zeros([BN, BPAD], tl.float32)
+    acc2 = tl.zeros([BN, BPAD], tl.float32)
+    for it in tl.range(0, tiles * KB, num_stages=TILE.stages):
+        sub = it // KB
+        kb = it - sub * KB
+        n0 = row0 + sub * TR
+        rows, rows2 = _tile_rows(OP, n0, MODEL, BN)
+        k0 = (kc0 + kb) * BK
+        rk = k0 + tl.arange(0, BK)
+        a_ptrs = a_ptr + rb[None, :] * K + rk[:, None]  # a^T [BK, BPAD]
+        if EVEN:
+            a = _ld_act(a_ptrs, rb[None, :] < B, CG)
+        else:
+            a = _ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
+        if PRE_NORM:
+            a = a.to(tl.float32) * rstd[None, :]
+        a = a.to(DOT_T)
+        w = _swapped_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, EVEN, TILE.tma, DOT_T, W_INT8)
+        acc = tl.dot(w, a, acc)
+        if ROWS2:
+            w2 = _swapped_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, EVEN, TILE.tma, DOT_T, W_INT8)
+            acc2 = tl.dot(w2, a, acc2)
+        if kb == KB - 1:
+            best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd_out, best_v, best_i,
+                                          B, layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN, CG)
+            acc = tl.zeros([BN, BPAD], tl.float32)
+            acc2 = tl.zeros([BN, BPAD], tl.float32)
+    return best_v, best_i
+
+
+@triton.jit
 def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps, dt: tl.constexpr,
             MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr, BPAD: tl.constexpr,
-            SSQ_STRIDE: tl.constexpr, CG: tl.constexpr):
+            SSQ_STRIDE: tl.constexpr, CG: tl.constexpr, ks=None):
     """Tiles [row0, row0 + tiles*rows-per-tile) of out = a @ W^T for the first B of BPAD rows, as one
     software-pipelined stream over (row tile, k chunk): a task of many row tiles fills the pipeline once. Two
     streams run side by side where they can (more bytes in flight per SM): QKV's and gate/up's second run of rows
@@ -539,12 +663,14 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
     and scale by rstd (from the partial sums of squares at ssq_ptr, SSQ_STRIDE rows apart); OPROJ and DOWN leave
     theirs at ssq_ptr. With 8-bit weights (ws.scale set) the dot runs in float16 (e4m3 converts to it in one
     instruction per pair, int8 by bits: _int8_f16; the activations, scaled by rstd first, fit its range).
-    ws: MatvecWeights. Returns the LM head's running (max, argmax) per row."""
+    With TILE.k_splits > 1 the task streams one tile over its part of K (ks: KSplit) and the last part to arrive
+    finishes the tile (_k_merge). ws: MatvecWeights. Returns the LM head's running (max, argmax) per row."""
     BN: tl.constexpr = TILE.rows
     BK: tl.constexpr = TILE.k_chunk
     KS: tl.constexpr = TILE.k_slices
     ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
-    K_HALVES: tl.constexpr = TILE.k_halves and not ROWS2
+    PARTS: tl.constexpr = TILE.k_splits
+    K_HALVES: tl.constexpr = TILE.k_halves and not ROWS2 and PARTS == 1
     TR: tl.constexpr = 2 * BN if OP == I.QKV else BN  # rows per tile
     NORM: tl.constexpr = (OP == I.QKV) or (OP == I.GATEUP) or (OP == I.LMHEAD)
     W8: tl.constexpr = ws.scale is not None  # FP8 or int8
@@ -552,9 +678,13 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
     SB: tl.constexpr = N if OP == I.LMHEAD else MODEL.layers * N  # int8: one block's scales, layer-stacked
     PRE_NORM: tl.constexpr = NORM and W8
     DOT_T: tl.constexpr = tl.float16 if W8 else dt
-    KB: tl.constexpr = (K + BK - 1) // BK
+    KB: tl.constexpr = (K + BK - 1) // BK // PARTS  # chunks per task (the host checks that parts divide them)
     KB1: tl.constexpr = (KB + 1) // 2 if K_HALVES else KB  # chunks per stream
     EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0) and (KB1 * (2 if K_HALVES else 1) == KB)
+    if PARTS > 1:
+        kc0 = ks.part * KB  # this task's first chunk
+    else:
+        kc0 = 0
     rb = tl.arange(0, BPAD)
     if NORM:
         rstd = _rstd(ssq_ptr, B, eps, K, BPAD, SSQ_STRIDE, CG)
@@ -563,6 +693,9 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
     rstd_out = tl.full([BPAD], 1.0, tl.float32) if PRE_NORM else rstd  # what the epilogue still scales by
     best_v = tl.full([BPAD], float("-inf"), tl.float32)
     best_i = tl.full([BPAD], N, tl.int32)
+    if TILE.swap:
+        return _matvec_swapped(OP, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, rstd_out, best_v,
+                               best_i, ks, dt, MODEL, K, N, TILE, BPAD, KB, DOT_T, PRE_NORM, W_INT8, CG)
     # KS independent accumulators (a batched dot over KS slices of each k chunk): no serial chain of
     # tensor-core ops through one accumulator, and every warp has its own slice
     BKS: tl.constexpr = BK // KS
@@ -584,13 +717,14 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
                     _prefetch_l2((ws.w2 + ahead * K).to(tl.int64, bitcast=True) + lane * 0, nbytes + lane * 0,
                                  lane + 1)
         rows, rows2 = _tile_rows(OP, n0, MODEL, BN)
-        rk = kb * BK + koff  # [KS, BKS]
+        k0 = (kc0 + kb) * BK
+        rk = k0 + koff  # [KS, BKS]
         a = _operand(a_ptr, rb, rk, B, rstd, K, EVEN, DOT_T, PRE_NORM, CG)
-        w = _load_tile(ws.w, ws.desc, ws.drow, rows, kb * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
-        acc = _weight_dot(a, w, acc, ws.scale, rows, kb * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
+        w = _load_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, KS, EVEN, TILE.tma)
+        acc = _weight_dot(a, w, acc, ws.scale, rows, k0, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if ROWS2:
-            w2 = _load_tile(ws.w2, ws.desc2, ws.drow, rows2, kb * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
-            acc2 = _weight_dot(a, w2, acc2, ws.scale2, rows2, kb * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
+            w2 = _load_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, KS, EVEN, TILE.tma)
+            acc2 = _weight_dot(a, w2, acc2, ws.scale2, rows2, k0, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if K_HALVES:  # the same rows' second half of K
             a2 = _operand(a_ptr, rb, rk + KB1 * BK, B, rstd, K, EVEN, DOT_T, PRE_NORM, CG)
             w2 = _load_tile(ws.w, ws.desc, ws.drow, rows, (kb + KB1) * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
@@ -600,8 +734,8 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
                 sums, sums2 = tl.sum(acc, axis=0) + tl.sum(acc2, axis=0), tl.zeros([BPAD, BN], tl.float32)
             else:
                 sums, sums2 = tl.sum(acc, axis=0), tl.sum(acc2, axis=0)
-            best_v, best_i = _epilogue(OP, rows, rows2, sums, sums2, rstd_out, best_v, best_i, B, layer, ws, out,
-                                       ssq_ptr, dt, MODEL, N, BPAD, BN, CG)
+            best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd_out, best_v, best_i, B, layer, ws, out,
+                                          ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG)
             acc = tl.zeros([KS, BPAD, BN], tl.float32)
             acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
     return best_v, best_i
@@ -835,6 +969,13 @@ def _matvec_task(rec, ssq_ptr, SSQ: tl.constexpr):
 
 
 @triton.jit
+def _k_split(rec, sched):
+    """A Matvec record's part of K, its tile's arrival counter and scratch slot (used where its K is split)."""
+    return KSplit(tl.load(rec + I.MV_K_SPLIT), tl.load(rec + I.MV_ARRIVE), tl.load(rec + I.MV_SLOT), sched.counters,
+                  sched.k_sums)
+
+
+@triton.jit
 def megakernel(
     sched,  # Sched
     inputs,  # StepInputs: the step's rows
@@ -906,7 +1047,7 @@ def megakernel(
             bias = w.bqkv + layer * QKVR if w.bqkv is not None else None
             _matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
                     xn_ptr, ssq, QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions), eps, dt,
-                    MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG)
+                    MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(rec, sched))
         elif op == I.ATTN:
             inc = _attention(layer, tl.load(rec + I.ATTN_ROW), tl.load(rec + I.ATTN_KV_HEAD),
                              tl.load(rec + I.ATTN_SPLIT), attn_splits, tl.load(rec + I.ATTN_ARRIVE), sched.counters,
@@ -917,7 +1058,7 @@ def megakernel(
             _matvec(I.OPROJ, row0, tiles, batch, layer,
                     MatvecWeights(w.wo + layer * H * Q, None, sc, None, None, d_o, None, layer * H),
                     acts.attn, ssq, ResidualOut(x_ptr, xn_ptr, w.mlp_norm + layer * H), eps, dt, MODEL, Q, H,
-                    T_OPROJ, BPAD, BPAD, CG)
+                    T_OPROJ, BPAD, BPAD, CG, _k_split(rec, sched))
         elif op == I.GATEUP:
             row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
             sg = scales.gate + layer * F if FP8 else None
@@ -925,7 +1066,7 @@ def megakernel(
             _matvec(I.GATEUP, row0, tiles, batch, layer,
                     MatvecWeights(w.w_gate + layer * F * H, w.w_up + layer * F * H, sg, su, None, d_g, d_u,
                                   layer * F),
-                    xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG)
+                    xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG, _k_split(rec, sched))
         elif op == I.DOWN:
             row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
             # x += ffn @ Wdown^T, and the next layer's attention-norm operand (the final norm's after the last)
@@ -933,7 +1074,8 @@ def megakernel(
             sc = scales.down + layer * H if FP8 else None
             _matvec(I.DOWN, row0, tiles, batch, layer,
                     MatvecWeights(w.w_down + layer * H * F, None, sc, None, None, d_d, None, layer * H),
-                    acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw), eps, dt, MODEL, F, H, T_DOWN, BPAD, BPAD, CG)
+                    acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw), eps, dt, MODEL, F, H, T_DOWN, BPAD, BPAD, CG,
+                    _k_split(rec, sched))
         elif op == I.LMHEAD:
             row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
             # the first lm_rows rows only (BS of them in the tiles), reading the final norm's sums BPAD rows apart
@@ -1135,7 +1277,16 @@ class Megakernel:
         """Each matvec's tile in a launch for this bucket (the LM head's chosen for its own rows). A QKV tile pairs
         runs of rows half a head apart: a run is at most half a head."""
         tiles = self._table(self.rows_of(batch)) | {Op.LMHEAD: self._table(self.lm_rows_of(batch))[Op.LMHEAD]}
+        ks = {Op.QKV: self.dims.hidden, Op.OPROJ: self.dims.q_size, Op.GATEUP: self.dims.hidden,
+              Op.DOWN: self.dims.ffn, Op.LMHEAD: self.dims.hidden}
         for op, t in tiles.items():
+            chunks = -(-ks[op] // t.k_chunk)
+            if t.k_splits > 1 and (chunks % t.k_splits or op is Op.LMHEAD):
+                raise ValueError(f"{op.name}: {t.k_splits} parts of K do not divide its {chunks} k chunks "
+                                 f"(or the LM head, whose K is never split)")
+            if t.swap and (self.w.int8_blocks or self.rows_of(batch) < 16 and not INTERPRET):
+                raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows) and no "
+                                 "int8 block scales")
             if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
                 raise ValueError(f"int8 weights: {op.name}'s k slices of {t.k_chunk // t.k_slices} columns cross "
                                  f"blocks of {INT8_BLOCK} (int8_slices makes a tile's slices fit)")
@@ -1145,8 +1296,10 @@ class Megakernel:
     def tiling(self, batch: int) -> I.Tiling:
         splits = self.attn_splits.get(batch) or \
             I.attention_splits(self.dims, batch, self.num_programs, self.cfg.max_splits)
-        return I.Tiling(rows={op: t.rows for op, t in self.tiles(batch).items()}, attn_splits=splits,
-                        head_counters=self.cfg.head_counters)
+        tiles = self.tiles(batch)
+        return I.Tiling(rows={op: t.rows for op, t in tiles.items()}, attn_splits=splits,
+                        head_counters=self.cfg.head_counters,
+                        k_splits={op: t.k_splits for op, t in tiles.items() if t.k_splits > 1})
 
     def schedule(self, batch: int) -> I.Schedule:
         if batch not in self.schedules:
@@ -1165,13 +1318,29 @@ class Megakernel:
                 tiles={op: self._runnable(t) for op, t in tiles.items()},
                 descriptors=self._descriptors(tiles),
                 sched=Sched(s.tasks.to(self.device), s.starts.to(self.device),
-                            torch.zeros(s.layout.counters, device=self.device, dtype=torch.int32), self.err, None),
+                            torch.zeros(s.layout.counters, device=self.device, dtype=torch.int32), self.err, None,
+                            torch.zeros(max(1, self._k_sums(tiles, rows)), device=self.device,
+                                        dtype=torch.float32)),
                 lm=LmPartials(partials(torch.float32), partials(torch.int32), partials(torch.float32),
                               partials(torch.int32)),
                 ssq=torch.zeros(s.layout.ssq_slots, self.dims.hidden // I.SSQ_COLS, rows, device=self.device,
                                 dtype=torch.float32),
             )
         return self.schedules[batch]
+
+    def _k_sums(self, tiles: TileTable, rows: int) -> int:
+        """Floats of scratch the split-K matvecs need: per tile, per part, its runs' float32 [rows, tile rows]
+        (the matvecs run one after another, so they share it)."""
+        d = self.dims
+        out_rows = {Op.QKV: d.qkv_rows, Op.OPROJ: d.hidden, Op.GATEUP: d.ffn, Op.DOWN: d.hidden}
+        need = 0
+        for op, n in out_rows.items():
+            t = tiles[op]
+            if t.k_splits > 1:
+                runs = 2 if op in (Op.QKV, Op.GATEUP) else 1
+                tile_rows = runs * t.rows if op is Op.QKV else t.rows  # rows a tile index covers
+                need = max(need, -(-n // tile_rows) * t.k_splits * runs * rows * t.rows)
+        return need
 
     @staticmethod
     def _runnable(t: MatvecTile) -> MatvecTile:

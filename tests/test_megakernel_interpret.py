@@ -30,6 +30,12 @@ CASES = {
     "qwen-int8": (True, False, 200, 2, 32, 4, "int8"),
     "qwen-int8-tma": (True, False, 200, 2, 32, 4, "int8"),
     "qwen-int8-row": (True, False, 200, 2, 32, 4, "int8-row"),  # int8, a scale per row (in the epilogue)
+    # K split into parts, each a task; the last part to arrive adds them up and finishes the tile
+    "llama-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
+    "llama-fp8-ksplit": (False, True, 256, 3, 64, 1, "fp8"),
+    # the weights as the dot's wide side (swapped operands), with and without K split
+    "llama-swap-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
+    "qwen-int8-row-swap": (True, False, 200, 2, 32, 4, "int8-row"),
 }
 
 
@@ -268,6 +274,11 @@ def _check(case: str) -> dict:
     k_chunk = 16 if case.startswith("llama") else 256
     tiles = {op: MatvecTile(rows=bn_lm if op is Op.LMHEAD else 16, k_chunk=k_chunk, k_slices=2 if tma else 4, tma=tma,
                             k_halves=op in (Op.OPROJ, Op.DOWN)) for op in MATVECS}
+    if "-swap" in case:
+        tiles = {op: t._replace(swap=True, k_slices=1) if op is not Op.LMHEAD else t for op, t in tiles.items()}
+    if case.endswith("-ksplit"):  # hidden 64 and ffn 128 in chunks of 16: 4 and 8 chunks, cut into 2 and 4 parts
+        parts = {Op.QKV: 2, Op.OPROJ: 2, Op.GATEUP: 4, Op.DOWN: 4}
+        tiles |= {op: tiles[op]._replace(k_splits=n, k_halves=False) for op, n in parts.items()}
     if weight_format == "int8" and k_chunk // 4 > 32:  # a k slice within one int8 block
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
     mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
