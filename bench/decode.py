@@ -18,6 +18,9 @@ variant's logits are checked against the float32 answer (the same model in float
 where they stray further than max(0.05, 1.5x the bf16 reference decoder's own distance to it). --timeline records,
 for the named variants at --timeline-rows rows and context 128, when each task of the step started, found its
 inputs ready and ended (globaltimer), summed per phase.
+Unless --no-library-peer, also at every row count of bf16 and fp8 weights (bench/library_peer.py): the step's
+matrices alone as cuBLAS bf16 / FP8 W8A8 `torch._scaled_mm` calls in one CUDA graph; it leaves out attention, norms
+and sampling, so it is a lower bound for a library-built step.
 Weights are synthetic (seeded random, the real shapes): decode cost does not depend on weight values.
 Writes bench/results/decode-<device>[-TAG].json and .md.
 """
@@ -35,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.library_peer import BACKEND as LIBRARY_PEER
+from bench.library_peer import library_peer
 from bench.variants import VARIANTS
 from kernels import instructions as I
 from kernels.instructions import Op
@@ -324,7 +329,8 @@ def main() -> None:
     ap.add_argument("--timeline-rows", type=int, default=1, help="rows of the profiled step")
     ap.add_argument("--timeline-models", nargs="*", default=None, help="models to profile (default: every model)")
     ap.add_argument("--timeline-weights", nargs="*", default=None, help="weights to profile (default: every format)")
-    ap.add_argument("--no-peers", action="store_true", help="the megakernel only (no reference, no compiled step)")
+    ap.add_argument("--no-peers", action="store_true", help="no reference, no compiled step (see --no-library-peer)")
+    ap.add_argument("--no-library-peer", action="store_true", help="skip the step's matrices as library calls")
     ap.add_argument("--compiled-batches", nargs="*", type=int, default=[1, 8],
                     help="batches the compiled peer runs at (each batch and context is a torch.compile)")
     ap.add_argument("--compiled-models", nargs="*", default=["llama-3.2-1b"])
@@ -387,6 +393,7 @@ def main() -> None:
             batches = args.batches + (args.wide_batches if model_name in args.wide_models and
                                       fmt in args.wide_weights else [])
             rows_max = max(batches)
+            lib = {} if args.no_library_peer else library_peer(config, fmt, batches, args.sampled, args.reps)
             base = MegakernelDecoder(config, weights, max_slots=rows_max, max_context=max_ctx, weight_format=fmt,
                                      max_rows=rows_max, max_batch=min(args.sampled, rows_max))
             base.reference.cache.k.normal_()  # time on random K/V, never zeros
@@ -453,6 +460,8 @@ def main() -> None:
                             dec.check_errors()
                             k.draw.zero_()
                             add(records, common, f"{name}, sampling T=1", res)
+                    if batch in lib:  # measured once per row count: it has no attention, so no context
+                        add(records, common, LIBRARY_PEER, lib[batch])
                     if not args.no_peers and not eight_bit and batch in args.batches:
                         ref: ReferenceDecoder = base.reference
                         x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")]
@@ -516,6 +525,11 @@ def markdown(doc: dict) -> str:
         "between steps of `generate` (Hugging Face). In brackets: floor / time. The peers run bf16 weights. Rows: "
         "the step's rows, each at the context, in its own slot (in brackets, those with logits where fewer: the LM "
         "head's rows); \"mixed\": those rows decode, the others are one prompt's chunk just before the context.",
+        *([f"{LIBRARY_PEER}: the step's matrices alone (each layer's QKV, O, gate/up and down, the LM head over the "
+           "sampled rows) as cuBLAS bf16 or FP8 W8A8 `torch._scaled_mm` calls (activations quantized per row in the "
+           "graph, rows padded to 16), in the row's weights, chained in one CUDA graph; it leaves out attention, "
+           "norms and sampling, so it is a lower bound for a library-built step (the same measurement at every "
+           "context)."] if LIBRARY_PEER in backends else []),
         "",
         "| model | weights | rows | context | floor | " + " | ".join(backends) + " |",
         "| --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in backends) + " |",
