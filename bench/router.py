@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -410,6 +411,9 @@ def main(argv: Sequence[str] | None = None, printer: Callable[[str], None] = pri
         for written in router_report.write(doc, args.out, f"{file_stem('router', doc['device'])}-x{doc['replicas']}"):
             printer(str(written))
         return 0
+    # `timeout 570 python -m bench router ...` (a GPU call's limit) sends SIGTERM: unwind, so that the replicas and
+    # the router are stopped rather than left holding the GPUs for the next call.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return run(plan, args.out, args.raw, args.archive)
 
 
