@@ -337,7 +337,8 @@ def run(plan: Plan, out: Path, raw: Path, archive: Path | None) -> int:
         started = time.monotonic()
         try:
             with fleet(serve, gpu_ids(plan.replicas, plan.cpu), raw, plan.start_timeout_s, group) as fl:
-                say(t0, f"replicas healthy and the router ready in {time.monotonic() - started:.0f} s: "
+                ready_s = round(time.monotonic() - started, 1)  # the replicas' start (in parallel) and the router's
+                say(t0, f"replicas healthy and the router ready in {ready_s:.0f} s: "
                         f"{fl.router.base} → {', '.join(r.base for r in fl.replicas)}")
                 router_info = {"router_command": [Path(fl.router.command[0]).name, *fl.router.command[1:]],
                                "router_version": render_compose().ROUTER_VERSION}
@@ -349,8 +350,7 @@ def run(plan: Plan, out: Path, raw: Path, archive: Path | None) -> int:
                         say(t0, f"phase {phase} FAILED: {type(e).__name__}: {e}")
                         failed.append(phase)
                         continue
-                    doc["phases"][phase] = result | {"serve": list(serve), "startup_s": round(
-                        time.monotonic() - started, 1) if phase == phases[0] else None} | router_info
+                    doc["phases"][phase] = result | {"serve": list(serve), "startup_s": ready_s} | router_info
                     _publish(doc, out, stem, raw, archive, t0)
         except ServerFailed as e:
             say(t0, f"the fleet did not start: {e}")
