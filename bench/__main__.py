@@ -24,6 +24,7 @@ SCRIPTS = {
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),
     "fp8-quality": ("bench.fp8_quality", "what FP8 weights cost in perplexity and greedy agreement"),
     "diag": ("bench._diag", "the megakernel's per-step logits error against the reference (GPU)"),
+    "router": ("bench.router", "N replicas (one per GPU) behind vllm-router: goodput ratio, voice caching, failover"),
 }
 ABOUT = {
     "e2e": "end to end: single streams and the goodput sweep, per server of the runs table (one GPU call)",

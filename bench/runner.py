@@ -50,14 +50,15 @@ def plan_text(bench: Benchmark, raw: Path, out: Path, url: str | None = None) ->
     return "\n".join(lines)
 
 
-def _say(t0: float, text: str) -> None:
+def say(t0: float, text: str) -> None:
     print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True)
 
 
-def _loadtest(bench: Benchmark, test: Loadtest, url: str, raw: Path, t0: float) -> bool:
+def run_loadtest(bench: Benchmark, test: Loadtest, url: str, raw: Path, t0: float) -> bool:
+    """Run one loadtest against `url` (its JSON and printed tables into `raw`); whether it finished and wrote them."""
     out, txt = raw / f"{test.name}.json", raw / f"{test.name}.txt"
     out.unlink(missing_ok=True)  # a stale file from an earlier run must not stand in for a failed one
-    _say(t0, f"-- {test.name}")
+    say(t0, f"-- {test.name}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     timeout_s = max(120.0, 4 * test.estimate_s)
     with open(txt, "w") as log:
@@ -68,7 +69,7 @@ def _loadtest(bench: Benchmark, test: Loadtest, url: str, raw: Path, t0: float) 
             rc = None
     print("\n".join(txt.read_text(errors="replace").splitlines()[-TAIL_LINES:]), flush=True)
     if rc != 0:
-        _say(t0, f"{test.name} failed ({'timed out' if rc is None else f'exit {rc}'}); see {txt}")
+        say(t0, f"{test.name} failed ({'timed out' if rc is None else f'exit {rc}'}); see {txt}")
     return rc == 0 and out.exists()
 
 
@@ -109,27 +110,27 @@ def run(bench: Benchmark, raw: Path, out: Path, url: str | None = None, archive:
     paths: list[Path] = []
     startup: dict[str, float] = {}  # seconds from the start to /health 200, per server (issue 21: ≤ 30 s on a GPU)
     for server in bench.servers:
-        _say(t0, f"== {server.label}: " + (f"the server at {url}" if url else f"parley serve "
+        say(t0, f"== {server.label}: " + (f"the server at {url}" if url else f"parley serve "
                                                                                 f"{shlex.join(server.serve)}"))
         started = time.monotonic()
         try:
             with _server(server, raw, url, bench.start_timeout_s) as base:
-                _say(t0, f"{server.label} ready at {base}")
+                say(t0, f"{server.label} ready at {base}")
                 if not url:
                     startup[server.label] = round(time.monotonic() - started, 1)
                     (raw / "startup.json").write_text(json.dumps(startup, indent=1) + "\n")
-                failed += [t.name for t in server.loadtests if not _loadtest(bench, t, base, raw, t0)]
+                failed += [t.name for t in server.loadtests if not run_loadtest(bench, t, base, raw, t0)]
                 for path, name in (("/v1/latency_model", f"{server.label}-latency-model.json"),
                                    ("/metrics", f"{server.label}-metrics.txt")):
                     text = get_text(base, path)
                     if text is not None:
                         (raw / name).write_text(text)
         except ServerFailed as e:
-            _say(t0, f"{server.label}: {e}")
+            say(t0, f"{server.label}: {e}")
             failed.append(f"server {server.label}")
         try:
             paths = fold(bench, raw, out)
-            _say(t0, "report: " + ", ".join(str(p) for p in paths))
+            say(t0, "report: " + ", ".join(str(p) for p in paths))
         except Exception:  # keep measuring: the raw folder can be folded again (--report-only)
             traceback.print_exc()
             failed.append("report")
@@ -138,5 +139,5 @@ def run(bench: Benchmark, raw: Path, out: Path, url: str | None = None, archive:
     if paths:
         print(paths[1].read_text())  # the Markdown
     failed = list(dict.fromkeys(failed))
-    _say(t0, f"{bench.name} measured" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    say(t0, f"{bench.name} measured" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -6,20 +6,19 @@ and a vllm-router (installed from PyPI) started on loopback in front of given re
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import yaml
 
+from bench.fleet import render_compose as render_compose  # the tests of deploy/ read its flags from here
+from bench.fleet import router_command
 from tests.server_support import Scrape, free_port, poll, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,16 +209,6 @@ def defined_series_names() -> set[str]:
 
 
 # -- the router ---------------------------------------------------------------------------------------------------
-@cache
-def render_compose() -> ModuleType:
-    """deploy/render_compose.py as a module: the router's flags and the compose file's writer live there."""
-    spec = importlib.util.spec_from_file_location("render_compose", DEPLOY / "render_compose.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def router_executable() -> str | None:
     """vllm-router's console script, installed from PyPI (requirements-ci.txt), in PATH or beside this Python."""
     beside = Path(sys.executable).parent / "vllm-router"
@@ -271,12 +260,9 @@ class Router:
 def start_router(worker_urls: list[str], log: Path, balance_abs_threshold: int) -> Router:
     """vllm-router on loopback in front of `worker_urls`, with the flags docker-compose.yml gives it
     (deploy/render_compose.py's ROUTER_FLAGS); returns once every worker is healthy in its eyes."""
-    exe = router_executable()
-    assert exe is not None, "vllm-router is not installed (pip install vllm-router)"
+    assert router_executable() is not None, "vllm-router is not installed (pip install vllm-router)"
     port, metrics_port = free_port(), free_port()
-    cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-           "--balance-abs-threshold", str(balance_abs_threshold), *render_compose().ROUTER_FLAGS]
+    cmd = router_command(worker_urls, port, metrics_port, balance_abs_threshold)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     router = Router(proc, port, metrics_port, log)

@@ -28,7 +28,7 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_list_names_every_benchmark(capsys) -> None:
     assert main(["--help"]) == 0
     listed = capsys.readouterr().out
-    for name in ("e2e", "voice", "voice-fp8", "decode", "sm90-compile", "fp8-quality", "constrained", "soak"):
+    for name in ("e2e", "voice", "voice-fp8", "decode", "sm90-compile", "fp8-quality", "constrained", "soak", "router"):
         assert f"  {name} " in listed
     assert main(["no-such-bench"]) == 2
 
