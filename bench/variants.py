@@ -96,6 +96,12 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
                                                               k_chunk=256)),
     "swap-e": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (32, 1), (64, 2), (64, 1), (64, 2), swap=True,
                                                               k_chunk=64, stages=6)),
+    "swap-f": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (16, 1), (64, 1), (16, 1), swap=True)),
+    "swap-g": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (16, 1), (32, 1), (16, 1), swap=True)),
+    "swap-h": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (16, 1), (32, 1), (16, 1), swap=True,
+                                                              k_chunk=256, stages=3)),
+    "swap-j": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (16, 1), (32, 1), (16, 2), swap=True,
+                                                              k_chunk=256)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

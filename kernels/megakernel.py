@@ -1123,33 +1123,35 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     with pointer loads, 99% with TMA). With FP8 weights each k chunk doubles, so a pipeline stage holds as many
     weight bytes (the LM head's TMA box stays at 256 columns, its limit).
 
-    From 32 rows a 16-row weight tile rereads a [rows, k] activation tile from L2 per 16 weight rows (at 64 rows,
-    4 activation bytes per weight byte), and a stage of the pipeline would no longer fit shared memory: gate/up
-    (the most tiles) streams 32-row tiles, every k chunk is 128 columns, one k slice (at 32+ rows the dot's M
-    spreads over the warps already; with 2 or 4 slices the 64-row launch spilled 1.5-3.5 KB a thread, with one
-    0.7 KB: bench/sm90_compile.py). Not yet measured on the H100: bench/decode.py times the 32- and 64-row steps
-    and its `--variants w-...` the alternatives.
+    From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
+    N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
+    the 32- and 64-row bf16 steps from 2.07 / 3.16 ms to 1.75 / 2.18 (FP8 2.43 / 4.57 to 2.05 / 3.78); at 16 rows
+    and fewer it is slower (1.58 vs 1.43 ms at 16), so those keep the tiles above. Wider weight tiles with K split
+    over several tasks (MatvecTile.k_splits) measured slower at every row count (bench/NOTES.md "Flat steps").
 
     int8 weights: a k slice per block of 32 columns (int8_slices: the dot's slices are scaled one by one), over
     bf16's chunk widths (256 columns, 8 slices; at FP8's 512 the 16 slices' accumulators spilled at 1 row), and at
     32+ rows over one-block chunks (4 slices of 128 columns spilled 3 KB a thread at 64 rows, one block
     0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100."""
+    lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
-        tiles = default_tiles(True, rows)
         if rows <= 16:
-            return {op: int8_slices(t._replace(k_chunk=256)) for op, t in tiles.items()}
-        return {op: int8_slices(t._replace(k_chunk=INT8_BLOCK)) for op, t in tiles.items()}
+            return {op: int8_slices(t._replace(k_chunk=256)) for op, t in default_tiles(True, rows).items()}
+        wide = {op: MatvecTile(k_chunk=INT8_BLOCK, k_slices=1) for op in (Op.QKV, Op.OPROJ)}
+        wide[Op.GATEUP] = MatvecTile(rows=32, k_chunk=INT8_BLOCK, k_slices=1)
+        wide[Op.DOWN] = MatvecTile(k_chunk=INT8_BLOCK, k_slices=1, k_halves=True)
+        return wide | {Op.LMHEAD: int8_slices(lm_wide._replace(k_chunk=INT8_BLOCK))}
     k = 2 if fp8 else 1
     if rows <= 16:
         tiles = {op: MatvecTile(k_chunk=256 * k) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
         tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True)
         tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True)
         return tiles
-    wide = {op: MatvecTile(k_chunk=128, k_slices=1) for op in (Op.QKV, Op.OPROJ)}
-    wide[Op.GATEUP] = MatvecTile(rows=32, k_chunk=128, k_slices=1)
-    wide[Op.DOWN] = MatvecTile(k_chunk=128, k_slices=1, k_halves=True)
-    wide[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
-    return wide
+    # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
+    wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
+            for op in (Op.QKV, Op.OPROJ, Op.DOWN)}
+    wide[Op.GATEUP] = MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
+    return wide | {Op.LMHEAD: lm_wide}
 
 
 def int8_slices(t: MatvecTile) -> MatvecTile:
