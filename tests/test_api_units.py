@@ -1,9 +1,10 @@
 """The API's pieces without a server process: sentence chunking, request parsing (the table of unsupported fields,
-the realtime settings), and the app built in-process (create_app with a runtime factory) on the tiny synthetic
-model."""
+the realtime settings), and the app built in-process (create_app, its engine served from threads of the test's
+process) on the tiny synthetic model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from service.api.app import create_app
+from service.api.engine_client import EngineClient
 from service.api.chunking import SentenceChunker
 from service.api.prompts import sampling_params
 from service.api.protocol import (
@@ -25,6 +27,8 @@ from service.api.protocol import (
 )
 from service.api.state import server_state
 from service.config import ServeConfig
+from service.engine.ipc import Addresses
+from service.engine_process import serve_in_threads
 from service.runtime import build_engine
 
 
@@ -121,9 +125,19 @@ SLA_TOKENS = 8  # not 64: the realtime timing key is named for the server's N
 def app_client():
     cfg = ServeConfig(model="synthetic:tiny", max_batch=2, max_context=256, device="cpu", backend="reference",
                       sla_tokens=SLA_TOKENS)
-    app = create_app(lambda: build_engine(cfg))
+    addresses = Addresses.fresh()
+
+    async def connect() -> EngineClient:
+        # the engine served from threads of this process, over the same sockets and messages as the engine process
+        stop = serve_in_threads(await asyncio.to_thread(build_engine, cfg), addresses)
+        client = await EngineClient.connect(addresses)
+        client.on_close.append(stop)
+        return client
+
+    app = create_app(connect)
     with TestClient(app) as client:  # the lifespan builds the runtime before the first request
         yield client, app
+    addresses.remove()
 
 
 def test_app_from_a_factory(app_client) -> None:

@@ -63,10 +63,14 @@ class Engine:
                  metrics: Metrics | None = None, admission: Admission | None = None, sla_ms: float = 100.0,
                  sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0,
                  max_batch: int | None = None, max_rows: int | None = None,
-                 launch_min_tokens: int = LAUNCH_MIN_TOKENS) -> None:
+                 launch_min_tokens: int = LAUNCH_MIN_TOKENS, detokenize: bool = True) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
+        # False where the front ends detokenize and apply stop strings (engine_process.py): deltas carry ids alone
+        self.detokenize = detokenize
+        # called on the engine thread after every iteration (engine_process.py sends the iteration's output then)
+        self.on_iteration: Callable[[], None] | None = None
         self.metrics = metrics or Metrics(sla_tokens)
         self.sla_s, self.sla_tokens = sla_ms / 1e3, sla_tokens
         self.max_waiting = max_waiting
@@ -149,7 +153,8 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"token ids must lie in [0, {vocab})")
         req = Request(prompt_ids=list(prompt_ids), params=params, sink=sink, session=session,
-                      output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
+                      output=TextOutput(self.tokenizer.detokenizer(), params.stop) if self.detokenize
+                      else TextOutput(None), sla_tokens=self.sla_tokens)
         if arrival is not None:
             req.arrival = arrival
         req.prompt_blocks = block_hashes(req.prompt_ids)
@@ -175,9 +180,11 @@ class Engine:
         self.metrics.requests.labels(outcome="rejected", reason=r.reason).inc()
         raise r
 
-    def cancel(self, req: Request) -> None:
-        """Free the request's slot before the next step (barge-in, a dropped stream)."""
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Free the request's slot before the next step (barge-in, a dropped stream); it ends as `reason`
+        ("stop": a front end read a stop string in its text)."""
         if req.state is not State.FINISHED:
+            req.cancel_reason = reason
             req.cancelled = True
             self._wake.set()
 
@@ -211,11 +218,16 @@ class Engine:
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
                 self._fail_all()
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration()
+                except Exception:
+                    log.exception("sending an iteration's output failed")
 
     def _iteration(self) -> None:
         self._take_inbox()
         now = time.perf_counter()
-        self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
+        self._publish([Finished(r, r.cancel_reason, now, n=len(r.output_ids)) for r in self.planner.take_cancelled()])
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
         if not plan:  # nothing to run now: read what is in flight, or wait for work
