@@ -19,6 +19,7 @@ from bench.runs import BENCHMARKS, Benchmark
 # name -> (module run as __main__, what it measures)
 SCRIPTS = {
     "constrained": ("bench.constrained_gpu", "ITL of streams beside a JSON-schema-constrained one (a GPU call)"),
+    "ipc": ("bench.ipc_cost", "the engine process's transport: one step's output encoded, sent, received, decoded"),
     "soak": ("bench.soak", "hours of mixed, misbehaving traffic against one server, then a verdict"),
     "decode": ("bench.decode", "the decode step: megakernel against its peers and the bandwidth floor (GPU)"),
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from service.api.app import create_app
-from service.api.engine_client import EngineClient
 from service.api.chunking import SentenceChunker
+from service.api.engine_client import EngineClient
 from service.api.prompts import sampling_params
 from service.api.protocol import (
     SESSION_SETTINGS,

@@ -218,11 +218,7 @@ class Engine:
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
                 self._fail_all()
-            if self.on_iteration is not None:
-                try:
-                    self.on_iteration()
-                except Exception:
-                    log.exception("sending an iteration's output failed")
+                self._send_output()
 
     def _iteration(self) -> None:
         self._take_inbox()
@@ -234,7 +230,9 @@ class Engine:
             self._inflight = None
             if inflight is not None:
                 self._complete(inflight)
+                self._send_output()
             else:
+                self._send_output()
                 self._update_gauges()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -251,9 +249,21 @@ class Engine:
             else:
                 self._complete(launched)
         t_complete = time.perf_counter()
+        self._send_output()
+        t_send = time.perf_counter()
         self._update_gauges()
         self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases,
-                                       "complete": t_complete - t_launch, "gauges": time.perf_counter() - t_complete})
+                                       "complete": t_complete - t_launch, "send": t_send - t_complete,
+                                       "gauges": time.perf_counter() - t_send})
+
+    def _send_output(self) -> None:
+        """What this iteration streamed, out to the front ends in one go (engine_process.py), where that is how
+        deltas leave."""
+        if self.on_iteration is not None:
+            try:
+                self.on_iteration()
+            except Exception:
+                log.exception("sending an iteration's output failed")
 
     def _take_inbox(self) -> None:
         while True:
