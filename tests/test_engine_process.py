@@ -155,3 +155,33 @@ def test_the_ipc_cost_per_step_is_measured() -> None:
     for r in rows:
         engine_p50_us, one_way_p50_us = float(r[2]), float(r[5])
         assert 0 < engine_p50_us < 500 and 0 < one_way_p50_us < 5000, run.stdout
+
+
+def test_several_front_ends_share_the_port_and_the_engine(tmp_path) -> None:
+    """--api-workers 2: two front-end processes on one port beside one engine; requests over many connections are all
+    answered, /metrics still has every series once, and SIGTERM drains and stops all three processes (exit 0)."""
+    server = tiny_server(tmp_path / "workers.log", "--max-batch", "4", "--max-context", "512", "--api-workers", "2")
+    try:
+        pids = set(group_pids(server.proc.pid))
+        assert len(pids) == 3, server.log_tail()
+        poll(lambda: server.log.read_text(), lambda log: "[api-1]: Application startup complete" in log, 60,
+             "the second front end ready")
+
+        async def many() -> list[int]:
+            async def one(i: int) -> int:
+                async with httpx.AsyncClient(timeout=60) as c:  # a connection each: the kernel spreads them
+                    r = await c.post(f"{server.base}/v1/completions",
+                                     json={"prompt": f"hi {i}", "max_tokens": 4, "ignore_eos": True})
+                    return r.status_code
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+        assert asyncio.run(many()) == [200] * 16
+        text = httpx.get(f"{server.base}/metrics", timeout=30).text
+        completed = [line for line in text.splitlines()
+                     if line.startswith('parley_requests_total{outcome="completed"')]
+        assert len(completed) == 1 and float(completed[0].split()[-1]) >= 16, completed
+        assert stop_server(server) == 0, server.log_tail()
+        poll(lambda: gone(pids), bool, 10, "every process of the server gone")
+    finally:
+        if server.proc.poll() is None:
+            stop_server(server)

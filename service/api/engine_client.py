@@ -48,6 +48,7 @@ log = logging.getLogger("parley.api")
 
 HEARTBEAT_TIMEOUT_S = 10.0  # no Status for this long: the engine process is gone (or frozen), whatever its pid says
 WATCH_EVERY_S = 0.1
+MAX_TOP_K = 2**62  # a top_k past the vocabulary keeps every token, and a message carries 64-bit integers
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,8 @@ class EngineClient:
         stream = EngineStream(self, rid, len(prompt_ids), TextOutput(self.tokenizer.detokenizer(), params.stop),
                               on_close)
         self._streams[rid] = stream
-        p = Params(params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.ignore_eos,
-                   grammar)
+        p = Params(params.max_tokens, params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), params.seed,
+                   params.ignore_eos, grammar)
         self._send(Submit(self.fe, rid, list(prompt_ids), p, arrival if arrival is not None else time.perf_counter(),
                           None if session is None else session.id))
         try:
