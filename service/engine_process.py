@@ -141,7 +141,12 @@ class EngineService:
 
     def _handle(self, m: object) -> None:
         if isinstance(m, Submit):
-            self._submit(m)
+            try:
+                self._submit(m)
+            except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
+                log.exception("submitting rid %d failed", m.rid)
+                self._send(m.fe, Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}",
+                                         1.0))
         elif isinstance(m, Cancel):
             req = self._live.get((m.fe, m.rid))
             if req is not None:
@@ -164,8 +169,9 @@ class EngineService:
         try:
             constraint = None if p.grammar is None else \
                 grammars(self.engine.tokenizer, self.engine.eos).constraint(p.grammar)
-        except GrammarError as e:
-            self._send(m.fe, Verdict(m.rid, 400, "grammar", str(e)))
+        except Exception as e:  # GrammarError, or a tokenizer the grammar engine cannot take: the request's 400
+            self._send(m.fe, Verdict(m.rid, 400, "grammar", str(e) if isinstance(e, GrammarError) else
+                                     f"constrained decoding is unavailable for this model: {e}"))
             return
         params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                 seed=p.seed, ignore_eos=p.ignore_eos, constraint=constraint)

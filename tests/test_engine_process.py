@@ -66,8 +66,9 @@ def test_metrics_has_every_series_once(shared_server: Server) -> None:
     assert helps and max(helps.values()) == 1, [k for k, v in helps.items() if v > 1]
     series = Counter(line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#"))
     assert max(series.values()) == 1, [k for k, v in series.items() if v > 1]
-    for family in ("parley_requests", "parley_decode_step_seconds", "parley_kv_slots_free", "parley_gc_pause_seconds",
-                   "parley_time_to_first_token_seconds", "parley_info"):
+    for family in ("parley_requests_total", "parley_engine_host_seconds", "parley_decode_step_seconds",
+                   "parley_kv_slots_free", "parley_gc_pause_seconds", "parley_time_to_first_token_seconds",
+                   "parley_info"):
         assert family in helps, family
 
 

@@ -3,8 +3,9 @@ decode rows of running requests, chunks of new prompts riding beside them, prefi
 prompts — runs it on the decoder, and commits the step before it (commit.py): tokens and ends become events, which it
 streams as deltas to each request's sink and hands to metrics and admission. On a GPU it runs a step ahead: the next
 step is launched before the last one's tokens are read back, fed the tokens chosen on the device, so that the host's
-work per token hides behind the kernel. Its interface (submit, cancel, sessions, truncate, drain) is all the API layer
-sees.
+work per token hides behind the kernel. Its interface (submit, cancel, sessions, truncate, drain) is what the engine
+process serves to the front ends (service/engine_process.py); after each iteration `on_iteration` sends what the
+iteration streamed, in one message per front end.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class Engine:
         self._feed_at = 0
         self._masks = StepMasks()  # where constrained rows' grammar masks go to the device
         self._last_completed = 0.0
+        self._device_wait = 0.0  # of this iteration, the seconds spent waiting for a step's tokens to be read back
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
         self._launch_phases: dict[str, float] = {}
@@ -223,6 +225,7 @@ class Engine:
     def _iteration(self) -> None:
         self._take_inbox()
         now = time.perf_counter()
+        self._device_wait = 0.0
         self._publish([Finished(r, r.cancel_reason, now, n=len(r.output_ids)) for r in self.planner.take_cancelled()])
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
@@ -252,9 +255,11 @@ class Engine:
         self._send_output()
         t_send = time.perf_counter()
         self._update_gauges()
+        t_end = time.perf_counter()
         self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases,
                                        "complete": t_complete - t_launch, "send": t_send - t_complete,
-                                       "gauges": time.perf_counter() - t_send})
+                                       "gauges": t_end - t_send})
+        self.metrics.engine_host.observe(max(0.0, t_end - now - self._device_wait))
 
     def _send_output(self) -> None:
         """What this iteration streamed, out to the front ends in one go (engine_process.py), where that is how
@@ -354,6 +359,7 @@ class Engine:
     def _complete(self, launched: Launched) -> None:
         """Read a launched step's tokens back and commit it."""
         self._busy_since = time.monotonic()
+        t0 = time.perf_counter()
         try:
             launched.tokens.read()
         except Exception as e:
@@ -364,6 +370,7 @@ class Engine:
             return
         finally:
             self._busy_since = None
+            self._device_wait += time.perf_counter() - t0
         now = time.perf_counter()
         # The step as a client sees it: from its launch, or from the last step's end where it was queued behind it.
         seconds = now - max(launched.t0, self._last_completed)
