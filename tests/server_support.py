@@ -139,11 +139,20 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def rss_mb(pid: int) -> float:
-    """The process's resident set (VmRSS of /proc/<pid>/status), in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    """The resident set (VmRSS of /proc/<pid>/status), in MiB, of process `pid` and of the processes of its group
+    (a server's: the front end and the engine process)."""
+    total = None
+    for p in dict.fromkeys([pid, *group_pids(pid)]):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total = (total or 0.0) + int(line.split()[1]) / 1024
+    if total is None:
+        raise AssertionError(f"no VmRSS for pid {pid}")
+    return total
 
 
 # -- /metrics -----------------------------------------------------------------------------------------------------
