@@ -92,9 +92,9 @@ class E2ERun:
 E2E_COMMON = ("--max-context", "2048", *PRICE)
 E2E_RUNS = (
     E2ERun("megakernel.bf16", (*LLAMA, *MEGAKERNEL, "--weights", "bf16"), sweep=True,
-           targets={"goodput_rps": 40, "ttft_ms_p50": 4}),
+           targets={"goodput_rps": 40, "ttft_ms_p50": 3}),  # TTFT: issue 30 (two processes)
     E2ERun("megakernel.fp8", (*LLAMA, *MEGAKERNEL, "--weights", "fp8"), sweep=True,
-           targets={"goodput_rps": 50, "ttft_ms_p50": 4}),
+           targets={"goodput_rps": 50, "ttft_ms_p50": 3}),
     # The in-run peer: the PyTorch decoder on the same GPU (~0.75 s a request, hence fewer).
     E2ERun("reference.bf16", (*LLAMA, *REFERENCE), sweep=False, single_requests=20),
     E2ERun("qwen.megakernel.bf16", (*QWEN, *MEGAKERNEL, "--weights", "bf16"), sweep=False),

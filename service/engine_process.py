@@ -5,7 +5,8 @@ admission's forecast) served to front-end processes over ipc.py. Its threads:
   and the ends of that iteration, never text;
 - the input thread (EngineService.serve), which takes the front ends' messages in order: a Submit is admitted or
   refused there, as the API's thread did in one process (Engine.submit holds the engine's lock a moment), and its
-  Verdict sent at once; cancels, truncates and session ends go straight to the engine;
+  Verdict sent at once (one with a grammar is compiled and admitted on a small pool instead: milliseconds no other
+  request's verdict waits for); cancels, truncates and session ends go straight to the engine;
 - a status thread: a Status every STATUS_EVERY_S, the heartbeat /health and a drain read;
 - the grammar engine's mask workers (grammar.py), off the engine thread as before.
 
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
@@ -57,6 +59,8 @@ from service.runtime import Runtime, build_engine, settle_process
 
 log = logging.getLogger("parley.engine")
 
+COMPILE_WORKERS = 2  # threads compiling requests' grammars (a few ms each), off the input thread
+
 
 @dataclass
 class _Outbox:
@@ -85,6 +89,9 @@ class EngineService:
         self._outboxes = [_Outbox() for _ in range(front_ends)]
         self._live: dict[tuple[int, int], Request] = {}  # (front end, rid) → the admitted request, until it ends
         self._live_lock = threading.Lock()
+        self._compiling: set[tuple[int, int]] = set()  # submitted with a grammar, still compiling
+        self._cancel_early: dict[tuple[int, int], str] = {}  # ...and cancelled meanwhile: cancelled once admitted
+        self._compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="parley-compile")
         self._sessions: dict[tuple[int, str], Session] = {}
         self._stopping = threading.Event()
         self.engine.on_iteration = self._flush
@@ -141,14 +148,23 @@ class EngineService:
 
     def _handle(self, m: object) -> None:
         if isinstance(m, Submit):
-            try:
-                self._submit(m)
-            except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
-                log.exception("submitting rid %d failed", m.rid)
-                self._send(m.fe, Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}",
-                                         1.0))
+            session = None
+            if m.session is not None:  # here, in the order of the front end's messages (before a later close)
+                session = self._sessions.get((m.fe, m.session))
+                if session is None:
+                    session = self._sessions[(m.fe, m.session)] = self.engine.new_session()
+            if m.params.grammar is None:
+                self._submit(m, session)
+            else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
+                with self._live_lock:
+                    self._compiling.add((m.fe, m.rid))
+                self._compile_pool.submit(self._submit, m, session)
         elif isinstance(m, Cancel):
-            req = self._live.get((m.fe, m.rid))
+            key = (m.fe, m.rid)
+            with self._live_lock:
+                req = self._live.get(key)
+                if req is None and key in self._compiling:
+                    self._cancel_early[key] = m.reason  # cancelled while its grammar compiles
             if req is not None:
                 self.engine.cancel(req, m.reason)
         elif isinstance(m, Truncate):
@@ -164,35 +180,41 @@ class EngineService:
         elif isinstance(m, Drain):
             self.engine.accepting = False
 
-    def _submit(self, m: Submit) -> None:
+    def _submit(self, m: Submit, session: Session | None) -> None:
+        """Admit or refuse (the input thread; a request with a grammar, the compile pool): a Verdict, always."""
+        key = (m.fe, m.rid)
+        try:
+            verdict, req = self._admit(m, session)
+        except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
+            log.exception("submitting rid %d failed", m.rid)
+            verdict, req = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0), None
+        with self._live_lock:
+            self._compiling.discard(key)
+            early = self._cancel_early.pop(key, None)
+            if req is not None and req.state is not State.FINISHED:  # else it ended already (its Finish is coming)
+                self._live[key] = req
+        if req is not None and early is not None:
+            self.engine.cancel(req, early)
+        self._send(m.fe, verdict)
+
+    def _admit(self, m: Submit, session: Session | None) -> tuple[Verdict, Request | None]:
         p = m.params
         try:
             constraint = None if p.grammar is None else \
                 grammars(self.engine.tokenizer, self.engine.eos).constraint(p.grammar)
         except Exception as e:  # GrammarError, or a tokenizer the grammar engine cannot take: the request's 400
-            self._send(m.fe, Verdict(m.rid, 400, "grammar", str(e) if isinstance(e, GrammarError) else
-                                     f"constrained decoding is unavailable for this model: {e}"))
-            return
+            return Verdict(m.rid, 400, "grammar", str(e) if isinstance(e, GrammarError) else
+                           f"constrained decoding is unavailable for this model: {e}"), None
         params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                 seed=p.seed, ignore_eos=p.ignore_eos, constraint=constraint)
-        session = None
-        if m.session is not None:
-            session = self._sessions.get((m.fe, m.session))
-            if session is None:
-                session = self._sessions[(m.fe, m.session)] = self.engine.new_session()
         try:
             req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.fe, m.rid),
                                      session=session, arrival=m.arrival)
         except Rejected as r:
-            self._send(m.fe, Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s))
-            return
+            return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
         except ValueError as e:
-            self._send(m.fe, Verdict(m.rid, 400, "invalid", str(e)))
-            return
-        with self._live_lock:
-            if req.state is not State.FINISHED:  # else it ended already (its Finish is on its way)
-                self._live[(m.fe, m.rid)] = req
-        self._send(m.fe, Verdict(m.rid))
+            return Verdict(m.rid, 400, "invalid", str(e)), None
+        return Verdict(m.rid), req
 
     def _answer(self, what: str) -> bytes:
         if what == "metrics":
@@ -218,6 +240,7 @@ class EngineService:
         self._stopping.set()
 
     def close(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
         for s in (self.inbox, *self.outs):
             s.close(linger=0)
