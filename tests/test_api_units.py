@@ -271,3 +271,25 @@ def test_the_request_models_do_not_import_the_grammar_engine() -> None:
     code = "import sys, service.api.protocol, service.api.answers; print('llguidance' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_a_stop_string_read_by_the_front_end_ends_the_request_as_completed(app_client) -> None:
+    """The front end detokenizes and reads stop strings (the engine sends ids only): the text ends before the stop,
+    the usage counts the tokens up to it, and the engine ends the request as completed, not cancelled."""
+    client, _ = app_client
+    body = {"prompt": "hello", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}  # the same twice
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    at = next((i for i in range(1, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isprintable()
+               and text.find(text[i:i + 2]) == i), None)
+    if at is None:
+        pytest.skip(f"no stop string to cut this output at: {text!r}")
+
+    def completed() -> float:
+        lines = client.get("/metrics").text.splitlines()
+        return sum(float(ln.split()[-1]) for ln in lines if ln.startswith('parley_requests_total{outcome="completed"'))
+
+    before = completed()
+    r = client.post("/v1/completions", json={**body, "stop": [text[at:at + 2]]}).json()
+    assert r["choices"][0]["text"] == text[:at] and r["choices"][0]["finish_reason"] == "stop"
+    assert 1 <= r["usage"]["completion_tokens"] < 24
+    assert completed() == before + 1
