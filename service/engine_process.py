@@ -59,7 +59,7 @@ from service.runtime import Runtime, build_engine, settle_process
 
 log = logging.getLogger("parley.engine")
 
-COMPILE_WORKERS = 2  # threads compiling requests' grammars (a few ms each), off the input thread
+SIDE_WORKERS = 2  # threads for what takes milliseconds (a grammar's compile, rendering /metrics): not the input's
 
 
 @dataclass
@@ -91,7 +91,7 @@ class EngineService:
         self._live_lock = threading.Lock()
         self._compiling: set[tuple[int, int]] = set()  # submitted with a grammar, still compiling
         self._cancel_early: dict[tuple[int, int], str] = {}  # ...and cancelled meanwhile: cancelled once admitted
-        self._compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="parley-compile")
+        self._side_pool = ThreadPoolExecutor(max_workers=SIDE_WORKERS, thread_name_prefix="parley-side")
         self._sessions: dict[tuple[int, str], Session] = {}
         self._stopping = threading.Event()
         self.engine.on_iteration = self._flush
@@ -158,7 +158,7 @@ class EngineService:
             else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
                 with self._live_lock:
                     self._compiling.add((m.fe, m.rid))
-                self._compile_pool.submit(self._submit, m, session)
+                self._side_pool.submit(self._submit, m, session)
         elif isinstance(m, Cancel):
             key = (m.fe, m.rid)
             with self._live_lock:
@@ -175,13 +175,13 @@ class EngineService:
             session = self._sessions.pop((m.fe, m.session), None)
             if session is not None:
                 self.engine.close_session(session)
-        elif isinstance(m, Query):
-            self._send(m.fe, Answer(m.qid, self._answer(m.what)))
+        elif isinstance(m, Query):  # rendering /metrics takes milliseconds: off the input thread too
+            self._side_pool.submit(self._reply, m)
         elif isinstance(m, Drain):
             self.engine.accepting = False
 
     def _submit(self, m: Submit, session: Session | None) -> None:
-        """Admit or refuse (the input thread; a request with a grammar, the compile pool): a Verdict, always."""
+        """Admit or refuse (the input thread; a request with a grammar, the side pool): a Verdict, always."""
         key = (m.fe, m.rid)
         try:
             verdict, req = self._admit(m, session)
@@ -216,6 +216,14 @@ class EngineService:
             return Verdict(m.rid, 400, "invalid", str(e)), None
         return Verdict(m.rid), req
 
+    def _reply(self, m: Query) -> None:
+        try:
+            body = self._answer(m.what)
+        except Exception:
+            log.exception("answering %r failed", m.what)
+            body = b""
+        self._send(m.fe, Answer(m.qid, body))
+
     def _answer(self, what: str) -> bytes:
         if what == "metrics":
             return self.engine.metrics.render()
@@ -240,7 +248,7 @@ class EngineService:
         self._stopping.set()
 
     def close(self) -> None:
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._side_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
         for s in (self.inbox, *self.outs):
             s.close(linger=0)
