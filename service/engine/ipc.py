@@ -7,7 +7,9 @@ before the peer binds. Send queues are unbounded (SNDHWM 0): a send never blocks
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -18,12 +20,15 @@ from service.engine.messages import ToEngine, ToFrontEnd
 
 @dataclass(frozen=True)
 class Addresses:
-    """Where the sockets of one server live: a private directory of Unix sockets."""
+    """Where the sockets of one server live: on Linux, names in the abstract namespace (`@...`: no file, so a
+    killed server leaves nothing behind); elsewhere, a private directory of Unix sockets."""
 
     root: str
 
     @classmethod
     def fresh(cls) -> Addresses:
+        if sys.platform == "linux":
+            return cls(f"@parley-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         return cls(tempfile.mkdtemp(prefix="parley-ipc-"))
 
     @property
@@ -35,6 +40,8 @@ class Addresses:
 
     def remove(self) -> None:
         """The socket files and the directory (the process that made them does, at exit)."""
+        if self.root.startswith("@"):
+            return
         try:
             for name in os.listdir(self.root):
                 os.unlink(os.path.join(self.root, name))
