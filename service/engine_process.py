@@ -94,6 +94,7 @@ class EngineService:
         self._side_pool = ThreadPoolExecutor(max_workers=SIDE_WORKERS, thread_name_prefix="parley-side")
         self._sessions: dict[tuple[int, str], Session] = {}
         self._stopping = threading.Event()
+        self._status_thread = threading.Thread(target=self._heartbeat, name="parley-status", daemon=True)
         self.engine.on_iteration = self._flush
         self.info = engine_info(rt)
 
@@ -132,8 +133,7 @@ class EngineService:
         """Take the front ends' messages until stop() (SIGTERM)."""
         for fe in range(len(self.outs)):
             self._send(fe, Ready(self.info))
-        status = threading.Thread(target=self._heartbeat, name="parley-status", daemon=True)
-        status.start()
+        self._status_thread.start()
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while not self._stopping.is_set():
@@ -248,8 +248,12 @@ class EngineService:
         self._stopping.set()
 
     def close(self) -> None:
-        self._side_pool.shutdown(wait=False, cancel_futures=True)
+        """After serve(): every thread that sends stopped first, then the sockets closed."""
+        self._stopping.set()
+        self._side_pool.shutdown(wait=True, cancel_futures=True)
         self.engine.stop()
+        if self._status_thread.is_alive():
+            self._status_thread.join(timeout=5)
         for s in (self.inbox, *self.outs):
             s.close(linger=0)
         self.ctx.term()
