@@ -19,7 +19,6 @@ from bench.runs import BENCHMARKS, Benchmark
 # name -> (module run as __main__, what it measures)
 SCRIPTS = {
     "constrained": ("bench.constrained_gpu", "ITL of streams beside a JSON-schema-constrained one (a GPU call)"),
-    "ipc": ("bench.ipc_cost", "the engine process's transport: one step's output encoded, sent, received, decoded"),
     "soak": ("bench.soak", "hours of mixed, misbehaving traffic against one server, then a verdict"),
     "decode": ("bench.decode", "the decode step: megakernel against its peers and the bandwidth floor (GPU)"),
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),
@@ -29,7 +28,7 @@ SCRIPTS = {
 }
 ABOUT = {
     "e2e": "end to end: single streams and the goodput sweep, per server of the runs table (one GPU call)",
-    "voice": "voice sessions (HTTP, WebSocket), fresh prompts, session arrivals at 1-16/s, bf16 (one GPU call)",
+    "voice": "voice sessions (HTTP, WebSocket), fresh prompts, session arrivals at 1-8/s, bf16 (one GPU call)",
     "voice-fp8": "the voice benchmark with FP8 weights (one GPU call)",
 }
 

@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.device import describe, file_stem
 from bench.publish import publish, pyplot
 
@@ -66,27 +64,6 @@ def targets(servers: list[dict[str, Any]], records: list[dict[str, Any]]) -> lis
     return out
 
 
-HOST_BUDGET_S = 0.00015  # the issue's host time per step at p99
-
-
-def engine_host(metrics_text: str) -> dict[str, Any] | None:
-    """From a server's /metrics at the end of its runs: parley_engine_host_seconds (the host's time in each engine
-    iteration that ran a step, all but the wait for the GPU) as bucket bounds of its p50 and p99, and the share of
-    iterations within HOST_BUDGET_S; None where the server has no such histogram."""
-    buckets = sorted((float(s.labels["le"]), s.value) for f in text_string_to_metric_families(metrics_text)
-                     for s in f.samples if s.name == "parley_engine_host_seconds_bucket")
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    total = buckets[-1][1]
-
-    def bound(q: float) -> float:
-        return next(le for le, n in buckets if n >= q * total)
-
-    within = next((n for le, n in buckets if le == HOST_BUDGET_S), None)
-    return {"iterations": int(total), "p50_ms_at_most": bound(0.5) * 1e3, "p99_ms_at_most": bound(0.99) * 1e3,
-            "share_within_0_15_ms": None if within is None else round(within / total, 4)}
-
-
 def fmt(x: Any, digits: int = 1) -> str:
     if x is None:
         return "–"
@@ -110,10 +87,8 @@ def build(raw: Path) -> dict[str, Any]:
         records.append(record(label, doc["config"]["model"], kind, doc))
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
-    host = {label: h for label in sorted({r["backend"] for r in records})
-            if (m := raw / f"{label}-metrics.txt").exists() and (h := engine_host(m.read_text())) is not None}
     return {**info, "servers": serve, "startup_s": json.loads(startup.read_text()) if startup.exists() else {},
-            "records": records, "targets": targets(servers, records), "engine_host": host}
+            "records": records, "targets": targets(servers, records)}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -149,12 +124,6 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", "Servers (seconds from start to /health 200): " + "; ".join(
             f"{label}: `parley serve {' '.join(flags)}` ({fmt(startup.get(label))} s)"
             for label, flags in doc["servers"].items())]
-    if doc.get("engine_host"):
-        lines += ["", "The engine's host time per iteration that ran a step (parley_engine_host_seconds over each "
-                      "server's whole run; bucket bounds):", "",
-                  "| backend | iterations | p50 ms ≤ | p99 ms ≤ | share ≤ 0.15 ms |", "|---|---|---|---|---|"]
-        lines += [f"| {label} | {h['iterations']} | {fmt(h['p50_ms_at_most'], 3)} | {fmt(h['p99_ms_at_most'], 3)} | "
-                  f"{fmt(h['share_within_0_15_ms'], 4)} |" for label, h in doc["engine_host"].items()]
     if doc["targets"]:
         lines += ["", "Targets:", "", "| target | backend | measured | met |", "|---|---|---|---|"]
         lines += [f"| {t['figure']} {t['target']} | {t['backend']} | {fmt(t['measured'])} | "

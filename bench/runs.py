@@ -92,9 +92,9 @@ class E2ERun:
 E2E_COMMON = ("--max-context", "2048", *PRICE)
 E2E_RUNS = (
     E2ERun("megakernel.bf16", (*LLAMA, *MEGAKERNEL, "--weights", "bf16"), sweep=True,
-           targets={"goodput_rps": 40, "ttft_ms_p50": 3}),  # TTFT: issue 30 (two processes)
+           targets={"goodput_rps": 40, "ttft_ms_p50": 4}),
     E2ERun("megakernel.fp8", (*LLAMA, *MEGAKERNEL, "--weights", "fp8"), sweep=True,
-           targets={"goodput_rps": 50, "ttft_ms_p50": 3}),
+           targets={"goodput_rps": 50, "ttft_ms_p50": 4}),
     # The in-run peer: the PyTorch decoder on the same GPU (~0.75 s a request, hence fewer).
     E2ERun("reference.bf16", (*LLAMA, *REFERENCE), sweep=False, single_requests=20),
     E2ERun("qwen.megakernel.bf16", (*QWEN, *MEGAKERNEL, "--weights", "bf16"), sweep=False),
@@ -148,7 +148,7 @@ VOICE_TURNS = 8  # the voice scenario's (parley-loadtest --scenario voice): for 
 
 def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sessions: int = 4, warmup: int = 1,
           think_s: float = 0.5, fresh: str = "32,1000,2000,4000", fresh_requests: int = 10, fresh_out: int = 64,
-          sweep_rates: str = "1,2,4,8,16", sweep_s: float = 10.0, sweep_workers: int = 1,
+          sweep_rates: str = "1,2,4,8", sweep_s: float = 10.0, sweep_workers: int = 1,
           endpoints: str = "chat,realtime", voice_args: str = "") -> Benchmark:
     """Voice: one server (synthetic Llama-3.2-1B, the megakernel, `weights`, 8k context; `serve_args` replace or add
     flags) measured by `parley-loadtest --scenario voice` (8 turns, a 1,500-token system prompt, 40-token messages,

@@ -84,39 +84,15 @@ def metric(samples: list[Sample], name: str, **labels: str) -> float | None:
 
 
 def rss_mb(pid: int | None) -> float | None:
-    """The resident memory of the server: process `pid` and its children (the engine process, other front ends)."""
     if pid is None:
         return None
-    total = None
-    for p in [pid, *children(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total = (total or 0.0) + int(line.split()[1]) / 1024
-        except OSError:
-            continue
-    return total
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not)."""
     try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (Linux /proc; none elsewhere)."""
-    out = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 # -- one request of each kind -------------------------------------------------------------------------------------
@@ -405,7 +381,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: spawned parley serve {args.spawn} at {base} (pid {pid}, log {log})")
     else:
         base, pid = args.url.rstrip("/"), args.pid
-    spawned = [] if proc is None else children(proc.pid)  # the engine process (and other front ends)
     try:
         _, problems = asyncio.run(soak(base, pid, args))
     finally:
@@ -414,11 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     if proc is not None and log is not None:
         if proc.returncode != 0:
             problems.append(f"the server exited {proc.returncode} on SIGTERM")
-        end = time.monotonic() + 5
-        while (orphans := [p for p in spawned if alive(p)]) and time.monotonic() < end:
-            time.sleep(0.1)
-        if orphans:
-            problems.append(f"processes of the server outlived it: {orphans}")
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             problems.append(f"a traceback in the server's log ({log}):\n" + text[text.index("Traceback"):][:2000])

@@ -76,8 +76,6 @@ class ServeConfig(BaseSettings):
                            "raises, once; 0: never")
     hang_step: int = Field(0, description="testing: the decode step (1-based, of users' requests) that hangs "
                            "(wedges the engine); 0: never")
-    api_workers: int = Field(1, ge=1, description="front-end processes (HTTP and WebSocket: templates, tokenization, "
-                             "detokenization, SSE) beside the one engine process; they share the port")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging threshold")
     access_log: bool = Field(False, description="log every HTTP request")
 

@@ -51,10 +51,6 @@ class Metrics:
         self.decode_step = Histogram(
             "parley_decode_step_seconds", "One decode step of the whole running batch", ["batch_size"],
             buckets=STEP_BUCKETS, registry=r)
-        self.engine_host = Histogram(
-            "parley_engine_host_seconds", "The host's time in an engine iteration that ran a step: all but waiting "
-            "for the device to hand the step's tokens back (on the CPU, the step's compute counts)",
-            buckets=STEP_BUCKETS, registry=r)
         self.gc_pause = Histogram(
             "parley_gc_pause_seconds", "Python garbage-collector pauses: every stream stalls during one",
             ["generation"], buckets=STEP_BUCKETS, registry=r)

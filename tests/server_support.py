@@ -121,38 +121,12 @@ def health_status(base: str, timeout_s: float = 30.0) -> int:
     return httpx.get(f"{base}/health", timeout=timeout_s).status_code
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (a server started in a session of its own: the front end and the
-    engine process), zombies left out."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
-
-
 def rss_mb(pid: int) -> float:
-    """The resident set (VmRSS of /proc/<pid>/status), in MiB, of process `pid` and of the processes of its group
-    (a server's: the front end and the engine process)."""
-    total = None
-    for p in dict.fromkeys([pid, *group_pids(pid)]):
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total = (total or 0.0) + int(line.split()[1]) / 1024
-    if total is None:
-        raise AssertionError(f"no VmRSS for pid {pid}")
-    return total
+    """The process's resident set (VmRSS of /proc/<pid>/status), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 # -- /metrics -----------------------------------------------------------------------------------------------------

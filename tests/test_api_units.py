@@ -1,10 +1,9 @@
 """The API's pieces without a server process: sentence chunking, request parsing (the table of unsupported fields,
-the realtime settings), and the app built in-process (create_app, its engine served from threads of the test's
-process) on the tiny synthetic model."""
+the realtime settings), and the app built in-process (create_app with a runtime factory) on the tiny synthetic
+model."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from pydantic import ValidationError
 
 from service.api.app import create_app
 from service.api.chunking import SentenceChunker
-from service.api.engine_client import EngineClient
 from service.api.prompts import sampling_params
 from service.api.protocol import (
     SESSION_SETTINGS,
@@ -27,8 +25,6 @@ from service.api.protocol import (
 )
 from service.api.state import server_state
 from service.config import ServeConfig
-from service.engine.ipc import Addresses
-from service.engine_process import serve_in_threads
 from service.runtime import build_engine
 
 
@@ -125,19 +121,9 @@ SLA_TOKENS = 8  # not 64: the realtime timing key is named for the server's N
 def app_client():
     cfg = ServeConfig(model="synthetic:tiny", max_batch=2, max_context=256, device="cpu", backend="reference",
                       sla_tokens=SLA_TOKENS)
-    addresses = Addresses.fresh()
-
-    async def connect() -> EngineClient:
-        # the engine served from threads of this process, over the same sockets and messages as the engine process
-        stop = serve_in_threads(await asyncio.to_thread(build_engine, cfg), addresses)
-        client = await EngineClient.connect(addresses)
-        client.on_close.append(stop)
-        return client
-
-    app = create_app(connect)
+    app = create_app(lambda: build_engine(cfg))
     with TestClient(app) as client:  # the lifespan builds the runtime before the first request
         yield client, app
-    addresses.remove()
 
 
 def test_app_from_a_factory(app_client) -> None:
@@ -271,25 +257,3 @@ def test_the_request_models_do_not_import_the_grammar_engine() -> None:
     code = "import sys, service.api.protocol, service.api.answers; print('llguidance' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
-
-
-def test_a_stop_string_read_by_the_front_end_ends_the_request_as_completed(app_client) -> None:
-    """The front end detokenizes and reads stop strings (the engine sends ids only): the text ends before the stop,
-    the usage counts the tokens up to it, and the engine ends the request as completed, not cancelled."""
-    client, _ = app_client
-    body = {"prompt": "hello", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}  # the same twice
-    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    at = next((i for i in range(1, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isprintable()
-               and text.find(text[i:i + 2]) == i), None)
-    if at is None:
-        pytest.skip(f"no stop string to cut this output at: {text!r}")
-
-    def completed() -> float:
-        lines = client.get("/metrics").text.splitlines()
-        return sum(float(ln.split()[-1]) for ln in lines if ln.startswith('parley_requests_total{outcome="completed"'))
-
-    before = completed()
-    r = client.post("/v1/completions", json={**body, "stop": [text[at:at + 2]]}).json()
-    assert r["choices"][0]["text"] == text[:at] and r["choices"][0]["finish_reason"] == "stop"
-    assert 1 <= r["usage"]["completion_tokens"] < 24
-    assert completed() == before + 1

@@ -59,7 +59,7 @@ def test_voice_plan_fits_one_call() -> None:
     assert names == ["session-chat", "session-realtime", "fresh-32", "fresh-1000", "fresh-2000", "fresh-4000",
                      "sweep-chat", "sweep-realtime"]
     sweep = server.loadtests[-1].args
-    assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8,16"
+    assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8"
     assert plan.estimate_s() < GPU_CALL_S - 60
     assert "fp8" in " ".join(voice(weights="fp8").servers[0].serve)
 
@@ -126,16 +126,3 @@ def test_e2e_starts_parley(tmp_path: Path) -> None:
     doc = json.loads(report.read_text())
     assert "--model synthetic:tiny" in " ".join(doc["servers"]["reference.bf16"])
     assert 0 < doc["startup_s"]["reference.bf16"] < 300  # the start-up, as issue 21 bounds it
-
-
-def test_the_e2e_report_reads_the_engines_host_time() -> None:
-    """parley_engine_host_seconds from a server's /metrics: p50 and p99 as bucket bounds, the share within 0.15 ms."""
-    from bench.e2e_report import engine_host
-    from service.metrics import Metrics
-
-    m = Metrics()
-    for seconds in [0.00005] * 90 + [0.00012] * 9 + [0.0004]:
-        m.engine_host.observe(seconds)
-    assert engine_host(m.render().decode()) == {"iterations": 100, "p50_ms_at_most": 0.1, "p99_ms_at_most": 0.15,
-                                                "share_within_0_15_ms": 0.99}
-    assert engine_host(Metrics().render().decode()) is None  # no step ran

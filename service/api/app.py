@@ -1,13 +1,12 @@
-"""create_app: the FastAPI application — a front end: OpenAI-compatible HTTP (completions, chat, models), the realtime
-WebSocket, /health and /metrics. Give it a coroutine function that connects to the engine process (engine_client.py;
-`parley serve`, tests): it runs in the lifespan, before the server answers anything, so /health is 200 only once the
-engine has loaded the model and warmed up. /metrics is the engine process's registry (every series is the engine's)."""
+"""create_app: the FastAPI application — OpenAI-compatible HTTP (completions, chat, models), the realtime WebSocket,
+/health and /metrics. Give it a Runtime (tests) or a factory that builds one (`parley serve`): the factory runs in
+the lifespan, before the server answers anything, so /health is 200 only once the model is loaded and warm."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,32 +20,38 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import completions, errors, realtime
 from service.api.answers import ModelCard, ModelList
-from service.api.engine_client import EngineClient
 from service.api.errors import APIError
 from service.api.state import ServerState, server_state
 from service.api.tools import ToolDialect
 from service.metrics import CONTENT_TYPE
+from service.runtime import Runtime
 
 log = logging.getLogger("parley.api")
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 
 
-def create_app(connect: Callable[[], Awaitable[EngineClient]], max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     state = ServerState()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:
-            state.client = await connect()
-        except Exception as e:
-            state.failed = f"the model could not be loaded: {e}"
-            log.exception("start-up failed")
-            raise
+        built = False
+        if isinstance(runtime, Runtime):
+            state.runtime = runtime
+        else:
+            try:
+                state.runtime = await asyncio.to_thread(runtime)
+                built = True
+            except Exception as e:
+                state.failed = f"the model could not be loaded: {e}"
+                log.exception("start-up failed")
+                raise
         try:
             yield
         finally:
-            await state.client.close()
+            if built and state.runtime is not None:
+                await asyncio.to_thread(state.runtime.engine.stop)
 
     app = FastAPI(title="Parley", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.parley = state
@@ -64,16 +69,22 @@ def create_app(connect: Callable[[], Awaitable[EngineClient]], max_body_bytes: i
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await engine_answer(state.loaded(), "metrics"), media_type=CONTENT_TYPE)
+        return Response(state.loaded().engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/latency_model", response_model=None)
     async def latency_model() -> JSONResponse:
         """What admission predicts with: decode-step time per batch size and prefill time per prompt length,
         measured at start-up and corrected from every step since; and the SLA it enforces."""
-        return JSONResponse(json.loads(await engine_answer(state.loaded(), "latency_model")))
+        rt = state.loaded()
+        adm = rt.admission
+        return JSONResponse({**rt.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
+                             "best_effort": adm.best_effort, "strict": adm.strict,
+                             "bias": round(adm.bias, 4), "margin": round(adm.margin, 4),
+                             "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
+                             "backend": rt.backend, "device": rt.device})
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.loaded().info.model_id, created=state.created, max_model_len=state.max_context,
+        return ModelCard(id=state.loaded().model_id, created=state.created, max_model_len=state.max_context,
                          capabilities=ToolDialect.of(state.tokenizer).capabilities())
 
     @app.get("/v1/models", response_model=None)
@@ -90,14 +101,6 @@ def create_app(connect: Callable[[], Awaitable[EngineClient]], max_body_bytes: i
     return app
 
 
-async def engine_answer(client: EngineClient, what: str) -> bytes:
-    """The engine process's answer to a question (engine_client.py), or a 503 once it is gone."""
-    try:
-        return await client.query(what)
-    except (RuntimeError, TimeoutError) as e:
-        raise APIError(503, f"the engine did not answer: {e}", code="engine_gone", headers={"Retry-After": "5"}) from e
-
-
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema (the request bodies are the pydantic models), less the 422 it documents for every body:
     Parley answers a bad body with 400 in OpenAI's shape (documented per route). Once the model is loaded, the
@@ -112,7 +115,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         models.pop(name, None)
     st = server_state(app)
-    if st.client is None:
+    if st.runtime is None:
         return schema  # not cached: the limits come with the model
     ctx, vocab = st.max_context, st.vocab_size
     for model, fields in (("CompletionRequest", ("max_tokens",)),

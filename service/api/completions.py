@@ -174,7 +174,7 @@ def serving(request: Request, body: OpenAIRequest) -> ServerState:
 async def answer(endpoint: Endpoint, body: OpenAIRequest, turn: Turn, st: ServerState, request: Request,
                  arrival: float) -> Response:
     """Submit now (so that a refusal is a plain 429 or 400), then stream (SSE) or collect (JSON) the answer."""
-    stream = await turn.submit(st, arrival)
+    stream = turn.submit(st, arrival)
     answer = Answer(endpoint, f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time()), st.model_id,
                     body.include_usage, turn.reader())
     if body.stream:

@@ -1,4 +1,5 @@
-"""The steps of building a turn (turn.py): text and chat messages encoded, max_tokens, the sampling parameters."""
+"""The steps of building a turn (turn.py): text and chat messages encoded, max_tokens, the sampling parameters and the
+grammar."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 from service.api.errors import APIError
 from service.api.protocol import SamplingFields
+from service.engine.constraint import TokenConstraint
+from service.engine.grammar import GrammarError, grammars
 from service.engine.request import SamplingParams
 from service.model.tokenizer import Tokenizer
 
@@ -57,10 +60,21 @@ def chat_max_tokens(prompt_len: int, max_context: int) -> int:
     return max(1, min(DEFAULT_CHAT_MAX_TOKENS, max_context - prompt_len))
 
 
-def sampling_params(fields: SamplingFields, max_tokens: int) -> SamplingParams:
-    """The engine's parameters from what a request (or a realtime turn) asked for (its grammar travels beside them:
-    Turn.grammar)."""
+def sampling_params(fields: SamplingFields, max_tokens: int, constraint: TokenConstraint | None = None
+                    ) -> SamplingParams:
+    """The engine's parameters from what a request (or a realtime turn) asked for, and the grammar it follows."""
     temperature = 0.0 if fields.temperature < GREEDY_BELOW else fields.temperature
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=fields.top_p,
                           top_k=max(0, fields.top_k), seed=fields.seed, stop=fields.stop_sequences,
-                          ignore_eos=fields.ignore_eos)
+                          ignore_eos=fields.ignore_eos, constraint=constraint)
+
+
+async def grammar_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int], grammar: str, param: str
+                             ) -> TokenConstraint:
+    """One request's grammar (Lark), compiled off the event loop: a few ms, and the first one also builds the
+    grammar engine's vocabulary (~0.3 s). A grammar that does not compile is the request's fault (`param`)."""
+    try:
+        return await asyncio.to_thread(grammars(tokenizer, eos_ids).constraint, grammar)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: no grammar can be built from it: {e}", param=param,
+                       code="invalid_schema") from e

@@ -32,7 +32,6 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from service.api.chunking import SentenceChunker
-from service.api.engine_client import RemoteSession
 from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
 from service.api.protocol import RealtimeResponseConfig, RealtimeSessionConfig
 from service.api.realtime_events import (
@@ -66,7 +65,8 @@ from service.api.streaming import EngineStream
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ParsedCall, ToolEvent
 from service.api.truncation import ReplyItem, Truncate
 from service.api.turn import Conversation, Fields, TurnRequest, build_turn, check_schemas
-from service.engine.admission import Rejected
+from service.engine.engine import Rejected
+from service.engine.kv_slots import Session
 from service.engine.request import Delta, outcome_of
 
 log = logging.getLogger("parley.realtime")
@@ -113,7 +113,7 @@ class RealtimeConnection:
     def __init__(self, ws: WebSocket, st: ServerState) -> None:
         self.ws, self.st = ws, st
         self.engine = st.engine
-        self.session: RemoteSession = self.engine.new_session()
+        self.session: Session = self.engine.new_session()
         self.settings = RealtimeSessionConfig()  # session.update changes them; each response.create starts there
         self.conversation: list[dict[str, Any]] = []
         self.active: ActiveResponse | None = None
@@ -238,7 +238,7 @@ class RealtimeConnection:
             response_format=settings.response_format))
         rid = cfg.id or f"resp_{uuid.uuid4().hex[:20]}"
         try:
-            stream = await turn.submit(self.st, received, session=self.session)
+            stream = turn.submit(self.st, received, session=self.session)
         except Rejected as r:
             err = from_rejected(r)
             await self.error(err.type, err.code, err.message, event_type="response.create", response_id=rid,

@@ -1,6 +1,5 @@
-"""ServerState: what the handlers share — the engine client once the engine process is ready, whether the server
-drains, and the streams still being written (a drain waits for them, not only for the engine). `server_state(app)`
-finds it."""
+"""ServerState: what the handlers share — the runtime once it is built, whether the server drains, and the streams
+still being written (a drain waits for them, not only for the engine). `server_state(app)` finds it."""
 
 from __future__ import annotations
 
@@ -10,20 +9,22 @@ from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 
-from service.api.engine_client import EngineClient, RemoteSession
 from service.api.errors import APIError
 from service.api.streaming import EngineStream
+from service.engine.engine import Engine
+from service.engine.kv_slots import Session
 from service.engine.request import SamplingParams
 from service.model.tokenizer import Tokenizer
+from service.runtime import Runtime
 
 RETRY_AFTER = {"Retry-After": "5"}
 
 
 @dataclass
 class ServerState:
-    client: EngineClient | None = None
+    runtime: Runtime | None = None
     draining: bool = False
-    failed: str | None = None  # why the engine could not be started
+    failed: str | None = None  # why the runtime could not be built
     created: int = field(default_factory=lambda: int(time.time()))
     _streams: int = 0
     _streams_changed: threading.Condition = field(default_factory=threading.Condition)
@@ -31,24 +32,26 @@ class ServerState:
     # -- readiness ----------------------------------------------------------------------------------------
     def _unavailable(self) -> tuple[str, str, str] | None:
         """Why no request can be served now, as (error code, error message, /health status); None when ready."""
-        client = self.client
-        if client is None:
+        rt = self.runtime
+        if rt is None:
             return "not_ready", self.failed or "the model is still loading", self.failed or "loading"
-        why = client.unavailable()
-        if why is None and self.draining:
+        if self.draining or not rt.engine.accepting:
             return "draining", "the server is shutting down", "draining"
-        return why
+        if not rt.engine.healthy():  # wedged or dead: an answer now beats a request that would wait forever
+            return "engine_unhealthy", "the engine is not responding; this server should be restarted", \
+                "engine unhealthy"
+        return None
 
-    def ready(self) -> EngineClient:
-        """The engine's client, or a 503 in OpenAI's shape while loading, draining, wedged or gone."""
+    def ready(self) -> Runtime:
+        """The runtime, or a 503 in OpenAI's shape while loading, draining or wedged."""
         why = self._unavailable()
         if why is not None:
             raise APIError(503, why[1], code=why[0], headers=dict(RETRY_AFTER))
-        return self.engine
+        return self._runtime
 
-    def loaded(self) -> EngineClient:
-        """The engine's client, also while draining (what it describes stays true); a 503 while loading."""
-        return self.ready() if self.client is None else self.client
+    def loaded(self) -> Runtime:
+        """The runtime, also while draining (what it describes stays true); a 503 while loading."""
+        return self.ready() if self.runtime is None else self.runtime
 
     def health(self) -> tuple[bool, str]:
         why = self._unavailable()
@@ -62,39 +65,43 @@ class ServerState:
 
     # -- the served model -----------------------------------------------------------------------------------
     @property
-    def engine(self) -> EngineClient:
-        assert self.client is not None
-        return self.client
+    def _runtime(self) -> Runtime:
+        assert self.runtime is not None
+        return self.runtime
+
+    @property
+    def engine(self) -> Engine:
+        return self._runtime.engine
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self._runtime.model.tokenizer
 
     @property
     def model_id(self) -> str:
-        return self.engine.info.model_id
+        return self._runtime.model_id
 
     @property
     def max_context(self) -> int:
-        return self.engine.info.max_context
+        rt = self._runtime
+        return min(rt.config.max_context, rt.model.config.max_position_embeddings)
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.info.vocab_size
+        return self._runtime.model.config.vocab_size
 
     @property
     def sla_tokens(self) -> int:
         """N of the SLA's "token N within --sla-ms"."""
-        return self.engine.info.sla_tokens
+        return self._runtime.config.sla_tokens
 
     # -- streams in flight ----------------------------------------------------------------------------------
-    async def open_stream(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
-                          grammar: str | None = None, session: RemoteSession | None = None) -> EngineStream:
-        """The engine's submit, counted as a stream in flight until the stream is closed. What the engine answers
-        propagates: Rejected (429, 503), ValueError for a prompt it cannot take, GrammarError (Turn.submit answers
-        both)."""
-        stream = await self.engine.submit(prompt_ids, params, grammar, session=session, arrival=arrival,
-                                          on_close=self._stream_closed)
+    def open_stream(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                    session: Session | None = None) -> EngineStream:
+        """engine.submit, counted as a stream in flight until the stream is closed. What the engine raises
+        propagates: Rejected (429, 503), ValueError for a prompt it cannot take (Turn.submit answers it)."""
+        stream = EngineStream(self.engine, prompt_ids, params, session=session, arrival=arrival,
+                              on_close=self._stream_closed)
         with self._streams_changed:
             self._streams += 1
         return stream

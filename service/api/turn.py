@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.api import prompts
-from service.api.engine_client import RemoteSession
 from service.api.errors import APIError
 from service.api.protocol import NamedToolChoice, ResponseFormat, SamplingFields, ToolFields
 from service.api.reply import ReplyReader
 from service.api.state import ServerState
 from service.api.streaming import EngineStream
 from service.api.tools import ChatTools
-from service.engine.grammar import GrammarError, schema_error
+from service.engine.grammar import schema_error
+from service.engine.kv_slots import Session
 from service.engine.request import SamplingParams
 
 Message = dict[str, Any]  # a chat message as templates take it (ChatMessage.for_template)
@@ -68,30 +68,22 @@ class TurnRequest:
 
 @dataclass(frozen=True)
 class Turn:
-    """A turn ready to submit: its prompt's ids, the engine's parameters (and grammar: the engine process compiles
-    it), and what reads its reply."""
+    """A turn ready to submit: its prompt's ids, the engine's parameters, and what reads its reply."""
 
     ids: list[int]
     params: SamplingParams
     tools: ChatTools
     spoken: bool
     fields: Fields
-    grammar: str | None = None  # Lark
-    grammar_param: str = "response_format"  # what a grammar that does not compile is blamed on
 
     def reader(self) -> ReplyReader | None:
         """What reads a spoken reply (calls, content without markup); None for raw text (/v1/completions)."""
         return ReplyReader(self.tools.parser()) if self.spoken else None
 
-    async def submit(self, st: ServerState, arrival: float, session: RemoteSession | None = None) -> EngineStream:
-        """The engine's submit. Rejected (429, 503) propagates; a prompt the engine refuses is a 400 naming the
-        field, and so is a grammar it cannot build."""
+    def submit(self, st: ServerState, arrival: float, session: Session | None = None) -> EngineStream:
+        """Engine.submit. Rejected (429, 503) propagates; a prompt the engine refuses is a 400 naming the field."""
         try:
-            return await st.open_stream(self.ids, self.params, arrival, grammar=self.grammar, session=session)
-        except GrammarError as e:
-            param = self.grammar_param
-            raise APIError(400, f"{param}: no grammar can be built from it: {e}", param=param,
-                           code="invalid_schema") from e
+            return st.open_stream(self.ids, self.params, arrival, session=session)
         except ValueError as e:
             raise self.refusal(str(e), st.max_context, st.vocab_size) from e
 
@@ -133,8 +125,9 @@ async def build_turn(st: ServerState, asked: TurnRequest) -> Turn:
     max_tokens = asked.max_tokens if asked.max_tokens is not None else \
         prompts.chat_max_tokens(len(ids), st.max_context)
     grammar = tools.grammar(asked.response_format.output_schema if asked.response_format else None)
-    return Turn(ids, prompts.sampling_params(asked.sampling, max_tokens), tools, asked.spoken, f, grammar,
-                f.of("tools" if tools.required else "response_format"))
+    constraint = None if grammar is None else await prompts.grammar_constraint(
+        tok, st.engine.eos, grammar, param=f.of("tools" if tools.required else "response_format"))
+    return Turn(ids, prompts.sampling_params(asked.sampling, max_tokens, constraint), tools, asked.spoken, f)
 
 
 def check_schemas(tools: ToolFields, response_format: ResponseFormat | None, prefix: str = "") -> None:

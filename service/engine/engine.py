@@ -3,9 +3,8 @@ decode rows of running requests, chunks of new prompts riding beside them, prefi
 prompts — runs it on the decoder, and commits the step before it (commit.py): tokens and ends become events, which it
 streams as deltas to each request's sink and hands to metrics and admission. On a GPU it runs a step ahead: the next
 step is launched before the last one's tokens are read back, fed the tokens chosen on the device, so that the host's
-work per token hides behind the kernel. Its interface (submit, cancel, sessions, truncate, drain) is what the engine
-process serves to the front ends (service/engine_process.py); after each iteration `on_iteration` sends what the
-iteration streamed, in one message per front end.
+work per token hides behind the kernel. Its interface (submit, cancel, sessions, truncate, drain) is all the API layer
+sees.
 """
 
 from __future__ import annotations
@@ -64,14 +63,10 @@ class Engine:
                  metrics: Metrics | None = None, admission: Admission | None = None, sla_ms: float = 100.0,
                  sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0,
                  max_batch: int | None = None, max_rows: int | None = None,
-                 launch_min_tokens: int = LAUNCH_MIN_TOKENS, detokenize: bool = True) -> None:
+                 launch_min_tokens: int = LAUNCH_MIN_TOKENS) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
-        # False where the front ends detokenize and apply stop strings (engine_process.py): deltas carry ids alone
-        self.detokenize = detokenize
-        # called on the engine thread after every iteration (engine_process.py sends the iteration's output then)
-        self.on_iteration: Callable[[], None] | None = None
         self.metrics = metrics or Metrics(sla_tokens)
         self.sla_s, self.sla_tokens = sla_ms / 1e3, sla_tokens
         self.max_waiting = max_waiting
@@ -98,7 +93,6 @@ class Engine:
         self._feed_at = 0
         self._masks = StepMasks()  # where constrained rows' grammar masks go to the device
         self._last_completed = 0.0
-        self._device_wait = 0.0  # of this iteration, the seconds spent waiting for a step's tokens to be read back
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
         self._launch_phases: dict[str, float] = {}
@@ -155,8 +149,7 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"token ids must lie in [0, {vocab})")
         req = Request(prompt_ids=list(prompt_ids), params=params, sink=sink, session=session,
-                      output=TextOutput(self.tokenizer.detokenizer(), params.stop) if self.detokenize
-                      else TextOutput(None), sla_tokens=self.sla_tokens)
+                      output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
         if arrival is not None:
             req.arrival = arrival
         req.prompt_blocks = block_hashes(req.prompt_ids)
@@ -182,11 +175,9 @@ class Engine:
         self.metrics.requests.labels(outcome="rejected", reason=r.reason).inc()
         raise r
 
-    def cancel(self, req: Request, reason: str = "cancelled") -> None:
-        """Free the request's slot before the next step (barge-in, a dropped stream); it ends as `reason`
-        ("stop": a front end read a stop string in its text)."""
+    def cancel(self, req: Request) -> None:
+        """Free the request's slot before the next step (barge-in, a dropped stream)."""
         if req.state is not State.FINISHED:
-            req.cancel_reason = reason
             req.cancelled = True
             self._wake.set()
 
@@ -220,22 +211,18 @@ class Engine:
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
                 self._fail_all()
-                self._send_output()
 
     def _iteration(self) -> None:
         self._take_inbox()
         now = time.perf_counter()
-        self._device_wait = 0.0
-        self._publish([Finished(r, r.cancel_reason, now, n=len(r.output_ids)) for r in self.planner.take_cancelled()])
+        self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
         if not plan:  # nothing to run now: read what is in flight, or wait for work
             self._inflight = None
             if inflight is not None:
                 self._complete(inflight)
-                self._send_output()
             else:
-                self._send_output()
                 self._update_gauges()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -252,23 +239,9 @@ class Engine:
             else:
                 self._complete(launched)
         t_complete = time.perf_counter()
-        self._send_output()
-        t_send = time.perf_counter()
         self._update_gauges()
-        t_end = time.perf_counter()
         self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases,
-                                       "complete": t_complete - t_launch, "send": t_send - t_complete,
-                                       "gauges": t_end - t_send})
-        self.metrics.engine_host.observe(max(0.0, t_end - now - self._device_wait))
-
-    def _send_output(self) -> None:
-        """What this iteration streamed, out to the front ends in one go (engine_process.py), where that is how
-        deltas leave."""
-        if self.on_iteration is not None:
-            try:
-                self.on_iteration()
-            except Exception:
-                log.exception("sending an iteration's output failed")
+                                       "complete": t_complete - t_launch, "gauges": time.perf_counter() - t_complete})
 
     def _take_inbox(self) -> None:
         while True:
@@ -359,7 +332,6 @@ class Engine:
     def _complete(self, launched: Launched) -> None:
         """Read a launched step's tokens back and commit it."""
         self._busy_since = time.monotonic()
-        t0 = time.perf_counter()
         try:
             launched.tokens.read()
         except Exception as e:
@@ -370,7 +342,6 @@ class Engine:
             return
         finally:
             self._busy_since = None
-            self._device_wait += time.perf_counter() - t0
         now = time.perf_counter()
         # The step as a client sees it: from its launch, or from the last step's end where it was queued behind it.
         seconds = now - max(launched.t0, self._last_completed)

@@ -1,6 +1,5 @@
 """TextOutput: generated ids → text deltas, with stop sequences. Text that might be the start of a stop sequence is
-held back until it is known not to be one, so a client never sees part of a stop string. Without a detokenizer (an
-engine whose front ends detokenize: engine_process.py) it gives no text and never stops."""
+held back until it is known not to be one, so a client never sees part of a stop string."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from service.model.tokenizer import IncrementalDetokenizer
 
 
 class TextOutput:
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: tuple[str, ...] = ()) -> None:
         self._detok = detokenizer
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded, not yet sent
@@ -16,14 +15,10 @@ class TextOutput:
 
     def add(self, token_id: int) -> str:
         """Text to send for this token (maybe ''); sets `stopped` when a stop sequence completes."""
-        if self._detok is None:
-            return ""
         return self._release(self._detok.add(token_id), final=False)
 
     def finish(self) -> str:
         """Everything still held (trailing bytes of an unfinished character included)."""
-        if self._detok is None:
-            return ""
         return self._release(self._detok.flush(), final=True)
 
     def _release(self, piece: str, final: bool) -> str:

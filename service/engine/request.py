@@ -107,7 +107,6 @@ class Request:
     prefilled: int = 0  # prompt positions planned into steps (or a launch) so far
     visible: int = 0  # of those, the ones its slot says it holds, for later requests to copy
     cancelled: bool = False
-    cancel_reason: str = "cancelled"  # how a cancelled request ends: "cancelled", or "stop" (a front end's stop string)
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)
     choice: Choice = Choice.STEP
