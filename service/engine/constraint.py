@@ -27,6 +27,11 @@ class TokenConstraint(Protocol):
         """The token chosen next; raises if the grammar does not allow it."""
         ...
 
+    def lifted(self) -> bool:
+        """Whether it constrains nothing from here on (a grammar of a reply's opening, which has opened): the request
+        drops it and its tokens are chosen as an unconstrained request's are."""
+        ...
+
 
 def bitmask(tokens: Iterable[int], vocab: int) -> torch.Tensor:
     """The allowed() mask of a set of tokens, for a vocabulary of `vocab`."""

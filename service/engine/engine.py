@@ -155,6 +155,7 @@ class Engine:
         req.prompt_blocks = block_hashes(req.prompt_ids)
         req.cached_tokens = self.planner.slots.expected_cached(req.prompt_ids, req.prompt_blocks, session)
         req.choice = sampler.choice_of(req, self.decoder.draws_tokens)
+        req.lifted_choice = sampler.unconstrained_choice(params, self.decoder.draws_tokens)
         with self._lock:
             if self.stats.waiting >= self.max_waiting:
                 self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
