@@ -111,6 +111,22 @@ HERMES_REPLIES = [
      [{"name": "get_weather", "arguments": '{"city": "Par', "complete": False}]),
     ("cut short in the closing marker", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_c', "",
      [call("get_time", {})]),
+    ("cut short before the arguments: none made up",
+     '<tool_call>\n{"name": "get_weather", "argum', "", [{"name": "get_weather", "arguments": "", "complete": False}]),
+    ("cut short after the arguments' key", '<tool_call>\n{"name": "get_weather", "arguments": ', "",
+     [{"name": "get_weather", "arguments": "", "complete": False}]),
+    ("the same call twice is a stutter: one call",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "",
+     [call("get_weather", {"city": "Paris"})]),
+    ("a stutter cut short (max_tokens) is no call either",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"ci', "", [call("get_weather", {"city": "Paris"})]),
+    ("a stutter between two calls",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_time", "arguments": {}}\n</tool_call>', "",
+     [call("get_weather", {"city": "Paris"}), call("get_time", {})]),
 ]
 
 LLAMA3_REPLIES = [

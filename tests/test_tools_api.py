@@ -25,6 +25,9 @@ WEATHER_PARAMETERS = {"type": "object", "properties": {
     "required": ["city", "unit"]}
 GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather",
                                                 "parameters": WEATHER_PARAMETERS}}
+WEATHER_CITY = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 HANG_UP = {"type": "function", "function": {"name": "hang_up", "description": "End the call"}}
 ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
 
@@ -107,6 +110,37 @@ def test_auto_answers_and_a_conversation_goes_on_after_a_tool_result(client: ope
         # an answer in words (test_a_tool_round_trip_ends_in_speech)
         assert text.strip() and "<tool" not in text and usage is not None and usage.completion_tokens > 0
         assert usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_the_same_call_twice_is_one_call(client: openai.OpenAI) -> None:
+    """tool_choice "required" with parallel calls allowed: greedy SmolLM2 writes the same call twice (a stutter); an
+    agent would run the tool twice. Identical calls (same function, same arguments) are one, streamed or not."""
+    kwargs: Any = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
+                   "tools": [WEATHER_CITY], "tool_choice": "required", "max_tokens": 64, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+    streamed = streamed_calls(list(client.chat.completions.create(**kwargs, stream=True)))
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == calls and list(streamed) == [0]
+    # (the stutter may run to max_tokens: "length" then, and a repeat cut short is no call either)
+    assert whole.choices[0].finish_reason in ("tool_calls", "length")
+
+
+@pytest.mark.parametrize("max_tokens", [14, 15, 16, 17])
+def test_a_call_cut_by_max_tokens_has_what_the_model_wrote(client: openai.OpenAI, max_tokens: int) -> None:
+    """max_tokens ends the reply inside a call: the call's arguments are what the model wrote of them (a partial JSON
+    text, as OpenAI returns it; "" where it wrote none), never arguments it did not write ("{}", which the schema
+    refuses: `city` is required), streamed or not; finish_reason "length"."""
+    kwargs: Any = {"model": MODEL, "messages": ASK, "tools": [WEATHER_CITY], "tool_choice": "required",
+                   "parallel_tool_calls": False, "temperature": 0}
+    full = client.chat.completions.create(**kwargs, max_tokens=64).choices[0].message.tool_calls or []
+    cut = client.chat.completions.create(**kwargs, max_tokens=max_tokens).choices[0]
+    streamed = streamed_calls(list(client.chat.completions.create(**kwargs, max_tokens=max_tokens, stream=True)))
+    assert cut.finish_reason == "length"
+    calls = [c.function.arguments for c in cut.message.tool_calls or []]
+    assert calls == [c["arguments"] for c in streamed.values()]
+    for arguments in calls:
+        assert arguments != "{}" and full[0].function.arguments.startswith(arguments), (arguments, full)
 
 
 @pytest.mark.parametrize("trip", ROUND_TRIPS[:3], ids=lambda t: t.tool)

@@ -271,5 +271,5 @@ class Answer:
             return Reply(text)
         events = self.reader.feed(text) + self.reader.finish()
         return Reply("".join(e.text for e in events if isinstance(e, Content)),
-                     [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments or "{}"))
+                     [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in self.reader.calls])

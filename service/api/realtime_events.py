@@ -16,7 +16,8 @@ from pydantic import BaseModel, Field, model_serializer
 from service.api.protocol import SESSION_SETTINGS, RealtimeSessionConfig
 from service.engine.request import Timings, Usage
 
-Outcome = Literal["completed", "cancelled", "failed"]  # how a response ended (engine.request.outcome_of)
+# how a response ended: engine.request.outcome_of, and "incomplete" for a reply cut by max_tokens (OpenAI's name)
+Outcome = Literal["completed", "incomplete", "cancelled", "failed"]
 CallStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -109,10 +110,11 @@ class ErrorInfo(BaseModel):
 
 
 class StatusDetails(BaseModel):
-    """Why a response failed."""
+    """Why a response failed (`error`) or is incomplete (`reason`: "max_output_tokens", as OpenAI says)."""
 
-    type: Literal["failed"] = "failed"
-    error: ErrorInfo
+    type: Literal["failed", "incomplete"] = "failed"
+    error: ErrorInfo | None = Field(default=None, exclude_if=_none)
+    reason: str | None = Field(default=None, exclude_if=_none)
 
 
 class RealtimeResponse(BaseModel):
