@@ -166,7 +166,8 @@ class OutputTextDelta(BaseModel):
 
 
 class OutputItemAdded(BaseModel):
-    """A tool call begins. Its output_index counts the assistant message (always output[0]) first."""
+    """A tool call begins. Its output_index counts the assistant message first where the reply spoke before its first
+    call (a reply of calls alone has no message item)."""
 
     type: Literal["response.output_item.added"] = "response.output_item.added"
     response_id: str
@@ -174,23 +175,23 @@ class OutputItemAdded(BaseModel):
     item: FunctionCallItem
 
 
-class FunctionCallArgumentsDelta(BaseModel):
-    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+class FunctionCallEvent(BaseModel):
+    """What every event of a tool call's arguments names: the call, its item, and where the item is in `output`."""
+
     response_id: str
     item_id: str
     output_index: int
     call_id: str
     name: str
+
+
+class FunctionCallArgumentsDelta(FunctionCallEvent):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     delta: str
 
 
-class FunctionCallArgumentsDone(BaseModel):
+class FunctionCallArgumentsDone(FunctionCallEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    response_id: str
-    item_id: str
-    output_index: int
-    call_id: str
-    name: str
     arguments: str
 
 
