@@ -39,6 +39,8 @@ log = logging.getLogger("parley.admission")
 
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
+PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked the calibration (one timed on a busy
+# 2-core host ran 3.7x the real steps)
 MAX_MARGIN = 1.0  # predictions are never stretched by more than 2x
 MAX_WIDEN = 0.1  # one late SLA token widens the margin by at most this much (one 10x-late outlier had widened it to
 # 0.95 on the H100, and a nearly idle server refused every 64-token turn for seconds)
@@ -143,7 +145,7 @@ class AdmissionController:
         if len(active) >= self.max_batch and self.full_steps < self.sla_tokens:
             raise Rejected("overloaded", "every seat is taken, and this server has not yet served full batches to "
                            "know when one frees", self.retry_after_s(active, now))
-        horizon = PROBE_WITHIN * self.sla_s
+        horizon = self._probe_within() * self.sla_s
         joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon)
         t_nth = joined[id(req)]
         if req.deadline is not None and t_nth > req.deadline:
@@ -169,17 +171,19 @@ class AdmissionController:
         """Admit a request predicted to miss, on an idle server (it can delay nobody), now and then: otherwise a
         latency model that is too pessimistic (a stalled calibration sample, slow steps seen in a load spike) would
         refuse everything for ever, never observing the steps that would correct it. A latency model that no served
-        step has checked yet is the calibration alone, however far off it predicts: a start-up on a busy host had
-        timed one-row steps at 267 ms that took 72 ms a second later, and its strict server refused every request,
-        idle or not, for good."""
-        unchecked = self.latency.observed_steps == 0
-        if now - self._last_probe < PROBE_EVERY_S or (t_nth - req.arrival > PROBE_WITHIN * self.sla_s
-                                                      and not unchecked):
+        step has checked yet is the calibration alone, and is given more room: a start-up on a busy host had timed
+        one-row steps at 267 ms that took 72 ms a second later, and its strict server refused every request, idle or
+        not, for good."""
+        if now - self._last_probe < PROBE_EVERY_S or t_nth - req.arrival > self._probe_within() * self.sla_s:
             return False
         self._last_probe = now
         log.info("admitting %s as a probe: predicted %.0f ms for its SLA token on an idle server (SLA %.0f ms)",
                  req.id, (t_nth - req.arrival) * 1e3, self.sla_s * 1e3)
         return True
+
+    def _probe_within(self) -> float:
+        """How many SLAs away an idle server's prediction may be for a probe."""
+        return PROBE_WITHIN_UNCHECKED if self.latency.observed_steps == 0 else PROBE_WITHIN
 
     def _stretch(self) -> float:
         """Predictions are scaled by the learned bias, then stretched by the safety margin."""

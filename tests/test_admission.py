@@ -478,3 +478,20 @@ def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
             if stamps[i][sla_tokens - 1] - t0 > sla_s}
     assert not late, f"admitted and late (ms): {late}"
     assert 1 <= len(admitted) <= SLOTS  # the first wave: admission still admits what it can serve
+
+
+def test_a_strict_server_probes_a_calibration_no_served_step_has_checked():
+    """A calibration timed on a busy moment (3x the real steps: 64 tokens predicted at 2.9x the SLA) must not make a
+    strict idle server refuse for good: it admits a probe (one a second), whose steps correct the model. Once served
+    steps have checked the model, its predictions are trusted further: the same one is refused."""
+    lat = LatencyModel({1: 0.009}, {16: 0.009}, max_rows=16)  # 64 x 9 ms = 0.58 s for an SLA of 0.2 s
+    adm = AdmissionController(lat, 0.2, 64, 4, strict=True, margin=0.05)
+    probe = newcomer()
+    adm.check(probe)
+    adm.release(probe)
+    with pytest.raises(Rejected):  # a second within PROBE_EVERY_S
+        adm.check(newcomer())
+    checked = LatencyModel({1: 0.009}, {16: 0.009}, max_rows=16)
+    checked.observe_step(1, 0.009)
+    with pytest.raises(Rejected, match="cannot deliver"):
+        AdmissionController(checked, 0.2, 64, 4, strict=True, margin=0.05).check(newcomer())
