@@ -382,6 +382,10 @@ def test_a_lagging_request_takes_two_steps_a_token_beside_others():
     adm.check(newcomer(state=State.RUNNING, max_tokens=200))
     with pytest.raises(Rejected):
         adm.check(newcomer(lags=True))  # beside it: 1 + 126 ms
+    # a reply to a tool's result is held to its opening only (tools.SPEECH_OPENING), then runs step by step: on time
+    opening = newcomer(lags=True)
+    opening.constraint = type("Opening", (), {"opening": True})()
+    adm.check(opening)
 
 
 def test_the_engine_predicts_with_what_the_prefix_cache_holds():

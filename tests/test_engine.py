@@ -463,6 +463,8 @@ class OnlyTokens:
     def accept(self, token):
         self.accepted.append(token)
 
+    opening = False
+
     def lifted(self):
         return False
 

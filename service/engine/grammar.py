@@ -129,6 +129,10 @@ class GrammarConstraint:
         if not self.lifted():
             self._start()  # (a complete grammar's mask allows its end-of-sequence tokens)
 
+    @property
+    def opening(self) -> bool:
+        return self._opening
+
     def lifted(self) -> bool:
         return self._opening and self._matcher.is_accepting()
 
