@@ -146,3 +146,20 @@ def test_a_response_to_nothing_is_an_error(shared_server: Server) -> None:
     assert error["type"] == "error" and error["error"]["code"] == "empty_input"
     assert error["error"]["param"] == "response.input"
     assert created["type"] == "response.created" and done["usage"]["completion_tokens"] == 2
+
+
+def test_a_repeated_call_is_one_call_and_ends_the_reply(shared_server: Server) -> None:
+    """Parallel calls allowed, greedy SmolLM2 writes the same call again and again: one function_call item, the
+    reply cut there (completed, not run to max_tokens)."""
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        async with connect(shared_server.ws) as ws:
+            await opened(ws)
+            await send(ws, {"type": "response.create", "response": {"input": ASK, "parallel_tool_calls": True,
+                                                                    "max_tokens": 200}})
+            return await until_done(ws)
+
+    events, done = run(go())
+    assert done["status"] == "completed" and done["usage"]["completion_tokens"] < 200
+    [call] = done["output"]
+    assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"city": "Paris"}
+    assert len([e for e in events if e["type"] == "response.output_item.added"]) == 1

@@ -311,10 +311,14 @@ class RealtimeConnection:
 
         try:
             async for d in active.stream:
+                if active.reader.repeated:  # cut at a repeated call (below): a stop, not a cancel
+                    d = replace(d, finish_reason=active.reader.finished(d.finish_reason))
                 last = d
                 if d.finish_reason in ("cancelled", "error"):
                     break
                 events = active.reader.feed(d.text) + (active.reader.finish() if d.finish_reason else [])
+                if active.reader.repeated:  # a call again: the model stutters; the reply ends here
+                    active.stream.cancel()
                 reply.add(replace(d, text="".join(e.text for e in events if isinstance(e, Content))))
                 for e in events:
                     if isinstance(e, Content):

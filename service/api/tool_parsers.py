@@ -147,6 +147,7 @@ class ToolCallParser:
     def __init__(self, fmt: CallFormat, tools: Collection[str], max_calls: int | None = None) -> None:
         self.fmt, self.tools, self.max_calls = fmt, frozenset(tools), max_calls
         self.calls: list[ParsedCall] = []
+        self.repeated = False  # a call was left out as a repeat of an earlier one: the model stutters
         self._pending = ""
         self._call: _Call | None = None
         self._spoke = False  # content other than whitespace came: a bare JSON object is no call any more
@@ -198,6 +199,7 @@ class ToolCallParser:
         events, call.held = call.held, []
         if any(p.name == call.call.name and _repeats(p.arguments, call.call) for p in self.calls[:call.index]):
             self.calls.remove(call.call)
+            self.repeated = True
             return []
         return events
 
