@@ -34,7 +34,7 @@ HERMES_TOOLS_PROMPT = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>\n\n'
-    "When a function's result comes back, answer the user with it in plain words.")
+    "When a function's result comes back, answer the user's question with it in one short sentence.")
 
 
 # A reply to a tool's result opens with a word: not with the result echoed back in the markup the prompt showed
