@@ -11,9 +11,10 @@ be with it (one late whatever happens holds nobody back).
 A request that would wait for a seat is forecast by when admitted requests end: a prediction resting on predictions of
 full batches. Until this server has served a full batch for as many steps as a request takes to its SLA token (the
 latency model and the bias have then seen how this host serves full batches, beyond the calibration's bare steps: a
-2-core CPU serving four streams ran 1.3x the calibrated steps), such a request is refused (429, overloaded): a fresh
-strict-SLA server admitted a second wave of a burst that then reached its SLA token 25% late. Requests that find a
-seat are judged as ever, and once full batches have been served, so is everyone.
+2-core CPU serving four streams ran 1.3x the calibrated steps), such a request is forecast with steps as slow as the
+latency model may yet learn them (LEARN_CEILING x the calibration): a fresh strict-SLA server had admitted a second
+wave of a burst, forecast just within its SLA, that then reached its SLA token 25% late. Requests that find a seat are
+judged as ever, and once full batches have been served, so is everyone.
 
 The margin that stretches predictions widens when SLA tokens come late (a busy host) and comes back to the configured
 one as tokens come on time and as time passes; one late token widens it by MAX_WIDEN at most. An idle server, which
@@ -33,7 +34,7 @@ from service.engine.commit import Event, Finished, StepDone, Token
 from service.engine.kv_slots import KVSlots
 from service.engine.planner import Planner
 from service.engine.request import Request, State
-from service.latency_model import LatencyModel
+from service.latency_model import LEARN_CEILING, LatencyModel
 
 log = logging.getLogger("parley.admission")
 
@@ -70,7 +71,7 @@ class AdmissionController:
         self.bias = 1.0
         self._outlier_before = False  # the last SLA token was an outlier
         self.full_steps = 0  # steps served with every seat taken (as many as take a request to its SLA token: seat
-        # waits are forecast from what they taught)
+        # waits are forecast from what they taught, not stretched by LEARN_CEILING)
         self._last_probe = -math.inf
         self.strict = strict
         self._lock = threading.Lock()
@@ -143,8 +144,7 @@ class AdmissionController:
             return lat.prefill(tokens, cached) * stretch
 
         if len(active) >= self.max_batch and self.full_steps < self.sla_tokens:
-            raise Rejected("overloaded", "every seat is taken, and this server has not yet served full batches to "
-                           "know when one frees", self.retry_after_s(active, now))
+            stretch *= LEARN_CEILING  # a seat wait on full batches not yet served: as slow as the model may learn
         horizon = self._probe_within() * self.sla_s
         joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon)
         t_nth = joined[id(req)]
