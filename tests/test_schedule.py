@@ -70,3 +70,29 @@ def test_every_wait_is_met_by_earlier_tasks(head_counters: bool) -> None:
     waits = Counter((t["wait"], t["target"]) for t in tasks if t["wait"] >= 0)
     for (counter, target), _ in waits.items():
         assert counters[counter] == target, f"counter {counter} ends at {counters[counter]}, awaited at {target}"
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_split_k_tiles_arrive_once_per_part_and_cover_every_row(parts: int) -> None:
+    """Split K (Tiling.k_splits): each tile of O and down is `parts` tasks, one per part of K, each arriving on the
+    tile's own counter (a counter no other tile uses, inside the layout), and together the tasks cover every row
+    once per part; the schedule still finishes when run as the GPU would."""
+    dims = MODELS["llama-3.2-1b"]
+    tiling = I.Tiling(rows={Op.QKV: 32, Op.OPROJ: 64, Op.GATEUP: 64, Op.DOWN: 64, Op.LMHEAD: 64},
+                      k_splits={Op.OPROJ: parts, Op.DOWN: parts})
+    s = I.build_schedule(dims, 4, 132, tiling)
+    recs = s.tasks.tolist()
+    for op in (Op.OPROJ, Op.DOWN):
+        mine = [r for r in recs if r[I.F_OP] == op and r[I.F_LAYER] == 3]
+        assert Counter(r[I.MV_TILES] for r in mine) == {1: len(mine)}
+        by_tile = Counter((r[I.MV_ROW0], r[I.MV_ARRIVE]) for r in mine)
+        assert set(by_tile.values()) == {parts} and len(by_tile) == dims.hidden // 64
+        assert sorted({r[I.MV_K_SPLIT] for r in mine}) == list(range(parts))
+        arrivals = {a for _, a in by_tile}
+        assert len(arrivals) == len(by_tile) and max(arrivals) < s.layout.counters
+    # the arrival counters are nobody's done or wait counter
+    arrive = {r[I.MV_ARRIVE] for r in recs if r[I.F_OP] in (Op.OPROJ, Op.DOWN)}
+    assert not arrive & {r[I.F_DONE] for r in recs} and not arrive & {r[I.F_WAIT] for r in recs}
+    # consumers wait for every part of every tile
+    gateup = next(r for r in recs if r[I.F_OP] == Op.GATEUP and r[I.F_LAYER] == 3)
+    assert gateup[I.F_TARGET] == parts * dims.hidden // 64
