@@ -147,7 +147,7 @@ def test_the_whole_script_on_the_cpu(tmp_path: Path) -> None:
         return done.stdout
 
     first = call("--phase", "goodput,failover", "--sweep-rates", "1,2", "--sweep-s", "2", "--failover-rate", "4",
-                 "--kill-at-s", "2", "--restart-after-s", "2", "--back-requests", "3", "--tail-s", "1")
+                 "--kill-at-s", "2", "--restart-after-s", "6", "--back-requests", "3", "--tail-s", "1")
     assert "killed at" in first and "restarted at" in first
     report = out / "router-cpu-x2.json"
     goodput = json.loads(report.read_text())["phases"]["goodput"]
