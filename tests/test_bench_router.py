@@ -146,6 +146,8 @@ def test_the_whole_script_on_the_cpu(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
         return done.stdout
 
+    # the restart 6 s after the kill: the router's health checks (every 2 s, 2 failures) take up to ~4 s to mark the
+    # victim down where too few requests reach it to trip its circuit breaker first
     first = call("--phase", "goodput,failover", "--sweep-rates", "1,2", "--sweep-s", "2", "--failover-rate", "4",
                  "--kill-at-s", "2", "--restart-after-s", "6", "--back-requests", "3", "--tail-s", "1")
     assert "killed at" in first and "restarted at" in first
