@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench import fleet
 from bench.fleet import render_compose as render_compose  # the tests of deploy/ read its flags from here
 from bench.fleet import router_command
 from tests.server_support import Scrape, free_port, poll, stop_process
@@ -225,20 +226,12 @@ def router_binary() -> bytes | None:
     return Path(vllm_router_rs.__file__).read_bytes()
 
 
-@dataclass
-class Router:
-    proc: subprocess.Popen[bytes]
-    port: int
-    metrics_port: int
-    log: Path
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class Router(fleet.Router):
+    """The benchmark's router handle (bench/fleet.py), with what the tests read of it."""
 
     def metrics(self) -> Scrape:
         """The router's own metrics (its --prometheus-port)."""
-        return Scrape.parse(httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text)
+        return Scrape.parse(httpx.get(self.metrics_url, timeout=10).text)
 
     def readiness(self) -> dict | None:
         """/readiness ({"status", "healthy_workers", "total_workers"}), or None while it does not answer."""
