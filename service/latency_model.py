@@ -98,7 +98,7 @@ class LatencyModel:
         # between (or past) the two nearest measured K/V lengths, linearly; never cheaper than a fresh prompt's
         i = bisect.bisect_left(rows, kv)
         lo, hi = (rows[0], rows[min(1, len(rows) - 1)]) if i == 0 else \
-            (rows[-2], rows[-1]) if i >= len(rows) else (rows[i - 1], rows[i])
+            (rows[max(0, len(rows) - 2)], rows[-1]) if i >= len(rows) else (rows[i - 1], rows[i])
         y_lo, y_hi = _interpolate(self._prefill[lo], n), _interpolate(self._prefill[hi], n)
         y = y_lo if hi == lo else y_lo + (y_hi - y_lo) * (kv - lo) / (hi - lo)
         return max(y, fresh)

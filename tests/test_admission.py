@@ -436,3 +436,13 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
     pushing = newcomer(prompt_tokens=400)
     with pytest.raises(Rejected, match="admitted one miss"):
         adm.check(pushing)  # its 27 ms prefill launch ahead of those steps would make it miss
+
+
+def test_a_calibration_with_one_prefill_on_cache_predicts_every_kv_length():
+    """A calibration cut short by its time budget (a busy host) may have timed one prefill on cached tokens: a
+    conversation past that K/V length had raised IndexError in admission (a 500 for every later voice turn)."""
+    lat = LatencyModel({1: 0.001, 16: 0.002}, {64: 0.001, 256: 0.03, 1024: 0.07}, max_rows=16,
+                       continued_s={(256, 2048): 0.05})
+    short, at, past = lat.prefill(256, 1000), lat.prefill(256, 1792), lat.prefill(256, 3000)
+    assert at == pytest.approx(0.05)
+    assert lat.prefill(256, 0) <= short <= at and past >= at  # more cached K/V never predicted cheaper
