@@ -229,7 +229,8 @@ async def realtime_session(ws_url: str, rng: random.Random, t: Tally, timeout_s:
                         t.fail(f"realtime: response failed {e['response'].get('status_details')}")
                     else:
                         t.outcomes[f"realtime {status}"] += 1
-                    if cancelled and status == "completed":  # the cancel came too late; an error may follow
+                    if cancelled and status in ("completed", "incomplete"):  # the cancel came too late; an error
+                        # may follow
                         late_cancels += 1
                     break
 

@@ -278,7 +278,7 @@ class RealtimeSession:
                     status = resp.get("status", "completed")
                     if cancel_t is not None:
                         rec.cancel_ms = (time.perf_counter() - cancel_t) * 1000.0
-                    if status == "completed":
+                    if status in ("completed", "incomplete"):  # incomplete: cut by max_tokens, as asked
                         rec.outcome = "ok"
                     elif status == "cancelled":
                         rec.outcome = "cancelled"

@@ -8,6 +8,14 @@ keeps no simulator of its own: it asks "when would each admitted request, and th
 joined?", and refuses when the newcomer would be late, or when a request that would be on time without it would not
 be with it (one late whatever happens holds nobody back).
 
+A request that would wait for a seat is forecast by when admitted requests end: a prediction resting on predictions of
+full batches. Until this server has served a full batch for as many steps as a request takes to its SLA token (the
+latency model and the bias have then seen how this host serves full batches, beyond the calibration's bare steps: a
+2-core CPU serving four streams ran 1.3x the calibrated steps), such a request is forecast with steps as slow as the
+latency model may yet learn them (LEARN_CEILING x the calibration): a fresh strict-SLA server had admitted a second
+wave of a burst, forecast just within its SLA, that then reached its SLA token 25% late. Requests that find a seat are
+judged as ever, and once full batches have been served, so is everyone.
+
 The margin that stretches predictions widens when SLA tokens come late (a busy host) and comes back to the configured
 one as tokens come on time and as time passes; one late token widens it by MAX_WIDEN at most. An idle server, which
 delays nobody by admitting, always judges with the configured margin.
@@ -26,12 +34,14 @@ from service.engine.commit import Event, Finished, StepDone, Token
 from service.engine.kv_slots import KVSlots
 from service.engine.planner import Planner
 from service.engine.request import Request, State
-from service.latency_model import LatencyModel
+from service.latency_model import LEARN_CEILING, LatencyModel
 
 log = logging.getLogger("parley.admission")
 
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
+PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked the calibration (one timed on a busy
+# 2-core host ran 3.7x the real steps)
 MAX_MARGIN = 1.0  # predictions are never stretched by more than 2x
 MAX_WIDEN = 0.1  # one late SLA token widens the margin by at most this much (one 10x-late outlier had widened it to
 # 0.95 on the H100, and a nearly idle server refused every 64-token turn for seconds)
@@ -60,6 +70,8 @@ class AdmissionController:
         # times the backend's steps, not all that lies between them and a client (it was 0.92 on the H100).
         self.bias = 1.0
         self._outlier_before = False  # the last SLA token was an outlier
+        self.full_steps = 0  # steps served with every seat taken (as many as take a request to its SLA token: seat
+        # waits are forecast from what they taught, not stretched by LEARN_CEILING)
         self._last_probe = -math.inf
         self.strict = strict
         self._lock = threading.Lock()
@@ -131,7 +143,9 @@ class AdmissionController:
         def prefill_s(tokens: int, cached: int) -> float:
             return lat.prefill(tokens, cached) * stretch
 
-        horizon = PROBE_WITHIN * self.sla_s
+        if len(active) >= self.max_batch and self.full_steps < self.sla_tokens:
+            stretch *= LEARN_CEILING  # a seat wait on full batches not yet served: as slow as the model may learn
+        horizon = self._probe_within() * self.sla_s
         joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon)
         t_nth = joined[id(req)]
         if req.deadline is not None and t_nth > req.deadline:
@@ -156,13 +170,20 @@ class AdmissionController:
     def _probe(self, req: Request, t_nth: float, now: float) -> bool:
         """Admit a request predicted to miss, on an idle server (it can delay nobody), now and then: otherwise a
         latency model that is too pessimistic (a stalled calibration sample, slow steps seen in a load spike) would
-        refuse everything for ever, never observing the steps that would correct it."""
-        if now - self._last_probe < PROBE_EVERY_S or t_nth - req.arrival > PROBE_WITHIN * self.sla_s:
+        refuse everything for ever, never observing the steps that would correct it. A latency model that no served
+        step has checked yet is the calibration alone, and is given more room: a start-up on a busy host had timed
+        one-row steps at 267 ms that took 72 ms a second later, and its strict server refused every request, idle or
+        not, for good."""
+        if now - self._last_probe < PROBE_EVERY_S or t_nth - req.arrival > self._probe_within() * self.sla_s:
             return False
         self._last_probe = now
         log.info("admitting %s as a probe: predicted %.0f ms for its SLA token on an idle server (SLA %.0f ms)",
                  req.id, (t_nth - req.arrival) * 1e3, self.sla_s * 1e3)
         return True
+
+    def _probe_within(self) -> float:
+        """How many SLAs away an idle server's prediction may be for a probe."""
+        return PROBE_WITHIN_UNCHECKED if self.latency.observed_steps == 0 else PROBE_WITHIN
 
     def _stretch(self) -> float:
         """Predictions are scaled by the learned bias, then stretched by the safety margin."""
@@ -199,6 +220,7 @@ class AdmissionController:
         """What a step committed: its time teaches the latency model (a step's, or the prefill launched before it),
         an SLA token the margin and the bias, an end frees the request's place."""
         if isinstance(event, StepDone):
+            self.full_steps += event.sampled >= self.max_batch
             if event.seconds <= 0:
                 return
             if event.launched:  # the step's time is mostly the launches'

@@ -382,6 +382,10 @@ def test_a_lagging_request_takes_two_steps_a_token_beside_others():
     adm.check(newcomer(state=State.RUNNING, max_tokens=200))
     with pytest.raises(Rejected):
         adm.check(newcomer(lags=True))  # beside it: 1 + 126 ms
+    # a reply to a tool's result is held to its opening only (tools.SPEECH_OPENING), then runs step by step: on time
+    opening = newcomer(lags=True)
+    opening.constraint = type("Opening", (), {"opening": True})()
+    adm.check(opening)
 
 
 def test_the_engine_predicts_with_what_the_prefix_cache_holds():
@@ -446,3 +450,62 @@ def test_a_calibration_with_one_prefill_on_cache_predicts_every_kv_length():
     short, at, past = lat.prefill(256, 1000), lat.prefill(256, 1792), lat.prefill(256, 3000)
     assert at == pytest.approx(0.05)
     assert lat.prefill(256, 0) <= short <= at and past >= at  # more cached K/V never predicted cheaper
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
+    """The calibration times bare steps; a host serving them runs slower (a 2-core CPU streaming four replies ran 1.3x
+    its calibrated steps). A burst on a fresh server whose latency model says 15 ms a step where steps take 20: the
+    first wave (a seat each) keeps its SLA with room to spare, but a second wave, forecast to reach its SLA token at
+    2 x 16 x 15 ms x the margin = 504 ms, would reach it at 640 ms, past the 550 ms promise. Admission must not say yes
+    to it on predictions of predictions that nothing served has checked yet. Repeated: it must hold every time."""
+    model = load_model("synthetic:tiny")
+    dec = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=SLOTS, max_context=256),
+                                step_delay_s=0.02)
+    sla_s, sla_tokens = 0.55, 16
+    lat = LatencyModel({1: 0.015, 16: 0.015}, {16: 0.015}, max_rows=16)
+    admission = AdmissionController(lat, sla_s, sla_tokens, SLOTS, strict=True, margin=0.05)
+    eng = Engine(dec, model.tokenizer, admission=admission, sla_ms=sla_s * 1e3, sla_tokens=sla_tokens,
+                 max_batch=SLOTS)
+    params = SamplingParams(max_tokens=sla_tokens, temperature=0, ignore_eos=True)
+    stamps: dict[int, list[float]] = {}
+    done = threading.Semaphore(0)
+    t0 = time.perf_counter()
+    admitted = []
+    for i in range(3 * SLOTS):
+        def sink(d, i=i):
+            stamps.setdefault(i, []).append(time.perf_counter())
+            if d.finish_reason is not None:
+                done.release()
+        try:
+            eng.submit([1 + i, 2, 3], params, sink, arrival=t0)
+            admitted.append(i)
+        except Rejected as r:
+            assert r.status == 429
+    eng.start()
+    try:
+        for _ in admitted:
+            assert done.acquire(timeout=30)
+    finally:
+        eng.stop()
+    late = {i: round((stamps[i][sla_tokens - 1] - t0) * 1e3) for i in admitted
+            if stamps[i][sla_tokens - 1] - t0 > sla_s}
+    assert not late, f"admitted and late (ms): {late}"
+    assert 1 <= len(admitted) <= SLOTS  # the first wave: admission still admits what it can serve
+
+
+def test_a_strict_server_probes_a_calibration_no_served_step_has_checked():
+    """A calibration timed on a busy moment (3x the real steps: 64 tokens predicted at 2.9x the SLA) must not make a
+    strict idle server refuse for good: it admits a probe (one a second), whose steps correct the model. Once served
+    steps have checked the model, its predictions are trusted further: the same one is refused."""
+    lat = LatencyModel({1: 0.009}, {16: 0.009}, max_rows=16)  # 64 x 9 ms = 0.58 s for an SLA of 0.2 s
+    adm = AdmissionController(lat, 0.2, 64, 4, strict=True, margin=0.05)
+    probe = newcomer()
+    adm.check(probe)
+    adm.release(probe)
+    with pytest.raises(Rejected):  # a second within PROBE_EVERY_S
+        adm.check(newcomer())
+    checked = LatencyModel({1: 0.009}, {16: 0.009}, max_rows=16)
+    checked.observe_step(1, 0.009)
+    with pytest.raises(Rejected, match="cannot deliver"):
+        AdmissionController(checked, 0.2, 64, 4, strict=True, margin=0.05).check(newcomer())

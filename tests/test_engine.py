@@ -463,6 +463,11 @@ class OnlyTokens:
     def accept(self, token):
         self.accepted.append(token)
 
+    opening = False
+
+    def lifted(self):
+        return False
+
 
 def submit_all(eng, jobs):
     """Submit (prompt, params, constraint) jobs to an engine not started yet (each constraint in its params, as the API

@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import torch
 
+from service.api.tools import SPEECH_OPENING
 from service.backends.decoder import DecodeOutput
 from service.backends.reference import ReferenceDecoder
 from service.engine.engine import Engine
@@ -70,6 +71,9 @@ class Watched:
 
     def consume_token(self, token: int) -> bool:
         return self.inner.consume_token(token)
+
+    def is_accepting(self) -> bool:
+        return self.inner.is_accepting()
 
 
 def with_constraint(params: SamplingParams, c: GrammarConstraint) -> SamplingParams:
@@ -196,6 +200,23 @@ def test_constrained_and_plain_requests_together_get_what_each_gets_alone(tiny, 
     jsonschema.validate(json.loads(tiny.tokenizer.decode(together[2][0][:-1])), WORDS)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "ahead"])
+def test_an_opening_grammar_holds_the_first_token_then_is_lifted(tiny, grammars, eos, overlap):
+    """A reply to a tool's result must open with a word (tools.SPEECH_OPENING): the first token is one, whatever the
+    model prefers, and then the grammar is lifted: no further mask is computed, and the rest of the reply is the
+    unconstrained greedy decode after that token."""
+    watched = Watched(grammars.matcher(SPEECH_OPENING))
+    c = GrammarConstraint(watched, grammars.vocab_size, grammars.pool, opening=True)
+    prompt, params = [5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [(tokens, finish, _)] = run(engine(tiny, eos, overlap), [(prompt, with_constraint(params, c))])
+    first = tiny.tokenizer.decode(tokens[:1]).removeprefix(" ")
+    assert first[:1].isalnum() or first[:1] in "\"'¿¡(", first
+    assert len(watched.threads) == 1 and c.lifted()  # the first token's mask alone
+    plain = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
+    [(rest, _, _)] = run(engine(tiny, eos, overlap), [(prompt + tokens[:1], plain)])
+    assert (tokens[1:], finish) == (rest, "length")
+
+
 @pytest.mark.parametrize("how,message", [({"fail_at": 4}, "the grammar broke here"),
                                          ({"empty": True}, "the grammar allows no token here")])
 def test_a_grammar_that_fails_fails_its_request_alone(tiny, grammars, eos, how, message):
@@ -243,7 +264,6 @@ def test_step_masks_mask_only_the_constrained_rows(tiny, grammars):
 def test_on_the_gpu_masks_and_choices_are_the_cpus(tiny, grammars):
     """On CUDA (pinned staging buffers in turn, copies that nobody waits for), step after step: the masked logits and
     the greedy constrained choices are the CPU's, for constrained rows that change from step to step."""
-    from service.backends.decoder import DecodeOutput
     from service.engine import sampler
     from service.engine.output import TextOutput
     from service.engine.request import Request

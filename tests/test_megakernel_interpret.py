@@ -239,7 +239,7 @@ def _check(case: str) -> dict:
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model.config import ModelConfig, RopeScaling
-    from service.model.quantized import quantize_model
+    from service.model.weight_formats import quantize_model
     from service.model.weights import LayerWeights, ModelWeights
 
     bias, scaling, vocab, splits, bn_lm, split_min, weight_format = CASES[case]

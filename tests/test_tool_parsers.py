@@ -111,6 +111,22 @@ HERMES_REPLIES = [
      [{"name": "get_weather", "arguments": '{"city": "Par', "complete": False}]),
     ("cut short in the closing marker", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_c', "",
      [call("get_time", {})]),
+    ("cut short before the arguments: none made up",
+     '<tool_call>\n{"name": "get_weather", "argum', "", [{"name": "get_weather", "arguments": "", "complete": False}]),
+    ("cut short after the arguments' key", '<tool_call>\n{"name": "get_weather", "arguments": ', "",
+     [{"name": "get_weather", "arguments": "", "complete": False}]),
+    ("the same call twice is a stutter: one call",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "",
+     [call("get_weather", {"city": "Paris"})]),
+    ("a stutter cut short (max_tokens) is no call either",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"ci', "", [call("get_weather", {"city": "Paris"})]),
+    ("a stutter between two calls",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_time", "arguments": {}}\n</tool_call>', "",
+     [call("get_weather", {"city": "Paris"}), call("get_time", {})]),
 ]
 
 LLAMA3_REPLIES = [
@@ -190,6 +206,11 @@ SPOKEN = [
      '<tool_response>ok</tool_response>\n<tool_call>\n{"name": "get_time"}\n</tool_call>', "", ["get_time"]),
     ("an echoed result cut short (max_tokens)", HERMES, TOOLS, 'OK.\n<tool_response>\n{"temperature_c": 2',
      "OK.\n", []),
+    ("a mark cut short by max_tokens (after a repeated call) is no word", HERMES, TOOLS,
+     '<tool_call>\n{"name": "get_time"}\n</tool_call>\n<tool_call>\n{"name": "get_time"}\n</tool_call>\n<tool_',
+     "", ["get_time"]),
+    ("a reply cut in a mark", HERMES, TOOLS, "Sure. <tool_resp", "Sure. ", []),
+    ("a lone < at the end is text", HERMES, TOOLS, "x is 3 <", "x is 3 <", []),
     ("no tools at all: markup is withheld all the same", None, NONE,
      "Hello <tool_response>x</tool_response> there, <tools>[]</tools>friend.", "Hello there, friend.", []),
     ("tool_choice none: a bare Llama call is withheld", LLAMA3_JSON, NONE,

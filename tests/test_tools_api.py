@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from bench.tool_speech import ROUND_TRIPS, SYSTEM, RoundTrip, judge
 from tests.server_support import Server, assert_openai_error
 
 pytestmark = pytest.mark.slow
@@ -24,6 +25,9 @@ WEATHER_PARAMETERS = {"type": "object", "properties": {
     "required": ["city", "unit"]}
 GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather",
                                                 "parameters": WEATHER_PARAMETERS}}
+WEATHER_CITY = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 HANG_UP = {"type": "function", "function": {"name": "hang_up", "description": "End the call"}}
 ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
 
@@ -103,10 +107,63 @@ def test_auto_answers_and_a_conversation_goes_on_after_a_tool_result(client: ope
                                                tool_choice="none", max_tokens=24, temperature=0)
             text, usage = r.choices[0].message.content or "", r.usage
             assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
-        # an answer, whatever the model says: none at all where SmolLM2 greedily echoes the <tool_response> block,
-        # which is withheld (test_tool_markup_is_never_spoken)
-        assert "<tool" not in text and usage is not None and usage.completion_tokens > 0
+        # an answer in words (test_a_tool_round_trip_ends_in_speech)
+        assert text.strip() and "<tool" not in text and usage is not None and usage.completion_tokens > 0
         assert usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_the_same_call_twice_is_one_call(client: openai.OpenAI) -> None:
+    """tool_choice "required" with parallel calls allowed: greedy SmolLM2 writes the same call twice (a stutter); an
+    agent would run the tool twice. Identical calls (same function, same arguments) are one, streamed or not."""
+    kwargs: Any = {"model": MODEL, "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
+                   "tools": [WEATHER_CITY], "tool_choice": "required", "max_tokens": 64, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = streamed_calls(chunks)
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == calls and list(streamed) == [0]
+    # the reply ends at the stutter (greedy, it would stutter on to max_tokens): its calls made, no more
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.usage.completion_tokens < 64
+
+
+@pytest.mark.parametrize("max_tokens", [14, 15, 16, 17])
+def test_a_call_cut_by_max_tokens_has_what_the_model_wrote(client: openai.OpenAI, max_tokens: int) -> None:
+    """max_tokens ends the reply inside a call: the call's arguments are what the model wrote of them (a partial JSON
+    text, as OpenAI returns it; "" where it wrote none), never arguments it did not write ("{}", which the schema
+    refuses: `city` is required), streamed or not; finish_reason "length"."""
+    kwargs: Any = {"model": MODEL, "messages": ASK, "tools": [WEATHER_CITY], "tool_choice": "required",
+                   "parallel_tool_calls": False, "temperature": 0}
+    full = client.chat.completions.create(**kwargs, max_tokens=64).choices[0].message.tool_calls or []
+    cut = client.chat.completions.create(**kwargs, max_tokens=max_tokens).choices[0]
+    streamed = streamed_calls(list(client.chat.completions.create(**kwargs, max_tokens=max_tokens, stream=True)))
+    assert cut.finish_reason == "length"
+    calls = [c.function.arguments for c in cut.message.tool_calls or []]
+    assert calls == [c["arguments"] for c in streamed.values()]
+    for arguments in calls:
+        assert arguments != "{}" and full[0].function.arguments.startswith(arguments), (arguments, full)
+
+
+@pytest.mark.parametrize("trip", ROUND_TRIPS[:3], ids=lambda t: t.tool)
+def test_a_tool_round_trip_ends_in_speech(client: openai.OpenAI, trip: RoundTrip) -> None:
+    """What a voice agent does: the model's call, the tool's result, then the reply a listener hears. It is words —
+    not empty, not the result echoed in markup, not raw JSON, not the call again — streamed or not (SmolLM2 echoed
+    the <tool_response> block or called again in 19 of 20 round trips of `python -m bench tool-speech`)."""
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": trip.question}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=trip.tools(),
+                                           tool_choice="required", max_tokens=48, temperature=0)
+    calls = first.choices[0].message.tool_calls or []
+    assert calls
+    messages.append({"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]})
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps(trip.result)} for c in calls]
+    kwargs: Any = {"model": MODEL, "messages": messages, "tools": trip.tools(), "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs).choices[0].message
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.content
+    heard = judge(whole.content, whole.tool_calls, trip)
+    assert heard["spoken"], heard
 
 
 MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>",

@@ -34,6 +34,12 @@ LLAMA_LIKE = (
     "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 
+# ChatML that refuses any role but system, user and assistant (as some templates do, with raise_exception)
+NO_TOOL_ROLE = (
+    "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m.role) }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 @pytest.fixture(scope="module")
 def smollm2() -> Tokenizer:
@@ -54,7 +60,8 @@ def rendered(tok: Tokenizer, body: ChatCompletionRequest, add_generation_prompt:
 
 
 def test_the_dialect_comes_from_the_template(smollm2: Tokenizer) -> None:
-    assert not smollm2.takes_tools and ToolDialect.of(smollm2) == ToolDialect(HERMES, native=False)
+    assert not smollm2.takes_tools and ToolDialect.of(smollm2) == ToolDialect(HERMES, native=False, tool_role=True)
+    assert ToolDialect.of(with_template(smollm2, NO_TOOL_ROLE)) == ToolDialect(HERMES, native=False, tool_role=False)
     assert ToolDialect.of(with_template(smollm2, QWEN_LIKE)) == ToolDialect(HERMES, native=True)
     assert ToolDialect.of(with_template(smollm2, LLAMA_LIKE)) == ToolDialect(LLAMA3_JSON, native=True)
     caps = ToolDialect.of(smollm2).capabilities()
@@ -63,7 +70,8 @@ def test_the_dialect_comes_from_the_template(smollm2: Tokenizer) -> None:
 
 def test_hermes_for_a_template_that_ignores_tools(smollm2: Tokenizer) -> None:
     """The tools as a system block (after the client's system message), calls as <tool_call> blocks of the
-    assistant's message, results as one user turn of <tool_response> blocks."""
+    assistant's message, results as the template's own `tool` turns (SmolLM2's ChatML renders any role); where the
+    template renders no `tool` role, as one user turn of <tool_response> blocks."""
     body = request([{"role": "system", "content": "You are a weather bot."},
                     {"role": "user", "content": "Weather in Paris and Rome?"},
                     {"role": "assistant", "content": None, "tool_calls": [
@@ -78,8 +86,10 @@ def test_hermes_for_a_template_that_ignores_tools(smollm2: Tokenizer) -> None:
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
             '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
             '<|im_end|>') in text
+    assert ("</tool_call><|im_end|>\n<|im_start|>tool\n21 C<|im_end|>\n<|im_start|>tool\n25 C<|im_end|>\n"
+            "<|im_start|>assistant\n") in text and "<tool_response>" not in text.split("</tools>")[1]
     assert ("<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response>"
-            "<|im_end|>\n<|im_start|>assistant\n") in text
+            "<|im_end|>\n<|im_start|>assistant\n") in rendered(with_template(smollm2, NO_TOOL_ROLE), body)
     # without a system message of the client's, the tools are the system message
     assert rendered(smollm2, request([{"role": "user", "content": "hi"}])).startswith("<|im_start|>system\n# Tools")
 

@@ -62,13 +62,17 @@ class ChatChoice(Choice):
     message: ChatMessageOut
 
 
-class Completion(BaseModel):
-    """What both HTTP endpoints answer without `stream`; each names its object and the shape of its choices."""
+class Envelope(BaseModel):
+    """What every answer and every streamed chunk of both HTTP endpoints carries around its choices."""
 
     id: str
     created: int
     model: str
     usage: UsageInfo | None = None
+
+
+class Completion(Envelope):
+    """What both HTTP endpoints answer without `stream`; each names its object and the shape of its choices."""
 
 
 class CompletionResponse(Completion):
@@ -117,15 +121,10 @@ class ChatChunkChoice(ChunkChoice):
     delta: ChatDelta
 
 
-class Chunk(BaseModel):
+class Chunk(Envelope):
     """One streamed chunk: one choice, or (the last chunk of a stream that asked for usage) none and the usage. With
     `stream_options.include_usage`, every chunk has `usage` (null but on the last); without, none has the key: the
     writer leaves it out (Answer.sse)."""
-
-    id: str
-    created: int
-    model: str
-    usage: UsageInfo | None = None
 
 
 class CompletionChunk(Chunk):

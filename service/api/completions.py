@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -52,6 +52,7 @@ from service.api.state import ServerState, server_state
 from service.api.streaming import SSE_DONE, EngineStream, SSEResponse, sse_event, until_disconnect
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolEvent
 from service.api.turn import CHAT_FIELDS, COMPLETION_FIELDS, Conversation, Fields, Turn, TurnRequest, build_turn
+from service.engine.request import Delta
 
 log = logging.getLogger("parley.api")
 router = APIRouter()
@@ -213,14 +214,24 @@ class Answer:
         """OpenAI's "tool_calls" for a reply that ended in calls."""
         return "tool_calls" if reason == "stop" and self.reader is not None and self.reader.calls else reason
 
+    def finished(self, d: Delta, stream: EngineStream) -> Delta:
+        """A delta as the answer takes it: a stuttering reply (a call again) is cut there (its generation
+        cancelled), and its end is a stop (ReplyReader.repeated)."""
+        if self.reader is None or not self.reader.repeated:
+            return d
+        stream.cancel()
+        return d if d.finish_reason is None else replace(d, finish_reason=self.reader.finished(d.finish_reason))
+
     async def events(self, stream: EngineStream) -> AsyncIterator[bytes]:
         try:
             if self.endpoint.prologue is not None:
                 yield self.chunk(self.endpoint.prologue)
             async for d in stream:
+                d = self.finished(d, stream)
                 if d.finish_reason is None:
                     for choice in self.pieces(d.text):
                         yield self.chunk(choice)
+                    self.finished(d, stream)  # a stutter read in this delta: cut it now
                     continue
                 failure = from_unfinished(d)
                 if failure is not None:  # after the 200, a failure is a last event, a server_error
@@ -249,10 +260,16 @@ class Answer:
             stream.cancel()
 
         watcher = asyncio.create_task(cancel_on_disconnect())
-        parts: list[str] = []
+        parts: list[str] = []  # raw text (/v1/completions), or the content read so far (chat)
         try:
             async for d in stream:
-                parts.append(d.text)
+                d = self.finished(d, stream)
+                if self.reader is None:
+                    parts.append(d.text)
+                else:  # read as it comes: a stutter is cut at once
+                    events = self.reader.feed(d.text) + (self.reader.finish() if d.finish_reason else [])
+                    parts += [e.text for e in events if isinstance(e, Content)]
+                    d = self.finished(d, stream)
                 last = d
         finally:
             watcher.cancel()
@@ -267,9 +284,8 @@ class Answer:
                                       usage=UsageInfo.of(last.usage))
 
     def reply(self, text: str) -> Reply:
+        """The whole answer: its text (chat: the content read), and the calls read."""
         if self.reader is None:
             return Reply(text)
-        events = self.reader.feed(text) + self.reader.finish()
-        return Reply("".join(e.text for e in events if isinstance(e, Content)),
-                     [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments or "{}"))
-                      for c in self.reader.calls])
+        return Reply(text, [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                            for c in self.reader.calls])

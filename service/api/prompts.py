@@ -69,12 +69,13 @@ def sampling_params(fields: SamplingFields, max_tokens: int, constraint: TokenCo
                           ignore_eos=fields.ignore_eos, constraint=constraint)
 
 
-async def grammar_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int], grammar: str, param: str
-                             ) -> TokenConstraint:
+async def grammar_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int], grammar: str, param: str,
+                             opening: bool = False) -> TokenConstraint:
     """One request's grammar (Lark), compiled off the event loop: a few ms, and the first one also builds the
-    grammar engine's vocabulary (~0.3 s). A grammar that does not compile is the request's fault (`param`)."""
+    grammar engine's vocabulary (~0.3 s). A grammar that does not compile is the request's fault (`param`).
+    `opening`: it holds the reply's opening only (lifted once it accepts)."""
     try:
-        return await asyncio.to_thread(grammars(tokenizer, eos_ids).constraint, grammar)
+        return await asyncio.to_thread(grammars(tokenizer, eos_ids).constraint, grammar, opening)
     except GrammarError as e:
         raise APIError(400, f"{param}: no grammar can be built from it: {e}", param=param,
                        code="invalid_schema") from e

@@ -42,6 +42,7 @@ from service.api.realtime_events import (
     FunctionCallArgumentsDone,
     FunctionCallItem,
     ItemTruncated,
+    MessageItem,
     Outcome,
     OutputItemAdded,
     OutputTextDelta,
@@ -86,6 +87,10 @@ class ActiveResponse:
     task: asyncio.Task[None] | None = None
     prompt_tokens: int = 0
     call_items: dict[int, str] = field(default_factory=dict)  # a call's index → its item id
+    spoke: bool = False  # content went out
+    # where the calls' items start in `output`: after the message where the reply spoke before its first call, else
+    # first (a reply of calls alone has no message item, as OpenAI sends it); None: no call yet
+    call_offset: int | None = None
 
 
 @router.get("/v1/realtime", include_in_schema=False)
@@ -231,6 +236,9 @@ class RealtimeConnection:
             prompt: str | Conversation = cfg.input
         else:
             new_messages = [m.for_template() for m in cfg.input]
+            if not new_messages and not self.conversation:
+                raise APIError(400, "response.input is empty and the conversation holds nothing to reply to",
+                               param="response.input", code="empty_input")
             system = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
             prompt = Conversation(system + self.conversation + new_messages)
         turn = await build_turn(self.st, TurnRequest(
@@ -298,14 +306,19 @@ class RealtimeConnection:
         async def say(pieces: list[str]) -> None:
             for piece in pieces:
                 sent.append(piece)
+                active.spoke = True
                 await self.send(OutputTextDelta(response_id=active.id, delta=piece))
 
         try:
             async for d in active.stream:
+                if active.reader.repeated:  # cut at a repeated call (below): a stop, not a cancel
+                    d = replace(d, finish_reason=active.reader.finished(d.finish_reason))
                 last = d
                 if d.finish_reason in ("cancelled", "error"):
                     break
                 events = active.reader.feed(d.text) + (active.reader.finish() if d.finish_reason else [])
+                if active.reader.repeated:  # a call again: the model stutters; the reply ends here
+                    active.stream.cancel()
                 reply.add(replace(d, text="".join(e.text for e in events if isinstance(e, Content))))
                 for e in events:
                     if isinstance(e, Content):
@@ -316,7 +329,7 @@ class RealtimeConnection:
                 if d.finish_reason is not None and chunker is not None:
                     await say(chunker.flush())
             assert last is not None and last.finish_reason is not None
-            status = cast(Outcome, outcome_of(last.finish_reason))
+            status = "incomplete" if last.finish_reason == "length" else cast(Outcome, outcome_of(last.finish_reason))
             text = "".join(sent)
             calls = active.reader.calls
             made = [c for c in calls if c.complete]  # a call cut short (a barge-in) stays out of the history
@@ -334,8 +347,10 @@ class RealtimeConnection:
                 await self.error(failure.type, failure.code, failure.message, event_type="response.create",
                                  response_id=active.id)
             done = self._done(active.id, status, text, last, reply)
-            if status != "failed":
-                done.output += [_call_item(active.call_items[i], c) for i, c in enumerate(calls)]
+            if status != "failed" and calls:
+                items: list[MessageItem | FunctionCallItem] = [
+                    _call_item(active.call_items[i], c) for i, c in enumerate(calls)]
+                done.output = done.output + items if active.call_offset else items + done.output * bool(text)
             await self.send(ResponseDone(response=done))
         except Exception:  # the socket went away mid-response: stop generating
             active.stream.cancel()
@@ -348,22 +363,25 @@ class RealtimeConnection:
 
     async def _call_event(self, active: ActiveResponse, event: ToolEvent) -> None:
         """A tool call as OpenAI's Realtime API streams it: its item added, its arguments in pieces, then whole.
-        Its output_index counts the assistant message (always output[0]) first."""
+        Its output_index counts the assistant message first where the reply spoke before its first call."""
         assert not isinstance(event, Content)
         call = active.reader.calls[event.index]
+        if active.call_offset is None:
+            active.call_offset = int(active.spoke)
+        index = event.index + active.call_offset
         if isinstance(event, CallStart):
             item_id = active.call_items[event.index] = f"item_{uuid.uuid4().hex[:20]}"
-            await self.send(OutputItemAdded(response_id=active.id, output_index=event.index + 1,
+            await self.send(OutputItemAdded(response_id=active.id, output_index=index,
                                             item=_call_item(item_id, call, status="in_progress")))
             return
         item_id = active.call_items[event.index]
         if isinstance(event, CallArguments):
             await self.send(FunctionCallArgumentsDelta(response_id=active.id, item_id=item_id,
-                                                       output_index=event.index + 1, call_id=call.id,
+                                                       output_index=index, call_id=call.id,
                                                        name=call.name, delta=event.text))
         elif isinstance(event, CallEnd):
             await self.send(FunctionCallArgumentsDone(response_id=active.id, item_id=item_id,
-                                                      output_index=event.index + 1, call_id=call.id,
+                                                      output_index=index, call_id=call.id,
                                                       name=call.name, arguments=call.arguments))
 
     def _keep(self, reply: ReplyItem) -> None:
@@ -379,7 +397,8 @@ class RealtimeConnection:
             timings=None if last.timings is None else ResponseTimings.of(last.timings, self.st.sla_tokens),
             status_details=StatusDetails(error=ErrorInfo(type="server_error", code="engine_error",
                                                          message=last.error or "generation failed"))
-            if failed else None)
+            if failed else StatusDetails(type="incomplete", reason="max_output_tokens") if status == "incomplete"
+            else None)
 
     async def _abort_active(self) -> None:
         active, self.active = self.active, None

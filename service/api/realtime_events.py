@@ -16,7 +16,8 @@ from pydantic import BaseModel, Field, model_serializer
 from service.api.protocol import SESSION_SETTINGS, RealtimeSessionConfig
 from service.engine.request import Timings, Usage
 
-Outcome = Literal["completed", "cancelled", "failed"]  # how a response ended (engine.request.outcome_of)
+# how a response ended: engine.request.outcome_of, and "incomplete" for a reply cut by max_tokens (OpenAI's name)
+Outcome = Literal["completed", "incomplete", "cancelled", "failed"]
 CallStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -109,10 +110,11 @@ class ErrorInfo(BaseModel):
 
 
 class StatusDetails(BaseModel):
-    """Why a response failed."""
+    """Why a response failed (`error`) or is incomplete (`reason`: "max_output_tokens", as OpenAI says)."""
 
-    type: Literal["failed"] = "failed"
-    error: ErrorInfo
+    type: Literal["failed", "incomplete"] = "failed"
+    error: ErrorInfo | None = Field(default=None, exclude_if=_none)
+    reason: str | None = Field(default=None, exclude_if=_none)
 
 
 class RealtimeResponse(BaseModel):
@@ -164,7 +166,8 @@ class OutputTextDelta(BaseModel):
 
 
 class OutputItemAdded(BaseModel):
-    """A tool call begins. Its output_index counts the assistant message (always output[0]) first."""
+    """A tool call begins. Its output_index counts the assistant message first where the reply spoke before its first
+    call (a reply of calls alone has no message item)."""
 
     type: Literal["response.output_item.added"] = "response.output_item.added"
     response_id: str
@@ -172,23 +175,23 @@ class OutputItemAdded(BaseModel):
     item: FunctionCallItem
 
 
-class FunctionCallArgumentsDelta(BaseModel):
-    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+class FunctionCallEvent(BaseModel):
+    """What every event of a tool call's arguments names: the call, its item, and where the item is in `output`."""
+
     response_id: str
     item_id: str
     output_index: int
     call_id: str
     name: str
+
+
+class FunctionCallArgumentsDelta(FunctionCallEvent):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     delta: str
 
 
-class FunctionCallArgumentsDone(BaseModel):
+class FunctionCallArgumentsDone(FunctionCallEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    response_id: str
-    item_id: str
-    output_index: int
-    call_id: str
-    name: str
     arguments: str
 
 

@@ -19,6 +19,7 @@ _CLOSERS = tuple(closer for _, closer in MARKUP if closer is not None)
 _MARKS = (*_OPENERS, *_CLOSERS)
 _MARK_STARTS = frozenset(m[0] for m in _MARKS)  # ("<"): text without one holds no mark and no start of one
 _NOT_IN_BLOCK = ""  # MarkupFilter._closer outside a block (a block's closer is never empty)
+CUT_MARK_MIN = 2  # the reply ends in this much of a mark or more ("<t", "</tool_re"): withheld
 
 
 class MarkupFilter:
@@ -69,9 +70,11 @@ class MarkupFilter:
                 break
             at, mark = min(((i, m) for m in _MARKS if (i := self._pending.find(m)) >= 0), default=(-1, ""))
             if at < 0:
-                keep = 0 if final else held_suffix(self._pending, _MARKS)
+                keep = held_suffix(self._pending, _MARKS)
+                if final:  # a mark cut short by the reply's end (max_tokens) is markup all the same: "<tool_" is
+                    keep = keep if keep >= CUT_MARK_MIN else 0  # no word; a lone "<" may be text
                 self._let_through(out, self._pending[:len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep:]
+                self._pending = "" if final else self._pending[len(self._pending) - keep:]
                 break
             self._let_through(out, self._pending[:at])
             self._pending = self._pending[at + len(mark):]
@@ -111,6 +114,17 @@ class ReplyReader:
     def calls(self) -> list[ParsedCall]:
         """The calls read so far."""
         return self._parser.calls if self._parser is not None else []
+
+    @property
+    def repeated(self) -> bool:
+        """A call came again (same function, same arguments): the model stutters, and would until max_tokens (greedy
+        SmolLM2 under tool_choice "required" with parallel calls). The reply ends there: the caller cancels the
+        generation and answers with the calls it has, as a reply that stopped (finished())."""
+        return self._parser is not None and self._parser.repeated
+
+    def finished(self, reason: str | None) -> str | None:
+        """The reply's finish reason: one the caller cut at a repeated call stopped, it was not cancelled."""
+        return "stop" if reason == "cancelled" and self.repeated else reason
 
     def feed(self, text: str) -> list[ToolEvent]:
         return self._spoken(self._parser.feed(text) if self._parser is not None else [Content(text)])

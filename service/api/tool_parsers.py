@@ -106,6 +106,7 @@ class _Call:
     args: _Scan = field(default_factory=_Scan)
     args_end: int | None = None
     sent: int = 0  # characters of the arguments' text streamed
+    held: list[ToolEvent] = field(default_factory=list)  # its events, held back until it closes (ToolCallParser._gate)
 
     def feed(self, text: str) -> int:
         """Take characters up to the call's closing brace; how many were taken."""
@@ -146,6 +147,7 @@ class ToolCallParser:
     def __init__(self, fmt: CallFormat, tools: Collection[str], max_calls: int | None = None) -> None:
         self.fmt, self.tools, self.max_calls = fmt, frozenset(tools), max_calls
         self.calls: list[ParsedCall] = []
+        self.repeated = False  # a call was left out as a repeat of an earlier one: the model stutters
         self._pending = ""
         self._call: _Call | None = None
         self._spoke = False  # content other than whitespace came: a bare JSON object is no call any more
@@ -160,7 +162,7 @@ class ToolCallParser:
         """The end of the reply: what was held back, and a call left open (its arguments as far as they came)."""
         out = self._run(final=True)
         if self._call is not None:
-            out += self._close(self._call, complete=False)
+            out += self._gate(self._call, self._close(self._call, complete=False), ended=True)
             self._call = None
         if self._space and not self.calls:
             out.append(Content(self._space))
@@ -180,10 +182,26 @@ class ToolCallParser:
                 self._pending = self._pending[taken:]
                 if call.broken or call.closed:
                     self._call = None
-                    out += self._close(call, complete=True)
+                    out += self._gate(call, self._close(call, complete=True), ended=True)
                 else:
-                    out += self._stream(call)
+                    out += self._gate(call, self._stream(call), ended=False)
         return out
+
+    def _gate(self, call: _Call, events: list[ToolEvent], ended: bool) -> list[ToolEvent]:
+        """A call after the first is held back until it closes: the same call again (same function, same
+        arguments; or the start of them where the reply was cut short) is a model's stutter, and an agent would run
+        the tool twice; it is left out."""
+        if call.call is None or call.index == 0:
+            return events
+        call.held += events
+        if not ended:
+            return []
+        events, call.held = call.held, []
+        if any(p.name == call.call.name and _repeats(p.arguments, call.call) for p in self.calls[:call.index]):
+            self.calls.remove(call.call)
+            self.repeated = True
+            return []
+        return events
 
     def _text(self, out: list[ToolEvent], final: bool) -> bool:
         """Content up to the next call, which it opens; False when what is left must wait for more text."""
@@ -315,11 +333,14 @@ def _call_shaped(call: _Call, whole: dict[str, Any] | None) -> bool:
 
 def _arguments_text(call: _Call, whole: dict[str, Any] | None) -> str:
     """The arguments of a call whose arguments did not stream (a JSON string, null, none, or given before the name),
-    as JSON text; "{}" where there are none."""
+    as JSON text; "{}" where a whole call has none. A call cut short (max_tokens, a barge-in) has what the model
+    wrote of them, "" if nothing: never arguments it did not write (OpenAI returns the partial text too)."""
     if whole is not None:
         value = next((whole[k] for k in _ARGUMENT_KEYS if k in whole), None)
     else:
         text, _ = call.arguments_so_far()
+        if not call.closed:
+            return text
         try:
             value = json.loads(text) if text else None
         except ValueError:
@@ -327,6 +348,17 @@ def _arguments_text(call: _Call, whole: dict[str, Any] | None) -> str:
     if value is None:
         return "{}"
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _repeats(arguments: str, call: ParsedCall) -> bool:
+    """Whether `call`'s arguments say what `arguments` (an earlier call's JSON text) says; for a call cut short,
+    whether they are the start of it."""
+    if not call.complete:
+        return arguments.startswith(call.arguments)
+    try:
+        return bool(json.loads(arguments) == json.loads(call.arguments))
+    except ValueError:
+        return arguments == call.arguments
 
 
 def held_suffix(text: str, markers: tuple[str, ...]) -> int:

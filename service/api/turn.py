@@ -22,7 +22,7 @@ from service.api.protocol import NamedToolChoice, ResponseFormat, SamplingFields
 from service.api.reply import ReplyReader
 from service.api.state import ServerState
 from service.api.streaming import EngineStream
-from service.api.tools import ChatTools
+from service.api.tools import SPEECH_OPENING, ChatTools
 from service.engine.grammar import schema_error
 from service.engine.kv_slots import Session
 from service.engine.request import SamplingParams
@@ -124,9 +124,12 @@ async def build_turn(st: ServerState, asked: TurnRequest) -> Turn:
         ids = await prompts.encode_text(tok, prompt, param=f.prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = asked.max_tokens if asked.max_tokens is not None else \
         prompts.chat_max_tokens(len(ids), st.max_context)
-    grammar = tools.grammar(asked.response_format.output_schema if asked.response_format else None)
+    after_tool = isinstance(asked.prompt, Conversation) and bool(asked.prompt.messages) \
+        and asked.prompt.messages[-1]["role"] == "tool"
+    grammar = tools.grammar(asked.response_format.output_schema if asked.response_format else None, after_tool)
     constraint = None if grammar is None else await prompts.grammar_constraint(
-        tok, st.engine.eos, grammar, param=f.of("tools" if tools.required else "response_format"))
+        tok, st.engine.eos, grammar, param=f.of("tools" if tools.required else "response_format"),
+        opening=grammar == SPEECH_OPENING)
     return Turn(ids, prompts.sampling_params(asked.sampling, max_tokens, constraint), tools, asked.spoken, f)
 
 

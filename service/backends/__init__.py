@@ -53,7 +53,7 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
     from service.backends.reference import ReferenceDecoder
 
     if weight_format != "bf16":
-        from service.model.quantized import quantize_model
+        from service.model.weight_formats import quantize_model
 
         weights = quantize_model(weights, weight_format, weights.embed.dtype).dequantized
     return ReferenceDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device)

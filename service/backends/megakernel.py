@@ -53,7 +53,7 @@ class MegakernelDecoder:
         from kernels.instructions import ModelDims
         from kernels.megakernel import Megakernel
         from service.backends.packing import pack_fp8, pack_int8, pack_weights
-        from service.model.quantized import quantize_model
+        from service.model.weight_formats import quantize_model
 
         self.config = config
         self.max_slots = max_slots

@@ -27,6 +27,17 @@ class TokenConstraint(Protocol):
         """The token chosen next; raises if the grammar does not allow it."""
         ...
 
+    @property
+    def opening(self) -> bool:
+        """Whether it holds the reply's opening only (lifted within a few tokens): admission's forecast counts the
+        request as an unconstrained one."""
+        ...
+
+    def lifted(self) -> bool:
+        """Whether it constrains nothing from here on (a grammar of a reply's opening, which has opened): the request
+        drops it and its tokens are chosen as an unconstrained request's are."""
+        ...
+
 
 def bitmask(tokens: Iterable[int], vocab: int) -> torch.Tensor:
     """The allowed() mask of a set of tokens, for a vocabulary of `vocab`."""

@@ -93,6 +93,7 @@ class Engine:
         self._feed_at = 0
         self._masks = StepMasks()  # where constrained rows' grammar masks go to the device
         self._last_completed = 0.0
+        self._resumed = time.perf_counter()  # when the engine last woke from waiting for work (or was made)
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
         self._launch_phases: dict[str, float] = {}
@@ -155,6 +156,7 @@ class Engine:
         req.prompt_blocks = block_hashes(req.prompt_ids)
         req.cached_tokens = self.planner.slots.expected_cached(req.prompt_ids, req.prompt_blocks, session)
         req.choice = sampler.choice_of(req, self.decoder.draws_tokens)
+        req.lifted_choice = sampler.unconstrained_choice(params, self.decoder.draws_tokens)
         with self._lock:
             if self.stats.waiting >= self.max_waiting:
                 self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
@@ -226,6 +228,7 @@ class Engine:
                 self._update_gauges()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                self._resumed = time.perf_counter()
             return
         t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
@@ -343,8 +346,11 @@ class Engine:
         finally:
             self._busy_since = None
         now = time.perf_counter()
-        # The step as a client sees it: from its launch, or from the last step's end where it was queued behind it.
-        seconds = now - max(launched.t0, self._last_completed)
+        # The step as a client sees it: from the last step's end while the engine ran step after step (the host's
+        # work and stalls between steps included: the cadence tokens come at, which admission must learn), from its
+        # launch where the engine had waited for work since.
+        busy = self._last_completed >= self._resumed
+        seconds = now - (self._last_completed if busy else launched.t0)
         self._last_completed = now
         self._publish(commit(launched.plan, launched.tokens.token, self.eos, self.decoder.max_context, now,
                              seconds))

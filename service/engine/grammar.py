@@ -93,8 +93,10 @@ class GrammarConstraint:
     grammar's worker pool as soon as it can be (when the constraint is made, and after each token accepted), while
     the engine thread launches steps; llguidance releases the GIL while it computes one."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, pool: Executor | None = None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, pool: Executor | None = None,
+                 opening: bool = False) -> None:
         self._matcher = matcher
+        self._opening = opening  # the grammar is of the reply's opening alone: lifted once it accepts
         # one bit per token, on the host: the sampler copies it into a step's pinned staging buffer
         self._bits = torch.zeros((tokenizer_vocab + 31) // 32, dtype=torch.int32)
         self._pool = pool
@@ -124,7 +126,15 @@ class GrammarConstraint:
             wait([self._next])
         if not self._matcher.consume_token(token):
             raise GrammarError(self._matcher.get_error() or f"token {token} is not allowed here")
-        self._start()  # (a complete grammar's mask allows its end-of-sequence tokens)
+        if not self.lifted():
+            self._start()  # (a complete grammar's mask allows its end-of-sequence tokens)
+
+    @property
+    def opening(self) -> bool:
+        return self._opening
+
+    def lifted(self) -> bool:
+        return self._opening and self._matcher.is_accepting()
 
 
 class Grammars:
@@ -167,9 +177,10 @@ class Grammars:
         """The vocabulary the masks cover: the tokenizer's (a padded embedding's extra ids are never allowed)."""
         return self._lltokenizer().vocab_size
 
-    def constraint(self, lark: str) -> GrammarConstraint:
-        """A fresh constraint for a Lark grammar, its first mask under way; GrammarError if it does not compile."""
-        return GrammarConstraint(self.matcher(lark), self.vocab_size, self.pool)
+    def constraint(self, lark: str, opening: bool = False) -> GrammarConstraint:
+        """A fresh constraint for a Lark grammar, its first mask under way; GrammarError if it does not compile.
+        `opening`: the grammar constrains the reply's opening only, and is lifted as soon as it accepts."""
+        return GrammarConstraint(self.matcher(lark), self.vocab_size, self.pool, opening)
 
 
 @functools.lru_cache(maxsize=4)

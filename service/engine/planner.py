@@ -256,7 +256,8 @@ class _Sim:
         else:
             left, cached = len(r.prompt_ids) - r.prefilled, r.prefilled + max(0, out - 1)
         return cls(r, left, cached, max(0, r.sla_token_index - out), max(0, r.params.max_tokens - out),
-                   seated=r.state is State.RUNNING, lags=r.choice is Choice.HOST)
+                   seated=r.state is State.RUNNING,
+                   lags=r.choice is Choice.HOST and not (r.constraint is not None and r.constraint.opening))
 
     def token(self, t: float, out: dict[int, float]) -> None:
         self.cached += 1

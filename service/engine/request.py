@@ -110,6 +110,7 @@ class Request:
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)
     choice: Choice = Choice.STEP
+    lifted_choice: Choice = Choice.STEP  # its choice once its constraint is lifted (TokenConstraint.lifted)
     draw_seed: int = field(default_factory=lambda: random.getrandbits(63))  # keys draws made inside a step
     prefill_start: float | None = None
     prefill_end: float | None = None

@@ -49,9 +49,11 @@ def untruncated(params: SamplingParams) -> bool:
 
 def choice_of(req: Request, draws_tokens: bool) -> Choice:
     """How the request's tokens are chosen, given whether the decoder draws tokens inside its step."""
-    p = req.params
-    if req.constraint is not None:
-        return Choice.HOST
+    return Choice.HOST if req.constraint is not None else unconstrained_choice(req.params, draws_tokens)
+
+
+def unconstrained_choice(p: SamplingParams, draws_tokens: bool) -> Choice:
+    """How tokens are chosen for these parameters without a constraint (also once a constraint is lifted)."""
     if p.greedy or (draws_tokens and untruncated(p)):
         return Choice.STEP
     return Choice.DEVICE
@@ -120,6 +122,8 @@ def accept(req: Request, token: int) -> int:
             raise ValueError("its logits allow no choice (NaN, or nothing the constraint allows)")
         if req.constraint is not None:
             req.constraint.accept(token)
+            if req.constraint.lifted():
+                req.constraint, req.choice = None, req.lifted_choice
     except Exception as e:
         raise SamplingError(req, e) from e
     return token

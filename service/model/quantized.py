@@ -1,5 +1,6 @@
 """A model whose matrices are stored quantized (FP8: service/model/fp8.py; int8: service/model/int8.py): the
-quantized matrices of every layer and the LM head, and the model they dequantize to (the reference decoder's)."""
+quantized matrices of every layer and the LM head, and the model they dequantize to (the reference decoder's). The
+formats build on this; weight_formats.py picks one by name."""
 
 from __future__ import annotations
 
@@ -42,17 +43,3 @@ def quantize_with(weights: ModelWeights, dtype: torch.dtype, quantize: Callable[
     dequantized = ModelWeights(embed=weights.embed.to(dtype), layers=[lw.to(lw.wq.device, dtype) for lw in deq_layers],
                                final_norm=weights.final_norm.to(dtype), lm_head=lm_head.dequantize(dtype))
     return QuantizedModel(layers, lm_head, dequantized)
-
-
-def quantize_model(weights: ModelWeights, weight_format: str, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel:
-    """The model in an 8-bit weight format: "fp8" (service/model/fp8.py), "int8" or "int8-row"
-    (service/model/int8.py)."""
-    if weight_format == "fp8":
-        from service.model import fp8
-
-        return fp8.quantize_model(weights, dtype)
-    if weight_format in ("int8", "int8-row"):
-        from service.model import int8
-
-        return int8.quantize_model(weights, dtype, int8.BLOCK if weight_format == "int8" else None)
-    raise ValueError(f"{weight_format!r} is not an 8-bit weight format (fp8, int8, int8-row)")
