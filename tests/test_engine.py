@@ -15,6 +15,7 @@ from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.engine import sampler
 from service.engine.admission import AdmitAll
+from service.engine.commit import StepDone
 from service.engine.constraint import bitmask
 from service.engine.engine import Engine
 from service.engine.output import TextOutput
@@ -787,3 +788,47 @@ def test_a_void_rows_position_is_rewritten_by_the_next_real_row(tiny, backend):
     torch.testing.assert_close(out.logits[0], out.logits[1])
     torch.testing.assert_close(cache.k[:, 0, :, :p + 1], cache.k[:, 1, :, :p + 1])
     torch.testing.assert_close(cache.v[:, 0, :, :p + 1], cache.v[:, 1, :, :p + 1])
+
+
+class RecordsSteps(AdmitAll):
+    """Admission that keeps every StepDone a step commits."""
+
+    def __init__(self):
+        super().__init__(1.0)
+        self.steps: list[StepDone] = []
+
+    def consume(self, event):
+        if isinstance(event, StepDone):
+            self.steps.append(event)
+
+
+def test_a_step_is_timed_with_the_host_work_before_it_but_a_prefill_launch_is_not(tiny):
+    """A decode step's time is the cadence tokens come at: the host's work since the last step included (what admission
+    must learn, capped at LEARN_CEILING). A step that launches a prefill is timed from its launch: that time teaches
+    the prefill's prediction, which has no ceiling, and a stall before it would teach slow prefills for good."""
+    stall_s = 0.15
+    admission = RecordsSteps()
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=4, max_context=256)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=8, admission=admission, launch_min_tokens=8)
+    eng.overlap = False
+    eng.start()
+    try:
+        stalls = {"left": 4}
+
+        def slow_sink(delta):  # the engine thread stalls after each of this request's first tokens (a slow host)
+            if stalls["left"] > 0 and delta.token_ids:
+                stalls["left"] -= 1
+                time.sleep(stall_s)
+
+        eng.submit([5, 6, 7], dataclasses.replace(GREEDY, max_tokens=30), slow_sink)
+        assert wait_until(lambda: stalls["left"] == 2)
+        q: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        eng.submit(list(range(1, 60)), GREEDY, q.put)  # 58 new tokens: a separate prefill launch
+        collect(q)
+        assert wait_until(lambda: eng.stats.waiting == 0 and eng.stats.running == 0)
+    finally:
+        eng.stop()
+    launching = [s for s in admission.steps if s.launched]
+    decoding = [s for s in admission.steps if not s.launched]
+    assert launching and all(s.seconds < stall_s for s in launching), [(s.launched, s.seconds) for s in launching]
+    assert sum(s.seconds >= stall_s for s in decoding) >= 2, [s.seconds for s in decoding]  # the stalls, as cadence

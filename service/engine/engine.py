@@ -348,9 +348,11 @@ class Engine:
         now = time.perf_counter()
         # The step as a client sees it: from the last step's end while the engine ran step after step (the host's
         # work and stalls between steps included: the cadence tokens come at, which admission must learn), from its
-        # launch where the engine had waited for work since.
-        busy = self._last_completed >= self._resumed
-        seconds = now - (self._last_completed if busy else launched.t0)
+        # launch where the engine had waited for work since, or where the step carried prefill launches: their time
+        # is learned as the prefill's, uncapped, and a host stall before them (the API thread templating a long
+        # conversation) had taught a CPU replica 78 s prefills and made it refuse an 8-token turn.
+        cadence = self._last_completed >= self._resumed and not launched.plan.launches
+        seconds = now - (self._last_completed if cadence else launched.t0)
         self._last_completed = now
         self._publish(commit(launched.plan, launched.tokens.token, self.eos, self.decoder.max_context, now,
                              seconds))
