@@ -25,6 +25,7 @@ from types import ModuleType
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.runs import with_flags
 from bench.server import ROOT, ServerFailed, Started, free_port, launch, log_tail, stop, wait_healthy
 
 ROUTER_START_TIMEOUT_S = 120.0
@@ -165,11 +166,12 @@ class Router:
 
 
 def start_router(worker_urls: Sequence[str], log: Path, balance_abs_threshold: int,
-                 timeout_s: float = ROUTER_START_TIMEOUT_S) -> Router:
-    """vllm-router on loopback in front of `worker_urls` with compose's flags; returns once it sees every worker
-    healthy. Raises ServerFailed (having stopped it) otherwise."""
+                 timeout_s: float = ROUTER_START_TIMEOUT_S, router_args: str = "") -> Router:
+    """vllm-router on loopback in front of `worker_urls` with compose's flags (each flag of `router_args` replacing
+    its value, or added); returns once it sees every worker healthy. Raises ServerFailed (having stopped it)
+    otherwise."""
     port, metrics_port = free_port(), free_port()
-    cmd = router_command(worker_urls, port, metrics_port, balance_abs_threshold)
+    cmd = list(with_flags(router_command(worker_urls, port, metrics_port, balance_abs_threshold), router_args))
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -199,9 +201,10 @@ def gpu_ids(replicas: int, cpu: bool) -> list[str | None]:
 
 @contextmanager
 def fleet(flags: Sequence[str], gpus: Sequence[str | None], raw: Path, timeout_s: float = 300.0,
-          name: str = "fleet") -> Iterator[Fleet]:
+          name: str = "fleet", router_args: str = "") -> Iterator[Fleet]:
     """One replica per entry of `gpus` (a CUDA_VISIBLE_DEVICES value, None for the CPU), all started at once, and
-    the router in front of them once they are healthy; everything stopped after the block. Logs: <raw>/<name>-
+    the router in front of them once they are healthy (`router_args`: flags replacing or added to compose's);
+    everything stopped after the block. Logs: <raw>/<name>-
     replica-<i>.log and <raw>/<name>-router.log."""
     replicas = [Replica(i, tuple(flags), gpu, free_port(), raw, f"{name}-replica") for i, gpu in enumerate(gpus)]
     router = None
@@ -211,7 +214,7 @@ def fleet(flags: Sequence[str], gpus: Sequence[str | None], raw: Path, timeout_s
         for r in replicas:  # they load in parallel; each wait is what is left of the slowest
             r.wait_healthy(timeout_s)
         router = start_router([r.base for r in replicas], raw / f"{name}-router.log",
-                              balance_abs_threshold(flags))
+                              balance_abs_threshold(flags), router_args=router_args)
         yield Fleet(replicas, router)
     finally:
         if router is not None:

@@ -75,6 +75,7 @@ class Plan:
     tail_s: float
     back_timeout_s: float
     start_timeout_s: float
+    router_args: str = ""  # flags replacing or added to the router's (compose's)
 
     @property
     def loadtest_args(self) -> tuple[str, ...]:
@@ -161,6 +162,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tail-s", type=float, default=5.0, help="...and at least this long after its health")
     g.add_argument("--back-timeout-s", type=float, default=120.0, help="or this long after the restart")
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="a replica's start, at most")
+    p.add_argument("--router-args", default="", help="flags replacing or added to the router's (compose's), e.g. "
+                   "'--balance-abs-threshold 2' or '--policy sticky_least_loaded'")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
     p.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the JSON in --out")
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
@@ -179,12 +182,12 @@ def plan_of(args: argparse.Namespace) -> Plan:
                 args.timeout, args.sweep_start, args.sweep_bisect, args.sweep_s, args.sweep_rates,
                 args.sweep_workers, tuple(_floats(args.voice_rates)), args.voice_s, args.voice_workers,
                 args.voice_args, args.failover_rate, args.kill_at_s, args.restart_after_s, args.back_requests,
-                args.tail_s, args.back_timeout_s, args.start_timeout_s)
+                args.tail_s, args.back_timeout_s, args.start_timeout_s, args.router_args)
 
 
 def plan_text(plan: Plan, stem: str, out: Path, raw: Path) -> str:
-    router = shlex.join(["vllm-router", "--worker-urls", "<replica URLs>", "--balance-abs-threshold",
-                         "<half of --max-batch>", *render_compose().ROUTER_FLAGS])
+    router = shlex.join(with_flags(["vllm-router", "--worker-urls", "<replica URLs>", "--balance-abs-threshold",
+                                    "<half of --max-batch>", *render_compose().ROUTER_FLAGS], plan.router_args))
     lines = [f"router: {plan.replicas} replica(s) {'on the CPU' if plan.cpu else 'one per GPU'}, phases "
              f"{', '.join(plan.phases)}; about {plan.estimate_s():.0f} s on two H100s (a fleet's start counted as "
              f"{START_S:.0f} s)", f"  report → {out}/{stem}.{{json,md}}   raw → {raw}/", f"  {router}"]
@@ -336,7 +339,8 @@ def run(plan: Plan, out: Path, raw: Path, archive: Path | None) -> int:
         say(t0, f"== {plan.replicas} replicas: parley serve {shlex.join(serve)}")
         started = time.monotonic()
         try:
-            with fleet(serve, gpu_ids(plan.replicas, plan.cpu), raw, plan.start_timeout_s, group) as fl:
+            with fleet(serve, gpu_ids(plan.replicas, plan.cpu), raw, plan.start_timeout_s, group,
+                       plan.router_args) as fl:
                 ready_s = round(time.monotonic() - started, 1)  # the replicas' start (in parallel) and the router's
                 say(t0, f"replicas healthy and the router ready in {ready_s:.0f} s: "
                         f"{fl.router.base} → {', '.join(r.base for r in fl.replicas)}")

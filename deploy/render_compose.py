@@ -54,11 +54,14 @@ def replica_name(gpu: str) -> str:
 
 
 def router_command(gpus: Sequence[str]) -> list[str]:
-    """The router's arguments in compose: every replica's URL; the balance threshold from the environment."""
+    """The router's arguments in compose: every replica's URL; the balance threshold and the policy from the
+    environment."""
     urls = [f"http://{replica_name(g)}:{REPLICA_PORT}" for g in gpus]
+    flags = list(ROUTER_FLAGS)  # the policy from the environment too (deploy/README.md, "One agent, many calls")
+    flags[flags.index("--policy") + 1] = "${PARLEY_ROUTER_POLICY:-" + flags[flags.index("--policy") + 1] + "}"
     return ["--host", "0.0.0.0", "--port", str(REPLICA_PORT), "--worker-urls", *urls,
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT),
-            "--balance-abs-threshold", "${PARLEY_ROUTER_BALANCE_ABS_THRESHOLD:-4}", *ROUTER_FLAGS]
+            "--balance-abs-threshold", "${PARLEY_ROUTER_BALANCE_ABS_THRESHOLD:-4}", *flags]
 
 
 def _yaml_list(items: Sequence[str], indent: int) -> str:
@@ -130,6 +133,8 @@ _REST = """\
   # The port users call. Cache-aware routing keeps a conversation on the replica that holds its K/V; a replica's
   # 429 (at its SLA limit) or 503 (loading, draining) is retried on another one; a replica whose /health fails is
   # taken out until it answers again. Keep PARLEY_ROUTER_BALANCE_ABS_THRESHOLD at about half of PARLEY_MAX_BATCH.
+  # Many calls to one agent (one system prompt) whose client sends x-session-id: PARLEY_ROUTER_POLICY=
+  # sticky_least_loaded spreads the calls (cache-aware sends them all where the prompt is cached; deploy/README.md).
   router:
     build:
       context: deploy/router

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds before a request counts as an error")
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into each request body")
+    g.add_argument("--session-header", action="store_true",
+                   help="send each conversation's id in an x-session-id header, as a voice agent can (its call id): "
+                        "what a session-sticky router policy keys on")
     g = p.add_argument_group("load")
     g.add_argument("--rate", type=float, help="sessions per second, open loop (default: unlimited, so the "
                                               "concurrency cap makes it a closed loop)")
@@ -155,7 +158,8 @@ def load_from(args: argparse.Namespace) -> Load:
 
 async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     target = Target(url=args.url.rstrip("/"), endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-                    timeout_s=args.timeout, extra_body=args.extra_body, ignore_eos=args.ignore_eos)
+                    timeout_s=args.timeout, extra_body=args.extra_body, ignore_eos=args.ignore_eos,
+                    session_prefix=f"call-{args.seed}-{os.getpid()}" if args.session_header else None)
     load, (sessions, turns) = load_from(args), sessions_from(args)
     runs: list[dict[str, Any]] = []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -28,6 +28,9 @@ class Target:
     timeout_s: float = 300.0
     extra_body: dict[str, Any] = field(default_factory=dict)
     ignore_eos: bool = True  # exact output lengths (vLLM, SGLang and Parley accept it; OpenAI's API does not)
+    # Every HTTP request of a conversation carries `x-session-id: <session_prefix>-<session>` (None: no header):
+    # what a router's session-sticky policy keys on (vllm-router's sticky_least_loaded, consistent_hash)
+    session_prefix: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -110,7 +113,8 @@ async def http_turn(client: httpx.AsyncClient, target: Target, conversation: lis
         body["prompt"] = prompt_text(conversation)
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", PATHS[target.endpoint], json=body) as resp:
+        headers = {} if target.session_prefix is None else {"x-session-id": f"{target.session_prefix}-{rec.session}"}
+        async with client.stream("POST", PATHS[target.endpoint], json=body, headers=headers) as resp:
             rec.status = resp.status_code
             if resp.status_code == 429:
                 rec.outcome, rec.retry_after_s = "rejected", retry_after(resp.headers.get("retry-after"))

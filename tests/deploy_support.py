@@ -20,6 +20,7 @@ import yaml
 from bench import fleet
 from bench.fleet import render_compose as render_compose  # the tests of deploy/ read its flags from here
 from bench.fleet import router_command
+from bench.runs import with_flags
 from tests.server_support import Scrape, free_port, poll, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,12 +251,13 @@ class Router(fleet.Router):
             return "(no log)"
 
 
-def start_router(worker_urls: list[str], log: Path, balance_abs_threshold: int) -> Router:
+def start_router(worker_urls: list[str], log: Path, balance_abs_threshold: int, router_args: str = "") -> Router:
     """vllm-router on loopback in front of `worker_urls`, with the flags docker-compose.yml gives it
-    (deploy/render_compose.py's ROUTER_FLAGS); returns once every worker is healthy in its eyes."""
+    (deploy/render_compose.py's ROUTER_FLAGS; each of `router_args` replacing its value, or added); returns once every
+    worker is healthy in its eyes."""
     assert router_executable() is not None, "vllm-router is not installed (pip install vllm-router)"
     port, metrics_port = free_port(), free_port()
-    cmd = router_command(worker_urls, port, metrics_port, balance_abs_threshold)
+    cmd = list(with_flags(router_command(worker_urls, port, metrics_port, balance_abs_threshold), router_args))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     router = Router(proc, port, metrics_port, log)

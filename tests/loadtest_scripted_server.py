@@ -31,7 +31,7 @@ STATS: dict[str, Any] = {}
 
 def reset() -> None:
     STATS.update(requests=0, completed=0, disconnects=0, ws_sessions=0, ws_cancels=0, message_counts=[],
-                 ws_inputs=[], bodies=[], cached=[], last_prompt=[], ws_events=[])
+                 ws_inputs=[], bodies=[], cached=[], last_prompt=[], ws_events=[], session_ids=[])
 
 
 reset()
@@ -83,6 +83,7 @@ async def complete(request: Request) -> Any:
     body = await request.json()
     STATS["requests"] += 1
     STATS["bodies"].append(body)
+    STATS["session_ids"].append(request.headers.get("x-session-id"))
     chat = "messages" in body
     text = last_user(body["messages"]) if chat else body["prompt"]
     if chat:

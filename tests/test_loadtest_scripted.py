@@ -169,6 +169,22 @@ def test_multi_turn_chat_sends_the_growing_conversation(tmp_path, url):
     assert by_turn == {0: 4, 1: 4 + 8 + 4, 2: 4 + 8 + 4 + 8 + 4}
 
 
+def test_a_session_header_names_each_conversation_in_every_turn(tmp_path, url):
+    """--session-header: every request of a conversation carries the same x-session-id, and no two conversations
+    share one (what a session-sticky router keys on); without it, no header."""
+    run_cli(tmp_path, url, "--endpoint", "chat", "--turns", "3", "--num-requests", "2", "--concurrency", "2",
+            "--input-len", "4", "--output-len", "8", "--session-header")
+    s = stats(url)
+    by_id: dict[str, set[str]] = {}
+    for sid, body in zip(s["session_ids"], s["bodies"]):
+        by_id.setdefault(sid, set()).add(body["messages"][0]["content"])  # the conversation's first message
+    assert len(by_id) == 2 and None not in by_id and all(len(firsts) == 1 for firsts in by_id.values()), by_id
+    assert len(set().union(*by_id.values())) == 2  # two conversations, one id each
+    httpx.post(f"{url}/stats").raise_for_status()
+    run_cli(tmp_path, url, "--num-requests", "2", "--input-len", "4", "--output-len", "8")
+    assert stats(url)["session_ids"] == [None, None]
+
+
 def test_multi_turn_realtime_is_one_socket(tmp_path, url):
     doc = run_cli(tmp_path, url, "--endpoint", "realtime", "--turns", "3", "--num-requests", "2",
                   "--concurrency", "2", "--input-len", "4", "--output-len", "8")

@@ -22,8 +22,9 @@ import asyncio
 import concurrent.futures
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -129,24 +130,7 @@ def test_voice_sessions_stay_on_the_replica_that_holds_their_prefix(fleet: Fleet
     conversation would have no cached tokens."""
     fleet.needs_prefix_routing()
     before = fleet.scrapes()
-
-    async def call(client: httpx.AsyncClient, agent: str) -> list[dict[str, Any]]:
-        messages = [{"role": "system", "content": f"You are {agent}, {INSTRUCTIONS}"}]
-        usages = []
-        for turn in range(TURNS):
-            messages.append({"role": "user", "content": USER_TURNS[turn]})
-            r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": TOKENS,
-                                                                "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            usages.append(r.json()["usage"])
-            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-        return usages
-
-    async def calls() -> list[list[dict[str, Any]]]:
-        async with httpx.AsyncClient(base_url=fleet.router.base, timeout=REQUEST_TIMEOUT_S) as client:
-            return await asyncio.gather(*(call(client, agent) for agent in AGENTS[:SESSIONS]))
-
-    sessions = asyncio.run(calls())
+    sessions = asyncio.run(_calls(fleet.router.base, AGENTS[:SESSIONS]))
     after = fleet.scrapes()
     usages = [u for session in sessions for u in session]
     hits = _deltas(before, after, "parley_prefix_cache_hits_total")
@@ -154,11 +138,70 @@ def test_voice_sessions_stay_on_the_replica_that_holds_their_prefix(fleet: Fleet
     assert sum(hits.values()) == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert sum(queries.values()) == sum(u["prompt_tokens"] for u in usages)
     for agent, session in zip(AGENTS, sessions):
-        later = session[1:]
-        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in later)
-        prompt = sum(u["prompt_tokens"] for u in later)
-        assert cached >= 0.9 * prompt, f"{agent}'s call: {cached} of {prompt} prompt tokens after turn 1 cached"
+        assert _cached_after_turn_1(session) >= 0.9, f"{agent}'s call after turn 1: {session}"
     assert sum(1 for q in queries.values() if q) >= 2, f"every call on one replica: {queries}"
+
+
+async def _call(client: httpx.AsyncClient, agent: str, session_id: str | None = None,
+                after: asyncio.Event | None = None, answered: asyncio.Event | None = None) -> list[dict[str, Any]]:
+    """One call of TURNS turns to `agent`, each resending the conversation (with `x-session-id` where given): the
+    usage of each turn. It starts once `after` is set, and sets `answered` once its first turn is answered."""
+    messages = [{"role": "system", "content": f"You are {agent}, {INSTRUCTIONS}"}]
+    headers = {"x-session-id": session_id} if session_id else {}
+    usages = []
+    if after is not None:
+        await after.wait()
+    for turn in range(TURNS):
+        if turn == 1 and answered is not None:
+            answered.set()
+        messages.append({"role": "user", "content": USER_TURNS[turn]})
+        r = await client.post("/v1/chat/completions", headers=headers, json={
+            "messages": messages, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    return usages
+
+
+async def _calls(base: str, agents: Sequence[str], session_ids: Sequence[str | None] | None = None,
+                 staggered: bool = False) -> list[list[dict[str, Any]]]:
+    """One call per agent, all at once or (`staggered`) each starting once the one before has its first answer, as
+    calls arrive one after another."""
+    ids = session_ids or [None] * len(agents)
+    answered = [asyncio.Event() for _ in agents]
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+        return await asyncio.gather(*(
+            _call(client, agent, sid, answered[i - 1] if staggered and i else None, answered[i])
+            for i, (agent, sid) in enumerate(zip(agents, ids))))
+
+
+def _cached_after_turn_1(session: list[dict[str, Any]]) -> float:
+    later = session[1:]
+    return sum(u["prompt_tokens_details"]["cached_tokens"] for u in later) / sum(u["prompt_tokens"] for u in later)
+
+
+def test_one_agents_calls_spread_over_the_replicas_by_their_session_id(fleet: Fleet, tmp_path: Path) -> None:
+    """Six calls to ONE agent (one system prompt, as a voice product's callers share it), each arriving once the one
+    before has its first answer. The cache-aware policy sends each new call where the prompt is cached, and a turn
+    elsewhere only once that replica runs the balance threshold above another, where the call's conversation is
+    prefilled again (here: a turn with no cached token); on two H200s, whose replicas refuse what they cannot serve
+    on time and so never ran that far ahead, every voice turn went to one replica (deploy/README.md, "One agent, many
+    calls"). With `--policy sticky_least_loaded` and the client's `x-session-id` (PARLEY_ROUTER_POLICY in compose), a
+    new call goes to the replica with the fewest calls and every turn of a call to its replica: the calls spread over
+    all three, and each call's prompt after turn 1 comes from the cache."""
+    router = start_router([r.base for r in fleet.replicas], tmp_path / "sticky-router.log", BALANCE_ABS_THRESHOLD,
+                          "--policy sticky_least_loaded")
+    try:
+        before = fleet.scrapes()
+        sessions = asyncio.run(_calls(router.base, ["Zoe"] * SESSIONS, [f"call-{i}" for i in range(SESSIONS)],
+                                      staggered=True))
+        after = fleet.scrapes()
+    finally:
+        stop_process(router.proc, timeout_s=10)
+    queries = _deltas(before, after, "parley_prefix_cache_queries_total")
+    assert all(queries.values()), f"a replica got no call: {queries}"
+    for i, session in enumerate(sessions):
+        assert _cached_after_turn_1(session) >= 0.9, f"call {i}: {session}"
 
 
 async def _send(base: str, bodies: list[dict[str, Any]], concurrency: int, path: str = "/v1/completions",
