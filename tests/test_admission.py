@@ -463,6 +463,13 @@ def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
     dec = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=SLOTS, max_context=256),
                                 step_delay_s=0.02)
     sla_s, sla_tokens = 0.55, 16
+    warm = Engine(dec, model.tokenizer, max_batch=SLOTS)  # torch's first calls are slow: not what this test is about
+    warm.start()
+    try:
+        for _ in warm.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)):
+            pass
+    finally:
+        warm.stop()
     lat = LatencyModel({1: 0.015, 16: 0.015}, {16: 0.015}, max_rows=16)
     admission = AdmissionController(lat, sla_s, sla_tokens, SLOTS, strict=True, margin=0.05)
     eng = Engine(dec, model.tokenizer, admission=admission, sla_ms=sla_s * 1e3, sla_tokens=sla_tokens,
