@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kernels.instructions import Op
-from kernels.megakernel import MATVECS, KernelConfig, MatvecTile, default_tiles, int8_slices
+from kernels.megakernel import KernelConfig
+from kernels.tiles import MATVECS, MatvecTile, default_tiles, int8_slices
 
 
 def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any

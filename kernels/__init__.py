@@ -1,5 +1,15 @@
-"""Triton kernels: the decode-step megakernel (megakernel.py, its schedule in instructions.py) and the in-kernel
-sampling (sampling.py). Nothing here imports the service."""
+"""Triton kernels: the decode-step megakernel and the in-kernel sampling. Nothing here imports the service.
+
+instructions.py  the instruction set and the schedule, built on the host
+megakernel.py    the kernel's entry (one persistent launch a step, a task at a time) and Megakernel, which launches it
+kernel_args.py   what the kernel takes: the packed weights (PackedWeights) and the NamedTuples
+tiles.py         how each matvec streams its weights (MatvecTile) and the default tiles of a launch
+matvec.py        the matrix path: QKV (with RoPE, the K/V append), O projection, gate/up, down, LM head; the norms
+attention.py     flash-decoding over the KV cache, split by position
+lm_head.py       the LM head's (max, argmax) partials, greedy and drawn, and the Argmax task that reduces them
+sync.py          the waits on dependency counters, reads through L2, prefetches into L2
+sampling.py      the Gumbel-max draw (Philox noise) the LM head runs, and the same draw over ready logits
+"""
 
 from __future__ import annotations
 

@@ -235,7 +235,8 @@ def _check(case: str) -> dict:
     import torch
 
     from kernels.instructions import Op
-    from kernels.megakernel import MATVECS, KernelConfig, MatvecTile, int8_slices
+    from kernels.megakernel import KernelConfig
+    from kernels.tiles import MATVECS, MatvecTile, int8_slices
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model.config import ModelConfig, RopeScaling

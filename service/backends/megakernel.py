@@ -30,7 +30,8 @@ from service.model.weights import ModelWeights
 
 if TYPE_CHECKING:
     from kernels.instructions import ModelDims
-    from kernels.megakernel import KernelConfig, PackedWeights
+    from kernels.kernel_args import PackedWeights
+    from kernels.megakernel import KernelConfig
 
 
 def megakernel_available() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.megakernel import INT8_BLOCK, PackedWeights
+from kernels.kernel_args import INT8_BLOCK, PackedWeights
 from service.model.config import ModelConfig
 from service.model.quantized import QuantizedModel
 from service.model.weights import Fp8Matrix, Int8Matrix, LayerWeights, ModelWeights

@@ -1,0 +1,77 @@
+"""How each matvec streams its weights (MatvecTile, a constexpr of the kernel), and the tiles a launch uses unless
+its KernelConfig names others: a function of its rows and weight format (default_tiles).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kernels.instructions import Op
+from kernels.kernel_args import INT8_BLOCK
+
+
+class MatvecTile(NamedTuple):
+    """How one matvec streams its weights (a constexpr of the kernel): rows per tile, k chunk per pipeline stage,
+    independent k slices of the dot, pipeline stages, row tiles kept on their way into L2 ahead of the stream
+    (0: none), whether the tensor-memory accelerator loads the weights (descriptors) instead of pointers, whether
+    K's two halves stream side by side (matvecs of one run of rows: OPROJ, DOWN, LM head), and how many tasks
+    share each tile's K (split K: wide tiles while every program still streams)."""
+
+    rows: int = 16
+    k_chunk: int = 256
+    k_slices: int = 4
+    stages: int = 4
+    prefetch_tiles: int = 0
+    tma: bool = False
+    k_halves: bool = False
+    k_splits: int = 1  # parts of K, each a task of one tile (the last to arrive adds them up: instructions.py)
+    swap: bool = False  # the weights as the dot's wide side (M), the step's rows (padded to 16) as N; one k slice
+
+
+MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
+TileTable = dict[Op, MatvecTile]
+
+
+def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileTable:
+    """The tiles of a launch whose matvecs have `rows` rows (its bucket; the LM head's own rows for the LM head).
+
+    Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core
+    dot) of 256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's
+    64-row tiles of 256 columns through the tensor-memory accelerator (its long stream ran at 72% of the bandwidth
+    with pointer loads, 99% with TMA). With FP8 weights each k chunk doubles, so a pipeline stage holds as many
+    weight bytes (the LM head's TMA box stays at 256 columns, its limit).
+
+    From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
+    N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
+    the 32- and 64-row bf16 steps from 2.07 / 3.16 ms to 1.75 / 2.18 (FP8 2.43 / 4.57 to 2.05 / 3.78); at 16 rows
+    and fewer it is slower (1.58 vs 1.43 ms at 16), so those keep the tiles above. Wider weight tiles with K split
+    over several tasks (MatvecTile.k_splits) measured slower at every row count (bench/NOTES.md "Flat steps").
+
+    int8 weights: a k slice per block of 32 columns (int8_slices: the dot's slices are scaled one by one), over
+    bf16's chunk widths (256 columns, 8 slices; at FP8's 512 the 16 slices' accumulators spilled at 1 row), and at
+    32+ rows over one-block chunks (4 slices of 128 columns spilled 3 KB a thread at 64 rows, one block
+    0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100."""
+    lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
+    if int8:
+        if rows <= 16:
+            return {op: int8_slices(t._replace(k_chunk=256)) for op, t in default_tiles(True, rows).items()}
+        wide = {op: MatvecTile(k_chunk=INT8_BLOCK, k_slices=1) for op in (Op.QKV, Op.OPROJ)}
+        wide[Op.GATEUP] = MatvecTile(rows=32, k_chunk=INT8_BLOCK, k_slices=1)
+        wide[Op.DOWN] = MatvecTile(k_chunk=INT8_BLOCK, k_slices=1, k_halves=True)
+        return wide | {Op.LMHEAD: int8_slices(lm_wide._replace(k_chunk=INT8_BLOCK))}
+    k = 2 if fp8 else 1
+    if rows <= 16:
+        tiles = {op: MatvecTile(k_chunk=256 * k) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
+        tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True)
+        tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True)
+        return tiles
+    # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
+    wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
+            for op in (Op.QKV, Op.OPROJ, Op.DOWN)}
+    wide[Op.GATEUP] = MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
+    return wide | {Op.LMHEAD: lm_wide}
+
+
+def int8_slices(t: MatvecTile) -> MatvecTile:
+    """The tile with one k slice per int8 block of its k chunk (a slice must lie within one block)."""
+    return t._replace(k_slices=max(1, t.k_chunk // INT8_BLOCK))
