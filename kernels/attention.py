@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels import instructions as I
-from kernels.sync import _ld_act, _prefetch_l2
+from kernels.sync import ld_act, prefetch_l2
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _splits(n_pos, ATT: tl.constexpr):
 
 
 @triton.jit
-def _attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr, sm_scale,
+def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr, sm_scale,
                MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
     """Flash-decoding for (row b, KV head g) over positions [0, pos] of its slot (this step's k and v of every row
     are in the cache already: QKV put them there). The positions are cut into splits (_splits); this task, one of
@@ -47,7 +47,7 @@ def _attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
     n_split, span = _splits(n_pos, ATT)
     last = n_pos < 0
     if s < n_split:
-        q = _ld_act(q_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], rg[:, None] < G, CG)  # RoPE'd
+        q = ld_act(q_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], rg[:, None] < G, CG)  # RoPE'd
         for i in range(s, n_split, S):
             start = i * span
             end = tl.minimum(start + span, n_pos)
@@ -57,8 +57,8 @@ def _attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
             for c0 in range(start, end, CH):
                 rc = c0 + tl.arange(0, CH)
                 mc = rc < end
-                k = _ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
-                v = _ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
+                k = ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
+                v = ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
                 sc = tl.dot(q, tl.trans(k)) * qk_scale
                 sc = tl.where(mc[None, :], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -85,26 +85,26 @@ def _attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
                 p0 = (b * KVH + g) * SMAX
                 ri = tl.arange(0, SMAX)
                 mg = rg[None, :] < G
-                m_all = tl.max(_ld_act(scratch.m + (p0 + ri)[:, None] * GPAD + rg[None, :],
+                m_all = tl.max(ld_act(scratch.m + (p0 + ri)[:, None] * GPAD + rg[None, :],
                                        (ri[:, None] < n_split) & mg, CG, float("-inf")), axis=0)
                 l_all = tl.zeros([GPAD], tl.float32)
                 o = tl.zeros([GPAD, D], tl.float32)
                 for i0 in range(0, n_split, 4):
                     r4 = i0 + tl.arange(0, 4)
                     m4 = (r4[:, None] < n_split) & mg
-                    w = tl.exp2(_ld_act(scratch.m + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
+                    w = tl.exp2(ld_act(scratch.m + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
                                 - m_all[None, :])
                     w = tl.where(m4, w, 0.0)
-                    l_all += tl.sum(w * _ld_act(scratch.l + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
+                    l_all += tl.sum(w * ld_act(scratch.l + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
                     offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
-                    acc4 = _ld_act(scratch.acc + offs, m4[:, :, None], CG)
+                    acc4 = ld_act(scratch.acc + offs, m4[:, :, None], CG)
                     o += tl.sum(w[:, :, None] * acc4, axis=0)
                 tl.store(out_ptrs, (o / tl.where(rg < G, l_all, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
     return last.to(tl.int32)
 
 
 @triton.jit
-def _prefetch_kv(rec, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
+def prefetch_kv(rec, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
     """An attention task's cached keys and values (the positions before this step's) into L2 while it waits for
     QKV: they do not depend on this step. The task's first split only; one bulk prefetch each, from threads 0, 1."""
     D: tl.constexpr = MODEL.head_dim
@@ -120,4 +120,4 @@ def _prefetch_kv(rec, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
         off = (head * cache.context + start) * D
         lane = tl.arange(0, 2)
         base = tl.where(lane == 0, cache.k + off, cache.v + off).to(tl.int64, bitcast=True)
-        _prefetch_l2(base, (n * D * cache.k.dtype.element_ty.primitive_bitwidth // 8).to(tl.int32) + lane * 0, lane)
+        prefetch_l2(base, (n * D * cache.k.dtype.element_ty.primitive_bitwidth // 8).to(tl.int32) + lane * 0, lane)

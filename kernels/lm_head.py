@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.sampling import gumbel_best
-from kernels.sync import _ld_act
+from kernels.sync import ld_act
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _sample_partial(c0, c1, B, logits_ptr, draw_ptr, pos_ptr, N: tl.constexpr, R
     for s0 in range(c0, c1, SC):
         rc = s0 + tl.arange(0, SC)
         m = (rb[:, None] < B) & (rc[None, :] < c1)
-        lg = _ld_act(logits_ptr + rb[:, None] * N + rc[None, :], m, CG, float("-inf"))
+        lg = ld_act(logits_ptr + rb[:, None] * N + rc[None, :], m, CG, float("-inf"))
         mx, idx = gumbel_best(lg, rc, temperature, seed_lo, seed_hi, position, N)
         take = mx > best_v  # blocks come in increasing order: ties keep the earlier index
         best_v = tl.where(take, mx, best_v)
@@ -50,7 +50,7 @@ def _sample_partial(c0, c1, B, logits_ptr, draw_ptr, pos_ptr, N: tl.constexpr, R
 
 
 @triton.jit
-def _lm_partials(row0, rows_end, part, best_v, best_i, B, lm, logits_ptr, draw_ptr, pos_ptr, N: tl.constexpr,
+def lm_partials(row0, rows_end, part, best_v, best_i, B, lm, logits_ptr, draw_ptr, pos_ptr, N: tl.constexpr,
                  R: tl.constexpr, DSTRIDE: tl.constexpr, CG: tl.constexpr):
     """Leave an LM-head task's greedy (max, argmax) as partial `part`, and where a row samples, its drawn one."""
     rb = tl.arange(0, R)
@@ -74,8 +74,8 @@ def _reduce_partials(lmax_ptr, lidx_ptr, n_parts, B, V: tl.constexpr, R: tl.cons
     for t0 in range(0, n_parts, TC):
         rt = t0 + tl.arange(0, TC)
         m = (rt[:, None] < n_parts) & (rb[None, :] < B)
-        vals = _ld_act(lmax_ptr + rt[:, None] * R + rb[None, :], m, CG, float("-inf"))
-        idxs = _ld_act(lidx_ptr + rt[:, None] * R + rb[None, :], m, CG, V)
+        vals = ld_act(lmax_ptr + rt[:, None] * R + rb[None, :], m, CG, float("-inf"))
+        idxs = ld_act(lidx_ptr + rt[:, None] * R + rb[None, :], m, CG, V)
         cm = tl.max(vals, axis=0)
         ci = tl.min(tl.where(vals == cm[None, :], idxs, V), axis=0)
         take = (cm > best) | ((cm == best) & (ci < bidx))
@@ -85,7 +85,7 @@ def _reduce_partials(lmax_ptr, lidx_ptr, n_parts, B, V: tl.constexpr, R: tl.cons
 
 
 @triton.jit
-def _argmax(B, n_parts, n_counters, lm, outs, draw_ptr, pos_ptr, cnt_ptr, V: tl.constexpr, R: tl.constexpr,
+def argmax(B, n_parts, n_counters, lm, outs, draw_ptr, pos_ptr, cnt_ptr, V: tl.constexpr, R: tl.constexpr,
             CG: tl.constexpr, DSTRIDE: tl.constexpr):
     """Reduce the LM-head tasks' (max, argmax) partials into the greedy token of each of the first B rows, and the
     sampled ones into the drawn token (the greedy one where no row samples); then, every other task being done

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels import instructions as I
 from kernels.kernel_args import INT8_BLOCK
-from kernels.sync import _ld_act, _prefetch_l2
+from kernels.sync import ld_act, prefetch_l2
 
 I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
 
@@ -36,12 +36,12 @@ def _rstd(ssq_ptr, B, eps, H: tl.constexpr, R: tl.constexpr, STRIDE: tl.constexp
     NPP: tl.constexpr = triton.next_power_of_2(NP)
     rp = tl.arange(0, NPP)
     rb = tl.arange(0, R)
-    parts = _ld_act(ssq_ptr + rp[:, None] * STRIDE + rb[None, :], (rp[:, None] < NP) & (rb[None, :] < B), CG)
+    parts = ld_act(ssq_ptr + rp[:, None] * STRIDE + rb[None, :], (rp[:, None] < NP) & (rb[None, :] < B), CG)
     return tl.rsqrt(tl.sum(parts, axis=0) / H + eps)
 
 
 @triton.jit
-def _norm_operand(y, m, rb, n0, xn_ptr, nw_ptr, ssq_ptr, dt: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr,
+def norm_operand(y, m, rb, n0, xn_ptr, nw_ptr, ssq_ptr, dt: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr,
                   BN: tl.constexpr):
     """For the columns [n0, n0 + BN) of x this task wrote (y): the next norm's operand x * norm_weight (rounded to
     dt), and their sums of squares, one partial per 16 columns and row, at ssq_ptr."""
@@ -211,9 +211,9 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
         best_v, best_i = _lm_out((acc * rstd[:, None]).to(dt).to(tl.float32), rows, rb, B, best_v, best_i, out, N)
     else:  # OPROJ, DOWN: the residual stream x += acc, and the next norm's operand and sums of squares
         ptrs = out.x + rb[:, None] * N + rows[None, :]
-        y = (_ld_act(ptrs, m, CG).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+        y = (ld_act(ptrs, m, CG).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
         tl.store(ptrs, y, mask=m)
-        _norm_operand(y, m, rb, tl.min(rows, axis=0), out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
+        norm_operand(y, m, rb, tl.min(rows, axis=0), out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
     return best_v, best_i
 
 
@@ -224,9 +224,9 @@ def _operand(a_ptr, rb, rk, B, rstd, K: tl.constexpr, EVEN: tl.constexpr, DOT_T:
     dot runs in float16: FP8 weights)."""
     a_ptrs = a_ptr + rb[None, :, None] * K + rk[:, None, :]
     if EVEN:
-        a = _ld_act(a_ptrs, rb[None, :, None] < B, CG)
+        a = ld_act(a_ptrs, rb[None, :, None] < B, CG)
     else:
-        a = _ld_act(a_ptrs, (rb[None, :, None] < B) & (rk[:, None, :] < K), CG)
+        a = ld_act(a_ptrs, (rb[None, :, None] < B) & (rk[:, None, :] < K), CG)
     if PRE_NORM:
         a = a.to(tl.float32) * rstd[None, :, None]
     return a.to(DOT_T)
@@ -255,9 +255,9 @@ def _k_merge(sums, sums2, ks, PARTS: tl.constexpr, TWO: tl.constexpr, BPAD: tl.c
     if last:
         every = rb[:, None] < BPAD
         for p in tl.static_range(PARTS):
-            tot += _ld_act(base + p * PER + off, every, CG)
+            tot += ld_act(base + p * PER + off, every, CG)
             if TWO:
-                tot2 += _ld_act(base + p * PER + RUN + off, every, CG)
+                tot2 += ld_act(base + p * PER + RUN + off, every, CG)
     return tot, tot2, last
 
 
@@ -302,7 +302,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
                     best_i, ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                     TILE: tl.constexpr, BPAD: tl.constexpr, KB: tl.constexpr, DOT_T: tl.constexpr,
                     PRE_NORM: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
-    """_matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
+    """matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
     W [BN, BK] @ a^T [BK, BPAD], so the weight tile is the dot's wide side and each activation chunk feeds all BN
     weight rows; one k slice, the rows padded to a tensor-core side (BPAD >= 16)."""
     BN: tl.constexpr = TILE.rows
@@ -322,9 +322,9 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
         rk = k0 + tl.arange(0, BK)
         a_ptrs = a_ptr + rb[None, :] * K + rk[:, None]  # a^T [BK, BPAD]
         if EVEN:
-            a = _ld_act(a_ptrs, rb[None, :] < B, CG)
+            a = ld_act(a_ptrs, rb[None, :] < B, CG)
         else:
-            a = _ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
+            a = ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
         if PRE_NORM:
             a = a.to(tl.float32) * rstd[None, :]
         a = a.to(DOT_T)
@@ -342,7 +342,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
 
 
 @triton.jit
-def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps, dt: tl.constexpr,
+def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps, dt: tl.constexpr,
             MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr, BPAD: tl.constexpr,
             SSQ_STRIDE: tl.constexpr, CG: tl.constexpr, ks=None):
     """Tiles [row0, row0 + tiles*rows-per-tile) of out = a @ W^T for the first B of BPAD rows, as one
@@ -401,9 +401,9 @@ def _matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, ep
                 ahead = n0 + TILE.prefetch_tiles * TR
                 nbytes = (tl.minimum(ahead + TR, end_row) - ahead) * K * ws.w.dtype.element_ty.primitive_bitwidth // 8
                 lane = tl.arange(0, 2)
-                _prefetch_l2((ws.w + ahead * K).to(tl.int64, bitcast=True) + lane * 0, nbytes + lane * 0, lane)
+                prefetch_l2((ws.w + ahead * K).to(tl.int64, bitcast=True) + lane * 0, nbytes + lane * 0, lane)
                 if OP == I.GATEUP:
-                    _prefetch_l2((ws.w2 + ahead * K).to(tl.int64, bitcast=True) + lane * 0, nbytes + lane * 0,
+                    prefetch_l2((ws.w2 + ahead * K).to(tl.int64, bitcast=True) + lane * 0, nbytes + lane * 0,
                                  lane + 1)
         rows, rows2 = _tile_rows(OP, n0, MODEL, BN)
         k0 = (kc0 + kb) * BK

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import instructions as I
-from kernels.attention import _attention, _prefetch_kv
+from kernels.attention import attention, prefetch_kv
 from kernels.instructions import Op
 from kernels.kernel_args import (
     INT8_BLOCK,
@@ -50,9 +50,9 @@ from kernels.kernel_args import (
     StepOutputs,
     Weights,
 )
-from kernels.lm_head import _argmax, _lm_partials
-from kernels.matvec import _matvec, _norm_operand
-from kernels.sync import _prefetch, _wait
+from kernels.lm_head import argmax, lm_partials
+from kernels.matvec import matvec, norm_operand
+from kernels.sync import prefetch, wait_counter
 from kernels.tiles import MatvecTile, TileTable, default_tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -74,7 +74,7 @@ def _embed(c0, tiles, B, tok_ptr, embed_ptr, x_ptr, xn_ptr, nw_ptr, ssq_ptr, H: 
         m = (rb[:, None] < B) & (rn[None, :] < H)
         e = tl.load(embed_ptr + tok[:, None] * H + rn[None, :], mask=m, other=0.0)
         tl.store(x_ptr + rb[:, None] * H + rn[None, :], e, mask=m)
-        _norm_operand(e, m, rb, n0, xn_ptr, nw_ptr, ssq_ptr, embed_ptr.dtype.element_ty, H, BPAD, BN)
+        norm_operand(e, m, rb, n0, xn_ptr, nw_ptr, ssq_ptr, embed_ptr.dtype.element_ty, H, BPAD, BN)
 
 
 @triton.jit
@@ -136,22 +136,22 @@ def megakernel(
     if PF_AHEAD > 0:
         for i in tl.static_range(PF_AHEAD):
             if t_begin + i < t_end:
-                _prefetch(sched.tasks + (t_begin + i) * NF)
+                prefetch(sched.tasks + (t_begin + i) * NF)
     for t in range(t_begin, t_end):
         rec = sched.tasks + t * NF
         if PF_AHEAD > 0:
             if t + PF_AHEAD < t_end:
-                _prefetch(sched.tasks + (t + PF_AHEAD) * NF)
+                prefetch(sched.tasks + (t + PF_AHEAD) * NF)
         if PF_OWN:  # this task's first weights travel into L2 while it waits for its inputs
-            _prefetch(rec)
+            prefetch(rec)
         if PROFILE:
             tl.store(sched.prof + t * 4, tl.extra.cuda.globaltimer())
         op = tl.load(rec + I.F_OP)
         layer = tl.load(rec + I.F_LAYER)
         if PF_KV:
             if op == I.ATTN:
-                _prefetch_kv(rec, inputs, cache, MODEL, ATT)
-        _wait(sched.counters, tl.load(rec + I.F_WAIT), tl.load(rec + I.F_TARGET), sched.err, MAX_SPIN)
+                prefetch_kv(rec, inputs, cache, MODEL, ATT)
+        wait_counter(sched.counters, tl.load(rec + I.F_WAIT), tl.load(rec + I.F_TARGET), sched.err, MAX_SPIN)
         if PROFILE:
             tl.store(sched.prof + t * 4 + 1, tl.extra.cuda.globaltimer())
         inc = tl.full([], 1, tl.int32)
@@ -160,17 +160,17 @@ def megakernel(
             wl = w.wqkv + layer * QKVR * H
             sc = scales.qkv + layer * QKVR if FP8 else None
             bias = w.bqkv + layer * QKVR if w.bqkv is not None else None
-            _matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
+            matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
                     xn_ptr, ssq, QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions), eps, dt,
                     MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(rec, sched))
         elif op == I.ATTN:
-            inc = _attention(layer, tl.load(rec + I.ATTN_ROW), tl.load(rec + I.ATTN_KV_HEAD),
+            inc = attention(layer, tl.load(rec + I.ATTN_ROW), tl.load(rec + I.ATTN_KV_HEAD),
                              tl.load(rec + I.ATTN_SPLIT), attn_splits, tl.load(rec + I.ATTN_ARRIVE), sched.counters,
                              inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG)
         elif op == I.OPROJ:
             row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
             sc = scales.o + layer * H if FP8 else None
-            _matvec(I.OPROJ, row0, tiles, batch, layer,
+            matvec(I.OPROJ, row0, tiles, batch, layer,
                     MatvecWeights(w.wo + layer * H * Q, None, sc, None, None, d_o, None, layer * H),
                     acts.attn, ssq, ResidualOut(x_ptr, xn_ptr, w.mlp_norm + layer * H), eps, dt, MODEL, Q, H,
                     T_OPROJ, BPAD, BPAD, CG, _k_split(rec, sched))
@@ -178,7 +178,7 @@ def megakernel(
             row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
             sg = scales.gate + layer * F if FP8 else None
             su = scales.up + layer * F if FP8 else None
-            _matvec(I.GATEUP, row0, tiles, batch, layer,
+            matvec(I.GATEUP, row0, tiles, batch, layer,
                     MatvecWeights(w.w_gate + layer * F * H, w.w_up + layer * F * H, sg, su, None, d_g, d_u,
                                   layer * F),
                     xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG, _k_split(rec, sched))
@@ -187,7 +187,7 @@ def megakernel(
             # x += ffn @ Wdown^T, and the next layer's attention-norm operand (the final norm's after the last)
             nw = tl.where(layer == MODEL.layers - 1, w.final_norm, w.attn_norm + (layer + 1) * H)
             sc = scales.down + layer * H if FP8 else None
-            _matvec(I.DOWN, row0, tiles, batch, layer,
+            matvec(I.DOWN, row0, tiles, batch, layer,
                     MatvecWeights(w.w_down + layer * H * F, None, sc, None, None, d_d, None, layer * H),
                     acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw), eps, dt, MODEL, F, H, T_DOWN, BPAD, BPAD, CG,
                     _k_split(rec, sched))
@@ -195,17 +195,17 @@ def megakernel(
             row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
             # the first lm_rows rows only (BS of them in the tiles), reading the final norm's sums BPAD rows apart
             sc = scales.lm_head if FP8 else None
-            best_v, best_i = _matvec(I.LMHEAD, row0, tiles, lm_rows, layer,
+            best_v, best_i = matvec(I.LMHEAD, row0, tiles, lm_rows, layer,
                                      MatvecWeights(w.lm_head, None, sc, None, None, d_lm, None, 0), xn_ptr, ssq,
                                      LmOut(acts.logits, inputs.masks, inputs.draw + 3 * DSTRIDE), eps, dt,
                                      MODEL, H, V, T_LMHEAD, BS, BPAD, CG)
-            _lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), tl.load(rec + I.MV_PART), best_v,
+            lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), tl.load(rec + I.MV_PART), best_v,
                          best_i, lm_rows, lm, acts.logits, inputs.draw, inputs.positions, V, BS, DSTRIDE, CG)
         elif op == I.EMBED:
             _embed(tl.load(rec + I.EMBED_COL0), tl.load(rec + I.EMBED_TILES), batch, inputs.tokens, w.embed, x_ptr,
                    xn_ptr, w.attn_norm, ssq_ptr + tl.load(rec + I.EMBED_SSQ) * SSQ, H, BPAD, I.EMBED_COLS)
         elif op == I.ARGMAX:
-            _argmax(lm_rows, tl.load(rec + I.ARGMAX_PARTS), tl.load(rec + I.ARGMAX_COUNTERS), lm, outs, inputs.draw,
+            argmax(lm_rows, tl.load(rec + I.ARGMAX_PARTS), tl.load(rec + I.ARGMAX_COUNTERS), lm, outs, inputs.draw,
                     inputs.positions, sched.counters, V, BS, CG, DSTRIDE)
             inc = tl.full([], 0, tl.int32)
         tl.debug_barrier()

@@ -16,7 +16,7 @@ from kernels import instructions as I
 
 
 @triton.jit
-def _ld_act(ptr, mask, CG: tl.constexpr, other=0.0):
+def ld_act(ptr, mask, CG: tl.constexpr, other=0.0):
     """Activations written by other programs in this launch: read through L2."""
     if CG:
         return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
@@ -25,7 +25,7 @@ def _ld_act(ptr, mask, CG: tl.constexpr, other=0.0):
 
 
 @triton.jit
-def _wait(cnt_ptr, idx, target, err_ptr, MAX_SPIN: tl.constexpr):
+def wait_counter(cnt_ptr, idx, target, err_ptr, MAX_SPIN: tl.constexpr):
     if idx >= 0:
         spins = 0
         while (tl.load(cnt_ptr + idx, volatile=True) < target) & (spins < MAX_SPIN):
@@ -40,17 +40,17 @@ def _wait(cnt_ptr, idx, target, err_ptr, MAX_SPIN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch(rec):
+def prefetch(rec):
     """Bulk-prefetch a task's two weight regions into L2: one instruction each, from threads 0 and 1."""
     lane = tl.arange(0, 2)
     second = lane == 1
     addr = tl.where(second, tl.load(rec + I.F_PF1), tl.load(rec + I.F_PF0))
     size = tl.where(second, tl.load(rec + I.F_PF1_BYTES), tl.load(rec + I.F_PF0_BYTES)).to(tl.int32)
-    _prefetch_l2(addr, size, lane)
+    prefetch_l2(addr, size, lane)
 
 
 @triton.jit
-def _prefetch_l2(addr, size, lane):
+def prefetch_l2(addr, size, lane):
     """cp.async.bulk.prefetch.L2 of `size` bytes at `addr` (int64) from the thread whose id is `lane` (size > 0)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, $3; setp.gt.s32 q, $2, 0; "
