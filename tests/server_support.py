@@ -88,6 +88,10 @@ def start_server(log: Path, *args: str, timeout_s: float = START_TIMEOUT_S) -> S
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARLEY_")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, whatever the machine
+    # ...but the calibration cache stays as conftest.py sets it (off): dropped with the rest, a test server had read a
+    # calibration another run cached on a busy moment (one 16-token prefill timed at 336 ms, extrapolated to 42 s for
+    # a 2,000-token conversation) and refused an 8-token turn of tests/test_router.py
+    env["PARLEY_CALIBRATION_CACHE"] = os.environ.get("PARLEY_CALIBRATION_CACHE", "off")
     cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
