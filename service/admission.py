@@ -11,8 +11,8 @@ be with it (one late whatever happens holds nobody back).
 A request that would wait for a seat is forecast by when admitted requests end: a prediction resting on predictions of
 full batches. Until this server has served a full batch for as many steps as a request takes to its SLA token (the
 latency model and the bias have then seen how this host serves full batches, beyond the calibration's bare steps: a
-2-core CPU serving four streams ran 1.3x the calibrated steps), such a request is forecast with steps as slow as the
-calibration may be off by (SEAT_WAIT_STRETCH x the calibration): a fresh strict-SLA server had admitted a second
+2-core CPU serving four streams ran 1.3x the calibrated steps), such a request is forecast with steps
+SEAT_WAIT_STRETCH x the calibration's: a fresh strict-SLA server had admitted a second
 wave of a burst, forecast just within its SLA, that then reached its SLA token 25% late. Requests that find a seat are
 judged as ever, and once full batches have been served, so is everyone.
 

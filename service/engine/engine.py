@@ -350,7 +350,7 @@ class Engine:
         # work and stalls between steps included: the cadence tokens come at, which admission must learn), from its
         # launch where the engine had waited for work since, or where the step carried prefill launches: their time
         # is learned as the prefill's, uncapped, and a host stall before them (the API thread templating a long
-        # conversation) had taught a CPU replica 78 s prefills and made it refuse an 8-token turn.
+        # conversation) must not be learned as a slow prefill.
         cadence = self._last_completed >= self._resumed and not launched.plan.launches
         seconds = now - (self._last_completed if cadence else launched.t0)
         self._last_completed = now
