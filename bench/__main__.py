@@ -21,6 +21,7 @@ SCRIPTS = {
     "constrained": ("bench.constrained_gpu", "ITL of streams beside a JSON-schema-constrained one (a GPU call)"),
     "soak": ("bench.soak", "hours of mixed, misbehaving traffic against one server, then a verdict"),
     "decode": ("bench.decode", "the decode step: megakernel against its peers and the bandwidth floor (GPU)"),
+    "ncu-step": ("bench.ncu_step", "where one decode step's warps wait, line by line, under Nsight Compute (GPU)"),
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),
     "fp8-quality": ("bench.fp8_quality", "what FP8 weights cost in perplexity and greedy agreement"),
     "tool-speech": ("bench.tool_speech", "20 tool round trips: does each follow-up end in speech (CPU or GPU)"),

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.cuda_timing import events_ms, graph_of, time_graph
 from bench.library_peer import BACKEND as LIBRARY_PEER
 from bench.library_peer import library_peer
 from bench.variants import VARIANTS
@@ -48,18 +49,6 @@ from service.backends.reference import ReferenceDecoder, apply_rope, linear, rms
 from service.model.config import ModelConfig
 from service.model.synthetic import load_synthetic
 from service.model.weights import ModelWeights
-
-
-def events_ms(fn, reps: int) -> list[float]:  # noqa: ANN001
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def bandwidth() -> dict[str, float]:
@@ -81,33 +70,6 @@ def bandwidth() -> dict[str, float]:
     copy_ms = statistics.median(events_ms(copy, 20))
     nbytes = x.numel() * 2
     return {"read_GBps": nbytes / read_ms / 1e6, "copy_GBps": 2 * nbytes / copy_ms / 1e6}
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:  # noqa: ANN001
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def time_graph(g: torch.cuda.CUDAGraph, reps: int) -> dict[str, float]:
-    for _ in range(20):
-        g.replay()
-    per = events_ms(g.replay, reps)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return {"step_ms": statistics.median(per), "step_ms_min": min(per),
-            "step_ms_back_to_back": a.elapsed_time(b) / reps}
 
 
 def add(records: list[dict], common: dict, backend: str, res: dict, **extra: object) -> None:
@@ -326,7 +288,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
     ap.add_argument("--timeline", nargs="*", default=[], help="variants to profile per phase (B=1, context 128)")
-    ap.add_argument("--timeline-rows", type=int, default=1, help="rows of the profiled step")
+    ap.add_argument("--timeline-rows", nargs="+", type=int, default=[1], help="rows of the profiled steps")
     ap.add_argument("--timeline-models", nargs="*", default=None, help="models to profile (default: every model)")
     ap.add_argument("--timeline-weights", nargs="*", default=None, help="weights to profile (default: every format)")
     ap.add_argument("--no-peers", action="store_true", help="no reference, no compiled step (see --no-library-peer)")
@@ -405,8 +367,8 @@ def main() -> None:
             wbytes = base.kernel.w.nbytes()
             profile = (args.timeline_models is None or model_name in args.timeline_models) and \
                 (args.timeline_weights is None or fmt in args.timeline_weights)
-            for v in args.timeline if profile else []:
-                rows = base.bucket(min(args.timeline_rows, rows_max))  # a bucket of rows this decoder has slots for
+            for v, t_rows in [(v, r) for v in args.timeline for r in args.timeline_rows] if profile else []:
+                rows = base.bucket(min(t_rows, rows_max))  # a bucket of rows this decoder has slots for
                 dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fmt), profile=True),
                                               use_cuda_graphs=False)
                 tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": rows,

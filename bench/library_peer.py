@@ -6,9 +6,11 @@ Per layer the step's four matrices, QKV [q + 2 kv, hidden], O [hidden, q], gate/
 [hidden, ffn], then the LM head [vocab, hidden] over the sampled rows only (the first min(rows, sampled)), as
 cuBLAS bf16 (`F.linear`) or FP8 W8A8 (`torch._scaled_mm`, e4m3 x e4m3 into bf16: weights quantized beforehand
 with a scale per output channel, activations quantized per row inside the graph with a dynamic scale, amax / 448,
-their rows padded to a multiple of 16), captured in one CUDA graph per row count and timed as bench/decode.py
-times its graphs (`graph_of`, `time_graph`). Where the installed torch cannot scale row-wise, both scales are
-per tensor; each record says which (`library_scaling`). Every layer has weights of its own (16 layers of
+by one Triton kernel per matrix input as vLLM's per-token quantization does (`quantize_rows_kernel`: a row's
+amax, its scale and the e4m3 cast in one launch; their rows padded to a multiple of 16), captured in one CUDA
+graph per row count and timed as bench/decode.py times its graphs (bench/cuda_timing.py). Where the installed
+torch cannot scale row-wise, both scales are per tensor, quantized by torch's own kernels; each record says which
+(`library_scaling`). Every layer has weights of its own (16 layers of
 Llama-3.2-1B are 2.47 GB in bf16: nothing stays in L2) and the calls form one dependent chain, as a step does:
 QKV's first q columns are O's input (attention's stand-in), silu(gate) * up is down's input, O and down add to
 the residual, the LM head reads the last residual. Attention, norms, biases, RoPE and sampling are left out, so
@@ -26,7 +28,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from bench import cuda_timing
 from service.model.config import ModelConfig
 
 BACKEND = "library-matrices-cudagraph"
@@ -102,11 +107,39 @@ def quantize_rows(a: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.T
     return (a / scale).to(E4M3), scale
 
 
+def quantize_rows_kernel(a: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(a, rowwise=True) as one Triton launch (a program per row): what a library-built FP8 step pays
+    to quantize each matrix input. (dtype: float32 leaves a / scale unrounded, for tests.)"""
+    rows, k = a.shape
+    q = torch.empty(rows, k, device=a.device, dtype=dtype)
+    scale = torch.empty(rows, 1, device=a.device, dtype=torch.float32)
+    block = triton.next_power_of_2(k)
+    _quantize_rows[(rows,)](a, q, scale, k, block, num_warps=8 if block >= 4096 else 4)
+    return q, scale
+
+
+_EPS, _E4M3_MAX = tl.constexpr(EPS), tl.constexpr(E4M3_MAX)  # as the kernel reads globals
+
+
+@triton.jit
+def _quantize_rows(a_ptr, q_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+    row = tl.program_id(0).to(tl.int64)
+    rk = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a), axis=0), _EPS) / _E4M3_MAX
+    tl.store(q_ptr + row * K + rk, (a / scale).to(q_ptr.dtype.element_ty), mask=rk < K)
+    tl.store(scale_ptr + row, scale)
+
+
 def matmul(a: torch.Tensor, w: Matrix) -> torch.Tensor:
-    """a [rows, in] bf16 times w [out, in] transposed: cuBLAS bf16, or W8A8 `torch._scaled_mm` into bf16."""
+    """a [rows, in] bf16 times w [out, in] transposed: cuBLAS bf16, or W8A8 `torch._scaled_mm` into bf16 (the
+    activations quantized per row by one Triton kernel on a GPU)."""
     if isinstance(w, torch.Tensor):
         return F.linear(a, w)
-    aq, sa = quantize_rows(a, w.rowwise)
+    if w.rowwise and a.is_cuda:
+        aq, sa = quantize_rows_kernel(a)
+    else:
+        aq, sa = quantize_rows(a, w.rowwise)
     out = torch._scaled_mm(aq, w.data.t(), sa, w.scale, out_dtype=torch.bfloat16)
     return out[0] if isinstance(out, tuple) else out  # torch < 2.5 also returned the amax
 
@@ -182,8 +215,6 @@ def library_peer(config: ModelConfig, fmt: str, rows: Sequence[int], sampled: in
 
 def _measure(config: ModelConfig, fmt: str, rows: Sequence[int], sampled: int, reps: int, seed: int, device: str,
              out: dict[int, dict]) -> None:
-    from bench.decode import graph_of, time_graph  # bench.decode imports this module
-
     rowwise = fp8_rowwise_works(device) if fmt == "fp8" else True
     scaling = "bf16" if fmt == "bf16" else "fp8-rowwise" if rowwise else "fp8-tensorwise"
     w = make_weights(config, fmt, device, seed, rowwise)
@@ -201,8 +232,8 @@ def _measure(config: ModelConfig, fmt: str, rows: Sequence[int], sampled: int, r
                 if ref is not None:
                     extra["library_rel_err_vs_bf16"] = rel_err(step(w, x, head_pad)[:head],
                                                                 step(ref, x, head_pad)[:head])
-                g = graph_of(lambda: step(w, x, head_pad))  # noqa: B023
-            res = time_graph(g, reps)
+                g = cuda_timing.graph_of(lambda: step(w, x, head_pad))  # noqa: B023
+            res = cuda_timing.time_graph(g, reps)
             del g
             out[n] = {**res, "library_rows": pad, "library_head_rows": head_pad, "library_scaling": scaling,
                       "library_weight_bytes": w.nbytes(), **extra}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -81,6 +82,20 @@ def compile_sm90(fn, args: tuple, kwargs: dict):  # noqa: ANN001, ANN201
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def spills_by_line(bin_dir: Path, cubin: Path, top: int = 6) -> dict[str, int]:
+    """Local-memory loads and stores (register spills) in the SASS, counted by the source line they carry: whether
+    they sit in a stream's hot loop or at the task loop's head (once a task)."""
+    sass = subprocess.run([str(bin_dir / "nvdisasm"), "-gi", str(cubin)], capture_output=True, text=True).stdout
+    where, counts = "?", Counter()
+    for line in sass.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = f"{Path(m.group(1)).name}:{m.group(2)}"
+        elif re.search(r"\b(?:STL|LDL)\b", line):
+            counts[where] += 1
+    return dict(counts.most_common(top))
+
+
 def report(compiled, dump: Path | None) -> dict:  # noqa: ANN001
     import triton
 
@@ -104,6 +119,7 @@ def report(compiled, dump: Path | None) -> dict:  # noqa: ANN001
                       ("int8 pairs (add.s16x2)", r"add\.s16x2"),
                       ("cvt to f16 from s8/s16", r"cvt\.rn\.f16\.s(?:8|16)")):
         out[what] = len(re.findall(pat, ptx))
+    out["spills by line"] = spills_by_line(bin_dir, cubin)
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         for k in ("ttgir", "ptx"):

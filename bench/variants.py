@@ -27,6 +27,16 @@ def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **cha
 
 
 WIDE = 32  # the buckets whose default tiles differ (default_tiles)
+K_CHUNK = {"bf16": 256, "fp8": 512, "int8": 256}  # the narrow buckets' default k chunk
+
+
+def _narrow(weights: str, ops: tuple[Op, ...], **change: Any) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with `change` applied to `ops` in launches of fewer than WIDE rows."""
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(rows)
+        return tiles if rows >= WIDE else {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
+
+    return table
 
 
 def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[int, int], down: tuple[int, int],
@@ -103,6 +113,13 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
                                                               k_chunk=256, stages=3)),
     "swap-j": lambda w: KernelConfig(min_rows=16, tiles=_flat(w, (16, 1), (16, 1), (32, 1), (16, 2), swap=True,
                                                               k_chunk=256)),
+    # issue 35: waits that poll with relaxed loads and then acquire (as before); wider k chunks, fewer stages, two
+    # k slices, down's K in two parts of 32-row tiles (half the activation read a task), up to 16 rows
+    "no-acq": lambda w: KernelConfig(poll_acquire=False),
+    "k512": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.DOWN), k_chunk=2 * K_CHUNK[w])),
+    "st3": lambda w: KernelConfig(tiles=_narrow(w, MATVECS, stages=3)),
+    "ks2": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), k_slices=2)),
+    "down2": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), rows=32, k_splits=2, k_halves=False)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -104,19 +104,20 @@ def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch,
 
 
 @triton.jit
-def prefetch_kv(rec, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
+def prefetch_kv(r, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
     """An attention task's cached keys and values (the positions before this step's) into L2 while it waits for
-    QKV: they do not depend on this step. The task's first split only; one bulk prefetch each, from threads 0, 1."""
+    QKV: they do not depend on this step. The task's first split only; one bulk prefetch each, from threads 0, 1.
+    r: the task's record (megakernel._record)."""
     D: tl.constexpr = MODEL.head_dim
-    b = tl.load(rec + I.ATTN_ROW)
-    s = tl.load(rec + I.ATTN_SPLIT)
+    b = r[I.ATTN_ROW]
+    s = r[I.ATTN_SPLIT]
     pos = tl.load(inputs.positions + b)
     n_split, span = _splits(pos + 1, ATT)
     start = s * span
     n = tl.minimum(start + span, pos) - start
     if (s < n_split) & (n > 0):
         slot = tl.load(inputs.slots + b).to(tl.int64)
-        head = (tl.load(rec + I.F_LAYER) * cache.slots + slot) * MODEL.kv_heads + tl.load(rec + I.ATTN_KV_HEAD)
+        head = (r[I.F_LAYER] * cache.slots + slot) * MODEL.kv_heads + r[I.ATTN_KV_HEAD]
         off = (head * cache.context + start) * D
         lane = tl.arange(0, 2)
         base = tl.where(lane == 0, cache.k + off, cache.v + off).to(tl.int64, bitcast=True)

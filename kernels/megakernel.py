@@ -52,7 +52,7 @@ from kernels.kernel_args import (
 )
 from kernels.lm_head import argmax, lm_partials
 from kernels.matvec import matvec, norm_operand
-from kernels.sync import prefetch, wait_counter
+from kernels.sync import prefetch, prefetch_record, prefetch_regions, wait_counter
 from kernels.tiles import MatvecTile, TileTable, default_tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -78,16 +78,27 @@ def _embed(c0, tiles, B, tok_ptr, embed_ptr, x_ptr, xn_ptr, nw_ptr, ssq_ptr, H: 
 
 
 @triton.jit
-def _matvec_task(rec, ssq_ptr, SSQ: tl.constexpr):
-    """A Matvec record's first row, row tiles, and its slot of sums of squares."""
-    return tl.load(rec + I.MV_ROW0), tl.load(rec + I.MV_TILES), ssq_ptr + tl.load(rec + I.MV_SSQ) * SSQ
+def _record(rec):
+    """A task's whole record (instructions.RECORD_LEN int64 fields) as a tuple, its loads issued together: one round
+    trip, before anything waits on any field (fields loaded where each is first used cost a round trip each on the
+    task's critical path: ncu's stall samples at 1 and 16 rows, bench/NOTES.md)."""
+    tl.static_assert(I.RECORD_LEN == 16, "_record loads 16 fields")
+    return (tl.load(rec + 0), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4),
+            tl.load(rec + 5), tl.load(rec + 6), tl.load(rec + 7), tl.load(rec + 8), tl.load(rec + 9),
+            tl.load(rec + 10), tl.load(rec + 11), tl.load(rec + 12), tl.load(rec + 13), tl.load(rec + 14),
+            tl.load(rec + 15))
 
 
 @triton.jit
-def _k_split(rec, sched):
+def _matvec_task(r, ssq_ptr, SSQ: tl.constexpr):
+    """A Matvec record's first row, row tiles, and its slot of sums of squares."""
+    return r[I.MV_ROW0], r[I.MV_TILES], ssq_ptr + r[I.MV_SSQ] * SSQ
+
+
+@triton.jit
+def _k_split(r, sched):
     """A Matvec record's part of K, its tile's arrival counter and scratch slot (used where its K is split)."""
-    return KSplit(tl.load(rec + I.MV_K_SPLIT), tl.load(rec + I.MV_ARRIVE), tl.load(rec + I.MV_SLOT), sched.counters,
-                  sched.k_sums)
+    return KSplit(r[I.MV_K_SPLIT], r[I.MV_ARRIVE], r[I.MV_SLOT], sched.counters, sched.k_sums)
 
 
 @triton.jit
@@ -117,7 +128,8 @@ def megakernel(
     BPAD: tl.constexpr,  # rows of the launch's tiles (the bucket; the largest one where batch-invariant)
     BS: tl.constexpr,  # rows of the LM head's tiles (lm_rows padded)
     PF_AHEAD: tl.constexpr, PF_OWN: tl.constexpr, PF_KV: tl.constexpr,
-    DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, PROFILE: tl.constexpr,
+    DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
     NF: tl.constexpr = I.RECORD_LEN
     H: tl.constexpr = MODEL.hidden
@@ -137,79 +149,88 @@ def megakernel(
         for i in tl.static_range(PF_AHEAD):
             if t_begin + i < t_end:
                 prefetch(sched.tasks + (t_begin + i) * NF)
+    # the records' cache lines travel two tasks ahead of their use (records are reread once a step: by then the
+    # weight stream has pushed them out of L2)
+    if CG:  # (the interpreter runs no inline PTX)
+        for i in tl.static_range(2):
+            if t_begin + i < t_end:
+                prefetch_record(sched.tasks + (t_begin + i) * NF)
     for t in range(t_begin, t_end):
         rec = sched.tasks + t * NF
+        if PROFILE:
+            tl.store(sched.prof + t * 4, tl.extra.cuda.globaltimer())
+        r = _record(rec)
+        if CG:
+            if t + 2 < t_end:
+                prefetch_record(rec + 2 * NF)
         if PF_AHEAD > 0:
             if t + PF_AHEAD < t_end:
                 prefetch(sched.tasks + (t + PF_AHEAD) * NF)
         if PF_OWN:  # this task's first weights travel into L2 while it waits for its inputs
-            prefetch(rec)
-        if PROFILE:
-            tl.store(sched.prof + t * 4, tl.extra.cuda.globaltimer())
-        op = tl.load(rec + I.F_OP)
-        layer = tl.load(rec + I.F_LAYER)
+            prefetch_regions(r[I.F_PF0], r[I.F_PF0_BYTES], r[I.F_PF1], r[I.F_PF1_BYTES])
+        op = r[I.F_OP]
+        layer = r[I.F_LAYER]
         if PF_KV:
             if op == I.ATTN:
-                prefetch_kv(rec, inputs, cache, MODEL, ATT)
-        wait_counter(sched.counters, tl.load(rec + I.F_WAIT), tl.load(rec + I.F_TARGET), sched.err, MAX_SPIN)
+                prefetch_kv(r, inputs, cache, MODEL, ATT)
+        wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
         if PROFILE:
             tl.store(sched.prof + t * 4 + 1, tl.extra.cuda.globaltimer())
         inc = tl.full([], 1, tl.int32)
         if op == I.QKV:
-            row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
+            row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             wl = w.wqkv + layer * QKVR * H
             sc = scales.qkv + layer * QKVR if FP8 else None
             bias = w.bqkv + layer * QKVR if w.bqkv is not None else None
             matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
                     xn_ptr, ssq, QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions), eps, dt,
-                    MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(rec, sched))
+                    MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(r, sched))
         elif op == I.ATTN:
-            inc = attention(layer, tl.load(rec + I.ATTN_ROW), tl.load(rec + I.ATTN_KV_HEAD),
-                             tl.load(rec + I.ATTN_SPLIT), attn_splits, tl.load(rec + I.ATTN_ARRIVE), sched.counters,
-                             inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG)
+            inc = attention(layer, r[I.ATTN_ROW], r[I.ATTN_KV_HEAD], r[I.ATTN_SPLIT], attn_splits, r[I.ATTN_ARRIVE],
+                             sched.counters, inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG)
         elif op == I.OPROJ:
-            row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
+            row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sc = scales.o + layer * H if FP8 else None
             matvec(I.OPROJ, row0, tiles, batch, layer,
                     MatvecWeights(w.wo + layer * H * Q, None, sc, None, None, d_o, None, layer * H),
                     acts.attn, ssq, ResidualOut(x_ptr, xn_ptr, w.mlp_norm + layer * H), eps, dt, MODEL, Q, H,
-                    T_OPROJ, BPAD, BPAD, CG, _k_split(rec, sched))
+                    T_OPROJ, BPAD, BPAD, CG, _k_split(r, sched))
         elif op == I.GATEUP:
-            row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
+            row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sg = scales.gate + layer * F if FP8 else None
             su = scales.up + layer * F if FP8 else None
             matvec(I.GATEUP, row0, tiles, batch, layer,
                     MatvecWeights(w.w_gate + layer * F * H, w.w_up + layer * F * H, sg, su, None, d_g, d_u,
                                   layer * F),
-                    xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG, _k_split(rec, sched))
+                    xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG, _k_split(r, sched))
         elif op == I.DOWN:
-            row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
+            row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             # x += ffn @ Wdown^T, and the next layer's attention-norm operand (the final norm's after the last)
             nw = tl.where(layer == MODEL.layers - 1, w.final_norm, w.attn_norm + (layer + 1) * H)
             sc = scales.down + layer * H if FP8 else None
             matvec(I.DOWN, row0, tiles, batch, layer,
                     MatvecWeights(w.w_down + layer * H * F, None, sc, None, None, d_d, None, layer * H),
                     acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw), eps, dt, MODEL, F, H, T_DOWN, BPAD, BPAD, CG,
-                    _k_split(rec, sched))
+                    _k_split(r, sched))
         elif op == I.LMHEAD:
-            row0, tiles, ssq = _matvec_task(rec, ssq_ptr, SSQ)
+            row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             # the first lm_rows rows only (BS of them in the tiles), reading the final norm's sums BPAD rows apart
             sc = scales.lm_head if FP8 else None
             best_v, best_i = matvec(I.LMHEAD, row0, tiles, lm_rows, layer,
                                      MatvecWeights(w.lm_head, None, sc, None, None, d_lm, None, 0), xn_ptr, ssq,
                                      LmOut(acts.logits, inputs.masks, inputs.draw + 3 * DSTRIDE), eps, dt,
                                      MODEL, H, V, T_LMHEAD, BS, BPAD, CG)
-            lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), tl.load(rec + I.MV_PART), best_v,
+            lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), r[I.MV_PART], best_v,
                          best_i, lm_rows, lm, acts.logits, inputs.draw, inputs.positions, V, BS, DSTRIDE, CG)
         elif op == I.EMBED:
-            _embed(tl.load(rec + I.EMBED_COL0), tl.load(rec + I.EMBED_TILES), batch, inputs.tokens, w.embed, x_ptr,
-                   xn_ptr, w.attn_norm, ssq_ptr + tl.load(rec + I.EMBED_SSQ) * SSQ, H, BPAD, I.EMBED_COLS)
+            _embed(r[I.EMBED_COL0], r[I.EMBED_TILES], batch, inputs.tokens, w.embed, x_ptr, xn_ptr, w.attn_norm,
+                   ssq_ptr + r[I.EMBED_SSQ] * SSQ, H, BPAD, I.EMBED_COLS)
         elif op == I.ARGMAX:
-            argmax(lm_rows, tl.load(rec + I.ARGMAX_PARTS), tl.load(rec + I.ARGMAX_COUNTERS), lm, outs, inputs.draw,
-                    inputs.positions, sched.counters, V, BS, CG, DSTRIDE)
+            argmax(lm_rows, r[I.ARGMAX_PARTS], r[I.ARGMAX_COUNTERS], lm, outs, inputs.draw, inputs.positions,
+                    sched.counters, V, BS, CG, DSTRIDE)
             inc = tl.full([], 0, tl.int32)
         tl.debug_barrier()
-        done = tl.load(rec + I.F_DONE)
+        done = r[I.F_DONE]
         if (done >= 0) & (inc > 0):
             tl.atomic_add(sched.counters + done, 1, sem="release", scope="gpu")
         if PROFILE:
@@ -247,6 +268,7 @@ class KernelConfig:
     head_counters: bool = True  # attention for a KV head waits for its own group's QKV tasks, not the whole phase
     cooperative: bool = True
     max_spin: int = 1 << 22
+    poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
     profile: bool = False  # record (start, ready, end, SM) per task in Megakernel.prof
 
 
@@ -463,6 +485,7 @@ class Megakernel:
             ATT=AttnShape(self.gpad, c.chunk, self.max_splits, c.split_min_chunks),
             BPAD=launch.rows, BS=launch.lm_rows,
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
-            DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin, PROFILE=c.profile and not INTERPRET,
+            DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
+            POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )
