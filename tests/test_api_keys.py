@@ -293,7 +293,6 @@ def test_the_key_store(tmp_path: Path) -> None:
     assert keys.verdict([]) == "missing" and keys.verdict([WRONG.encode(), b""]) == "invalid"
     assert keys.verdict([WRONG.encode(), OLD.encode()]) == "ok"
     assert keys.verdict([FIXED[:-1].encode()]) == keys.verdict([(FIXED + "x").encode()]) == "invalid"
-    assert not ApiKeys.from_settings("", "").required  # an unset compose variable arrives empty: no key
     assert not ApiKeys.from_settings(None, None).required
 
     def scope(*headers: tuple[bytes, bytes], subprotocols: tuple[str, ...] = ()) -> dict:
@@ -307,6 +306,18 @@ def test_the_key_store(tmp_path: Path) -> None:
     assert accepted_subprotocol(["openai-insecure-api-key.k2", "realtime"]) == "realtime"
     assert accepted_subprotocol(["openai-insecure-api-key.k2"]) is None
     assert accepted_subprotocol([]) is None
+
+
+def test_variables_set_empty_ask_for_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docker-compose.yml passes PARLEY_API_KEY and PARLEY_API_KEY_FILE on empty where the user set neither."""
+    from service.cli import parse
+
+    monkeypatch.setenv("PARLEY_API_KEY", "")
+    monkeypatch.setenv("PARLEY_API_KEY_FILE", "")
+    assert not ApiKeys.from_config(parse(["serve"])).required
+    monkeypatch.setenv("PARLEY_API_KEY", f"{FIXED},{OLD}")
+    cfg = parse(["serve"])
+    assert len(ApiKeys.from_config(cfg)) == 2 and FIXED not in repr(cfg) and FIXED not in str(cfg)
 
 
 @pytest.mark.parametrize("api_key,file_text,says", [

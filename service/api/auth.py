@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from service.api.errors import APIError
+from service.config import ServeConfig
 
 log = logging.getLogger("parley.auth")
 
@@ -62,6 +63,12 @@ class ApiKeys:
         self.unsendable_as_subprotocol = self._fixed_unsendable  # keys a browser cannot send (logged, not refused)
         if file is not None:
             self.reload()
+
+    @classmethod
+    def from_config(cls, cfg: ServeConfig) -> ApiKeys:
+        """--api-key and --api-key-file of `parley serve`."""
+        return cls.from_settings(cfg.api_key.get_secret_value() if cfg.api_key is not None else None,
+                                 cfg.api_key_file)
 
     @classmethod
     def from_settings(cls, api_key: str | None, api_key_file: str | None) -> ApiKeys:

@@ -78,7 +78,7 @@ def serve(cfg: ServeConfig) -> int:
     """Run `parley serve` until SIGTERM/SIGINT; the exit status."""
     check_port(cfg.host, cfg.port)  # before minutes of loading, not after
     try:
-        keys = ApiKeys.from_settings(cfg.api_key.get_secret_value() if cfg.api_key else None, cfg.api_key_file)
+        keys = ApiKeys.from_config(cfg)
     except ApiKeyError as e:
         raise SystemExit(f"parley: {e}") from None
     redact_keys_in_logs()
