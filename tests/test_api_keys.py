@@ -25,7 +25,7 @@ from websockets.exceptions import InvalidStatus
 
 from loadtest.cli import main as loadtest
 from service.api.app import create_app
-from service.api.auth import ApiKeys, announce, is_loopback, presented_keys
+from service.api.auth import ApiKeys, RedactKeys, announce, is_loopback, presented_keys
 from service.api.realtime import accepted_subprotocol
 from tests.server_support import (
     Scrape,
@@ -298,6 +298,18 @@ def test_the_key_store(tmp_path: Path) -> None:
     def scope(*headers: tuple[bytes, bytes], subprotocols: tuple[str, ...] = ()) -> dict:
         return {"type": "websocket" if subprotocols else "http", "headers": list(headers),
                 "subprotocols": list(subprotocols)}
+
+    redact = RedactKeys()
+    for message, args, shown in [
+            ("< %s: %s", ("authorization", f"Bearer {FIXED}"), "< authorization: <redacted>"),
+            ("< %s: %s", ("Authorization", f"Basic {FIXED}"), "< Authorization: <redacted>"),
+            ("< %s: %s", ("sec-websocket-protocol", f"realtime, openai-insecure-api-key.{FIXED}, x"),
+             "< sec-websocket-protocol: realtime, openai-insecure-api-key.<redacted>, x"),
+            ("headers %r", ([(b"authorization", f"Bearer {FIXED}".encode())],),
+             "headers [(b'authorization', b'Bearer <redacted>')]"),
+            ("a basic setup: %d slots", (8,), "a basic setup: 8 slots")]:
+        record = logging.LogRecord("uvicorn.error", logging.DEBUG, __file__, 1, message, args, None)
+        assert redact.filter(record) and record.getMessage() == shown
 
     assert presented_keys(scope((b"authorization", b"Bearer  k1 "))) == [b"k1"]
     assert presented_keys(scope((b"authorization", b""), (b"authorization", b"Bearer"))) == []

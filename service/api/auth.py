@@ -232,14 +232,14 @@ _UNSENDABLE = ("%d API key(s) hold a character other than letters, digits and !#
 
 class RedactKeys(logging.Filter):
     """Keys out of every log line: at --log-level debug the WebSocket layer (the websockets library, logging as
-    uvicorn.error) prints every handshake header, Authorization and Sec-WebSocket-Protocol included. A bearer or
-    basic credential and a key subprotocol become `<redacted>`; the rest of the line stays."""
+    uvicorn.error) prints every handshake header, Authorization and Sec-WebSocket-Protocol included. An
+    `Authorization:` header's value, a bearer token and a key subprotocol become `<redacted>`; the rest stays."""
 
-    _SECRET = re.compile(r"(?i)(\b(?:bearer|basic)\s+|openai-insecure-api-key\.)[^\s,;'\"]+")
+    _SECRET = re.compile(r"(?i)(\bauthorization:\s*)[^\r\n]+|(\bbearer\s+|openai-insecure-api-key\.)[^\s,;'\"]+")
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        redacted = self._SECRET.sub(r"\1<redacted>", message)
+        redacted = self._SECRET.sub(lambda m: (m.group(1) or m.group(2)) + "<redacted>", message)
         if redacted != message:
             record.msg, record.args = redacted, None
         return True
