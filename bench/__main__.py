@@ -15,6 +15,7 @@ from typing import Any
 
 from bench.publish import RAW, RESULTS
 from bench.runs import BENCHMARKS, Benchmark
+from bench.server import add_api_key_argument, use_api_key
 
 # name -> (module run as __main__, what it measures)
 SCRIPTS = {
@@ -82,11 +83,13 @@ def planned(name: str, argv: Sequence[str]) -> int:
     p.add_argument("--archive", type=Path, help="also pack the raw folder into this .tar.gz (a GPU call brings "
                                                 "back a few files, not a folder)")
     p.add_argument("--url", help="measure the server already running there (start none; its flags are its own)")
+    add_api_key_argument(p)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="change one size of the plan (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time it should take, run nothing")
     p.add_argument("--report-only", action="store_true", help="fold the raw folder into the report, measure nothing")
     args = p.parse_args(argv)
+    use_api_key(args.api_key)
     try:
         bench = builder(**parse_sets(builder, args.sets))
     except ValueError as e:

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.device import describe, file_stem
 from bench.publish import RAW, RESULTS, publish
-from bench.server import get_text, serving
+from bench.server import add_api_key_argument, api_key, get_text, serving, use_api_key
 from bench.soak import metric, parse_metrics
 from loadtest.clients import ClientPool, Target, http_turn
 from loadtest.record import RequestRecord, finish
@@ -48,9 +48,10 @@ async def scenario(url: str, neighbours: int, tokens: int, constrained: bool,
     admission control (each prefill delays the streams already within their first 64 tokens). (constrained?, its
     record) each."""
     fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": long_schema(tokens)}}
-    targets = [Target(url, "chat", extra_body={"temperature": 1.0}) for _ in range(neighbours)]
+    targets = [Target(url, "chat", api_key=api_key(), extra_body={"temperature": 1.0}) for _ in range(neighbours)]
     if constrained:
-        targets.insert(0, Target(url, "chat", extra_body={"temperature": 1.0, "response_format": fmt}))
+        targets.insert(0, Target(url, "chat", api_key=api_key(),
+                                 extra_body={"temperature": 1.0, "response_format": fmt}))
 
     async def start(i: int, target: Target, pool: ClientPool) -> RequestRecord:
         await asyncio.sleep(i * stagger_s)
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--serve-args", default="", help="more `parley serve` flags")
     p.add_argument("--url", default=None, help="measure a running server instead of starting one")
     p.add_argument("--out", default=str(RESULTS))
+    add_api_key_argument(p)
     args = p.parse_args(argv)
+    use_api_key(args.api_key)
     info = describe(args.device)
     device = str(info["device"])
     stem = file_stem("constrained", device)

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from bench.fleet import Fleet, metric_samples, metric_total
+from bench.server import api_key
 from loadtest.clients import ClientPool, Target, first_model
 from loadtest.record import RequestRecord
 from loadtest.report import write_json
@@ -89,7 +90,7 @@ def _until(stop: asyncio.Event, sessions: Iterator[Session]) -> Iterator[Session
 
 async def _drill(fleet: Fleet, drill: Drill, say: Any) -> dict[str, Any]:
     victim = fleet.replicas[-1]
-    target = Target(url=fleet.router.base, endpoint="completions", timeout_s=drill.timeout_s)
+    target = Target(url=fleet.router.base, endpoint="completions", api_key=api_key(), timeout_s=drill.timeout_s)
     load = Load(rate=drill.rate, num_sessions=None, sla_tokens=drill.sla_tokens, sla_ms=drill.sla_ms, seed=3)
     stop = asyncio.Event()
     samples: list[dict[str, Any]] = []

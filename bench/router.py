@@ -39,7 +39,7 @@ from bench.fleet import Fleet, fleet, gpu_ids, metric_total, render_compose, scr
 from bench.publish import RAW, RESULTS
 from bench.runner import pack, run_loadtest, say
 from bench.runs import START_S, Benchmark, Loadtest, e2e, voice, with_flags
-from bench.server import ROOT, ServerFailed
+from bench.server import ROOT, ServerFailed, add_api_key_argument, use_api_key
 from loadtest.record import RequestRecord
 from loadtest.stats import conversation_figures
 
@@ -164,6 +164,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="a replica's start, at most")
     p.add_argument("--router-args", default="", help="flags replacing or added to the router's (compose's), e.g. "
                    "'--balance-abs-threshold 2' or '--policy sticky_least_loaded'")
+    add_api_key_argument(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
     p.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the JSON in --out")
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
@@ -400,6 +401,7 @@ def _publish(doc: dict[str, Any], out: Path, stem: str, raw: Path, archive: Path
 
 def main(argv: Sequence[str] | None = None, printer: Callable[[str], None] = print) -> int:
     args = parser().parse_args(argv)
+    use_api_key(args.api_key)
     plan = plan_of(args)
     if args.dry_run:
         device = "cpu" if plan.cpu else "<device>"

@@ -1,8 +1,13 @@
 """A `parley serve` for a benchmark: started on a free port of this host, ready once /health answers 200, stopped
-with SIGTERM (the way an orchestrator stops it). Only httpx and the standard library: it runs from a client box."""
+with SIGTERM (the way an orchestrator stops it). Only httpx and the standard library: it runs from a client box.
+
+The API key: a benchmark sends $OPENAI_API_KEY (what the openai SDK and parley-loadtest read; each script's
+`--api-key` sets it for the benchmark and every process it starts) as `Authorization: Bearer`, and a server it starts
+requires that key (PARLEY_API_KEY), so that what it measures includes the check."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -17,6 +22,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+API_KEY_VARIABLE = "OPENAI_API_KEY"
 
 
 class ServerFailed(RuntimeError):
@@ -28,6 +34,28 @@ class Started:
     proc: subprocess.Popen[bytes]
     base: str  # http://127.0.0.1:<port>
     log: Path
+
+
+def api_key() -> str | None:
+    """The key benchmarks send, and the servers they start require; None: none."""
+    return os.environ.get(API_KEY_VARIABLE) or None
+
+
+def auth_headers() -> dict[str, str]:
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", help=f"the key to send as Authorization: Bearer (default ${API_KEY_VARIABLE}); "
+                                          "a server the benchmark starts requires it")
+
+
+def use_api_key(key: str | None) -> None:
+    """--api-key's value, for this process and every one it starts (loadtests read $OPENAI_API_KEY: a key in a
+    child's command line would show in the process list)."""
+    if key:
+        os.environ[API_KEY_VARIABLE] = key
 
 
 def free_port() -> int:
@@ -42,13 +70,14 @@ def log_tail(log: Path, chars: int = 3000) -> str:
 
 def launch(flags: Sequence[str], log: Path, port: int | None = None, env: Mapping[str, str] | None = None) -> Started:
     """`parley serve FLAGS` on `port` (a free one if None), its output in `log`, with `env` added to this process's
-    environment; returns at once (wait_healthy waits for it)."""
+    environment (and PARLEY_API_KEY, where the benchmark has a key); returns at once (wait_healthy waits for it)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "service.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     log.parent.mkdir(parents=True, exist_ok=True)
+    key = api_key()
     with open(log, "wb") as out:  # its own session: a Ctrl-C meant for the benchmark reaches it as our SIGTERM
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **({"PARLEY_API_KEY": key} if key else {}), **(env or {})})
     return Started(proc, f"http://127.0.0.1:{port}", log)
 
 
@@ -101,9 +130,10 @@ def serving(flags: Sequence[str], log: Path, timeout_s: float = 300.0) -> Iterat
 
 
 def get_text(base: str, path: str, timeout_s: float = 10.0) -> str | None:
-    """GET base+path's body, or None if it fails (what a benchmark keeps beside its figures, not a figure)."""
+    """GET base+path's body (with the key), or None if it fails (what a benchmark keeps beside its figures, not a
+    figure)."""
     try:
-        r = httpx.get(f"{base}{path}", timeout=timeout_s)
+        r = httpx.get(f"{base}{path}", timeout=timeout_s, headers=auth_headers())
         r.raise_for_status()
         return r.text
     except httpx.HTTPError:

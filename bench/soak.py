@@ -7,11 +7,15 @@
 Workers loop until the time is up, each request drawn at random: /v1/completions or /v1/chat/completions (JSON or
 SSE) or a realtime WebSocket session of one to three turns; most run to the end, some hang up early (after k SSE
 chunks, mid-request, or by dropping the socket), some cancel (response.cancel), a few send bad input on purpose.
-A poller reads /health every second and /metrics every five.
+With an API key (--api-key, $OPENAI_API_KEY; a spawned server requires it) every request carries it, in the
+Authorization header or, on half of the WebSockets, as a browser sends it (the `openai-insecure-api-key.<key>`
+subprotocol), and some of the bad ones come with no key or a wrong one. A poller reads /health every second and
+/metrics every five, without a key: both stay open.
 
 At the end, every one of these must hold, or the exit status is 1:
 - every request was answered: a completion, a 429 (refused: Retry-After and x-should-retry: false), or the 4xx a
-  bad request asked for; no 5xx, no stream ending in an error, no request unanswered within --request-timeout-s;
+  bad request asked for (a 401 `invalid_api_key` for a missing or wrong key, a WebSocket's at its handshake); no
+  5xx, no stream ending in an error, no request unanswered within --request-timeout-s;
 - /health answered 200 every time;
 - once the traffic stops, nothing runs or waits and every KV slot is free;
 - the server's RSS (VmRSS, /proc/<pid>/status; with --spawn or --pid) grew by less than --max-rss-growth-mb from
@@ -42,9 +46,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.server import ServerFailed
+from bench.server import ServerFailed, add_api_key_argument, api_key, auth_headers, use_api_key
 from bench.server import start as start_server
 from bench.server import stop as stop_server
 
@@ -168,7 +172,12 @@ async def http_request(client: httpx.AsyncClient, rng: random.Random, t: Tally) 
 
 
 async def realtime_session(ws_url: str, rng: random.Random, t: Tally, timeout_s: float) -> None:
-    async with connect(ws_url, open_timeout=timeout_s, close_timeout=5) as ws:
+    key = api_key()
+    if key and rng.random() < 0.5:  # as a browser sends it: it cannot set headers
+        credentials: dict = {"subprotocols": ["realtime", f"openai-insecure-api-key.{key}"]}
+    else:
+        credentials = {"additional_headers": auth_headers()}
+    async with connect(ws_url, open_timeout=timeout_s, close_timeout=5, **credentials) as ws:
 
         late_cancels = 0  # cancels sent as a response was ending: each may get its own error, or none
 
@@ -235,7 +244,10 @@ async def realtime_session(ws_url: str, rng: random.Random, t: Tally, timeout_s:
                     break
 
 
-async def bad_request(client: httpx.AsyncClient, rng: random.Random, t: Tally) -> None:
+async def bad_request(client: httpx.AsyncClient, ws_url: str, rng: random.Random, t: Tally) -> None:
+    if api_key() and rng.random() < 0.5:
+        await bad_key(client, ws_url, rng, t)
+        return
     path, body, status = rng.choice(BAD_BODIES)
     r = await client.post(path, json=body)
     err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -245,11 +257,37 @@ async def bad_request(client: httpx.AsyncClient, rng: random.Random, t: Tally) -
         t.outcomes["bad input refused (http)"] += 1
 
 
+async def bad_key(client: httpx.AsyncClient, ws_url: str, rng: random.Random, t: Tally) -> None:
+    """No key, or a wrong one: over HTTP a 401 `invalid_api_key` in OpenAI's shape, a WebSocket refused with a 401 at
+    its handshake."""
+    wrong = rng.choice([{}, {"Authorization": "Bearer not-the-key"}])
+    if rng.random() < 0.5:
+        request = client.build_request("POST", "/v1/chat/completions", headers=wrong,
+                                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        if not wrong:
+            del request.headers["Authorization"]  # the client's own
+        r = await client.send(request)
+        code = r.json().get("error", {}).get("code") if r.headers.get("content-type") == "application/json" else None
+        if r.status_code != 401 or code != "invalid_api_key":
+            t.fail(f"{'a wrong' if wrong else 'no'} key: {r.status_code} {r.text[:200]}")
+        else:
+            t.outcomes["refused for its key (http)"] += 1
+        return
+    try:
+        async with connect(ws_url, additional_headers=wrong, close_timeout=5):
+            t.fail(f"realtime with {'a wrong' if wrong else 'no'} key: accepted")
+    except InvalidStatus as e:
+        if e.response.status_code != 401:
+            t.fail(f"realtime with {'a wrong' if wrong else 'no'} key: HTTP {e.response.status_code}")
+        else:
+            t.outcomes["refused for its key (ws)"] += 1
+
+
 # -- the run --------------------------------------------------------------------------------------------------------
 async def worker(base: str, deadline: float, rng: random.Random, t: Tally, timeout_s: float) -> None:
     ws_url = base.replace("http", "ws", 1) + "/v1/realtime"
     limits = httpx.Limits(max_connections=8, max_keepalive_connections=4)
-    async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits, headers=auth_headers()) as client:
         while time.monotonic() < deadline:
             kind = rng.choices(["http", "realtime", "bad"], weights=[70, 25, 5])[0]
             try:
@@ -259,7 +297,7 @@ async def worker(base: str, deadline: float, rng: random.Random, t: Tally, timeo
                     elif kind == "realtime":
                         await realtime_session(ws_url, rng, t, timeout_s)
                     else:
-                        await bad_request(client, rng, t)
+                        await bad_request(client, ws_url, rng, t)
             except TimeoutError:
                 t.fail(f"{kind}: no answer within {timeout_s:.0f} s")
             except (httpx.HTTPError, ConnectionClosed, OSError) as e:
@@ -267,7 +305,7 @@ async def worker(base: str, deadline: float, rng: random.Random, t: Tally, timeo
 
 
 async def poller(base: str, deadline: float, t: Tally) -> None:
-    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=10) as client:  # no key: /health and /metrics stay open
         n = 0
         while time.monotonic() < deadline:
             t0 = time.perf_counter()
@@ -367,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="unanswered after this = failure")
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="with --spawn: time to become healthy")
     p.add_argument("--seed", type=int, default=0)
+    add_api_key_argument(p)
     args = p.parse_args(argv)
+    use_api_key(args.api_key)
 
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from bench.publish import RAW, RESULTS, publish
-from bench.server import serving
+from bench.server import add_api_key_argument, auth_headers, serving, use_api_key
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def round_trip(client: httpx.Client, base: str, trip: RoundTrip, max_tokens: int
 
 
 def run(base: str, max_tokens: int) -> dict[str, Any]:
-    with httpx.Client(timeout=300) as client:
+    with httpx.Client(timeout=300, headers=auth_headers()) as client:
         model = client.get(f"{base}/v1/models").json()["data"][0]["id"]
         trips = [round_trip(client, base, t, max_tokens) for t in ROUND_TRIPS]
     done = [t for t in trips if "error" not in t]
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--device-name", default=None, help="the device in the report's name (default: the server's)")
+    add_api_key_argument(p)
     args = p.parse_args(argv)
+    use_api_key(args.api_key)
     if args.url:
         doc = run(args.url.rstrip("/"), args.max_tokens)
     else:

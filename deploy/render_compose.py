@@ -104,8 +104,15 @@ x-parley: &parley
     - PARLEY_GPU_HOURLY_USD=${{PARLEY_GPU_HOURLY_USD:-2.50}}
     # After SIGTERM, in-flight requests get this long to finish (below stop_grace_period).
     - PARLEY_DRAIN_TIMEOUT_S=${{PARLEY_DRAIN_TIMEOUT_S:-30}}
+    # The API key every route but /health and /metrics asks for (deploy/README.md, "API keys"). Unset (the default):
+    # none. One key or several, comma-separated, from the shell or an .env file; or a file of keys, one a line, in
+    # ./deploy/secrets/ (git ignores it), named as the replicas see it, PARLEY_API_KEY_FILE=/run/secrets/parley/<file>,
+    # and read again on `docker compose kill -s SIGHUP` (a key rotated without a restart).
+    - PARLEY_API_KEY=${{PARLEY_API_KEY:-}}
+    - PARLEY_API_KEY_FILE=${{PARLEY_API_KEY_FILE:-}}
   volumes:
     - ${{PARLEY_MODELS_DIR:-./models}}:/models:ro
+    - ${{PARLEY_SECRETS_DIR:-./deploy/secrets}}:/run/secrets/parley:ro
     - triton-cache:/home/parley/.triton
   shm_size: "1gb"
   stop_grace_period: 60s           # SIGTERM: stop admitting, finish in-flight requests, exit
@@ -135,6 +142,8 @@ _REST = """\
   # taken out until it answers again. Keep PARLEY_ROUTER_BALANCE_ABS_THRESHOLD at about half of PARLEY_MAX_BATCH.
   # Many calls to one agent (one system prompt) whose client sends x-session-id: PARLEY_ROUTER_POLICY=
   # sticky_least_loaded spreads the calls (cache-aware sends them all where the prompt is cached; deploy/README.md).
+  # It passes each client's Authorization header on to the replica (and to the render calls it makes for prefix
+  # routing): the replicas check the API key, the router needs none.
   router:
     build:
       context: deploy/router

@@ -13,6 +13,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -170,6 +171,9 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             try:
                 target.model = await first_model(client)
             except Exception as e:
+                if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 401:
+                    raise SystemExit(f"{args.url} refused the API key ({'a wrong one' if args.api_key else 'none'} "
+                                     "was sent): pass --api-key or set OPENAI_API_KEY") from None
                 if target.endpoint != "realtime":
                     raise SystemExit(f"no --model given and GET {args.url}/v1/models failed: {e}") from e
             finally:

@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
@@ -28,6 +28,13 @@ class ServeConfig(BaseSettings):
                        "Hugging Face checkpoint directory, or synthetic:<shape> (random weights, real shapes)")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in a container)")
     port: int = Field(8000, description="port to listen on")
+    # Secrets: the config's repr shows no key; service/api/auth.py reads and checks them (its errors quote none)
+    api_key: SecretStr | None = Field(None, description="the key callers must send (Authorization: Bearer <key>, or "
+                                      "the WebSocket subprotocol openai-insecure-api-key.<key>), or several, "
+                                      "comma-separated; every route but /health and /metrics refuses a call "
+                                      "without one with 401. Unset (and no --api-key-file): no key is asked")
+    api_key_file: str | None = Field(None, description="a file of keys, one a line (# comments), re-read on "
+                                     "SIGHUP: a key is rotated without a restart; with --api-key, both are valid")
     backend: Backend = Field("auto", description="auto: the megakernel where a GPU can run it, else the PyTorch "
                              "reference")
     device: str | None = Field(None, description="cuda or cpu; unset: cuda where present")

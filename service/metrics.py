@@ -156,6 +156,29 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+API_KEY_REFUSAL_REASONS = ("missing", "invalid")
+TRANSPORTS = ("http", "websocket")
+
+
+class FrontEndMetrics:
+    """What the HTTP front end counts itself, before a request reaches the engine: callers refused for their API key
+    (service/api/auth.py). A registry of its own, rendered after the engine's on /metrics, so that the count stays
+    the front end's wherever the engine runs."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.api_key_refusals = Counter(
+            "parley_api_key_refusals", "Requests and WebSocket handshakes refused with 401 before any work, by "
+            "reason (missing: no key sent; invalid: a key that is not one of the server's) and transport (http, "
+            "websocket)", ["reason", "transport"], registry=r)
+        for reason in API_KEY_REFUSAL_REASONS:  # so that rate() has a series from the start
+            for transport in TRANSPORTS:
+                self.api_key_refusals.labels(reason=reason, transport=transport)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 def _value(gauge: Gauge) -> float:
     """An unlabelled gauge's current value, through the public collect()."""
     (family,) = gauge.collect()

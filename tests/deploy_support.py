@@ -195,11 +195,12 @@ def router_metric_names_in(expr: str) -> set[str]:
 
 
 def defined_series_names() -> set[str]:
-    """Every series name service/metrics.py's Metrics can expose, with prometheus_client's suffixes."""
-    from service.metrics import Metrics
+    """Every series name service/metrics.py's Metrics (the engine's) and FrontEndMetrics can expose, with
+    prometheus_client's suffixes."""
+    from service.metrics import FrontEndMetrics, Metrics
 
     names = set()
-    for family in Metrics().registry.collect():
+    for family in [*Metrics().registry.collect(), *FrontEndMetrics().registry.collect()]:
         if family.type == "counter":
             names |= {family.name + "_total", family.name + "_created"}
         elif family.type == "histogram":

@@ -5,6 +5,7 @@ scripted server (report, targets, archive) and, slow, against a real `parley ser
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import tarfile
@@ -111,13 +112,19 @@ def test_e2e_against_the_scripted_server(tmp_path: Path, url: str) -> None:  # n
 @pytest.mark.slow
 def test_e2e_starts_parley(tmp_path: Path) -> None:
     """One run of the table on a real server: the runner starts `parley serve` with the run's flags (the tiny model
-    on the CPU instead of Llama), measures it, keeps its log, latency model and metrics, and stops it."""
+    on the CPU instead of Llama), measures it, keeps its log, latency model and metrics, and stops it. With
+    `--api-key`: the server asks for that key, and the loadtests and the runner's own requests send it (a refused
+    request would fail the run); no raw file holds it."""
     raw, results = tmp_path / "raw", tmp_path / "results"
+    key = "sk-bench-" + secrets.token_urlsafe(12)
     out = bench("e2e", "--raw", str(raw), "--out", str(results), "--set", "only=reference.bf16",
-                "--set", "serve_args=--model synthetic:tiny --device cpu", "--set", "single_requests=3")
+                "--set", "serve_args=--model synthetic:tiny --device cpu", "--set", "single_requests=3",
+                "--api-key", key)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = (raw / "server-reference.bf16.log").read_text()
     assert "model synthetic:tiny, backend reference, device cpu, 16 slots" in log
+    assert "API key required on every route but /health and /metrics: 1 key(s)" in log
+    assert not [p for p in raw.rglob("*") if p.is_file() and key in p.read_text(errors="replace")]
     assert json.loads((raw / "reference.bf16-latency-model.json").read_text())
     assert "parley_requests_total" in (raw / "reference.bf16-metrics.txt").read_text()
     single = json.loads((raw / "reference.bf16-single-32.json").read_text())["runs"][0]["requests"]

@@ -140,8 +140,11 @@ def test_the_whole_script_on_the_cpu(tmp_path: Path) -> None:
     # --max-batch 2 sets the router's balance threshold to 1 (half of it, as deploy/README.md says): the tiny model
     # answers in ~0.15 s, so at these rates a replica rarely holds more than 2 requests, and below the threshold the
     # cache-aware policy keeps unrelated prompts on one replica (measured: 13 of 15 on one at the default threshold)
+    # with an API key: the replicas ask for it, every request through the router (and the router's own calls to the
+    # replicas' render endpoints, which the voice phase's caching needs) carries the client's
     common = ["--cpu", "--replicas", "2", "--out", str(out), "--raw", str(raw), "--serve-args",
-              "--model synthetic:tiny --backend reference --max-batch 2", "--sla-ms", "30000", "--timeout", "60"]
+              "--model synthetic:tiny --backend reference --max-batch 2", "--sla-ms", "30000", "--timeout", "60",
+              "--api-key", "sk-router-bench"]
 
     def call(*argv: str) -> str:
         done = subprocess.run([sys.executable, "-m", "bench", "router", *common, *argv], cwd=ROOT,
@@ -184,3 +187,4 @@ def test_the_whole_script_on_the_cpu(tmp_path: Path) -> None:
     assert "goodput_ratio" in md and "A replica killed under load" in md and "Voice sessions" in md
     assert "--policy cache_aware" in md
     assert (raw / "e2e-replica-1.start-2.log").exists() and (raw / "voice-router.log").exists()
+    assert "API key required" in (raw / "voice-replica-0.log").read_text()

@@ -135,11 +135,11 @@ def test_the_router_image_installs_the_router_the_tests_measure():
     assert '["vllm-router"]' in text
 
 
-def _compose_config(compose_file, tmp_path) -> dict:
+def _compose_config(compose_file, tmp_path, **variables: str) -> dict:
     compose = shutil.which("docker-compose")
     if compose is None:
         pytest.skip("docker-compose not installed (apt-get install docker-compose)")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no engine, no user settings
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **variables}  # no engine, no user settings
     r = subprocess.run([compose, "-f", str(compose_file), "--project-directory", str(ROOT), "config"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -211,6 +211,27 @@ def test_compose_reserves_the_gpu_and_configures_parley(compose_config):
     assert parley["build"]["context"] == str(ROOT)
     assert parley["stop_grace_period"] == "60s"
     assert float(env["PARLEY_DRAIN_TIMEOUT_S"]) + 10 <= 60
+
+
+def test_compose_takes_the_api_key_from_the_shell_or_a_file_and_runs_without_one(compose_config, tmp_path):
+    """No key set: the variables arrive empty, which Parley reads as no key (`docker compose up` as before). A key
+    from the shell or .env, or a file of keys in deploy/secrets/ (mounted read-only; git ignores what is in it),
+    reaches every replica; the router gets none (it passes the client's Authorization on)."""
+    env = compose_config["services"]["parley-0"]["environment"]
+    assert env["PARLEY_API_KEY"] == "" and env["PARLEY_API_KEY_FILE"] == ""
+    assert f"{DEPLOY / 'secrets'}:/run/secrets/parley:ro" in compose_config["services"]["parley-0"]["volumes"]
+    assert (DEPLOY / "secrets").is_dir()  # a bind mount of a missing folder would make one, owned by root
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/secrets/api-keys"], cwd=ROOT)
+    assert ignored.returncode == 0, "a key file in deploy/secrets/ would be committed"
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(render_compose().render_compose(["0", "1"]))
+    keyed = _compose_config(path, tmp_path, PARLEY_API_KEY="sk-a,sk-b",
+                            PARLEY_API_KEY_FILE="/run/secrets/parley/api-keys")
+    for name in ("parley-0", "parley-1"):
+        env = keyed["services"][name]["environment"]
+        assert (env["PARLEY_API_KEY"], env["PARLEY_API_KEY_FILE"]) == ("sk-a,sk-b", "/run/secrets/parley/api-keys")
+    router = keyed["services"]["router"]
+    assert "--api-key" not in router["command"] and not router.get("environment")
 
 
 def test_compose_provisions_prometheus_and_grafana_from_deploy(compose_config):

@@ -17,9 +17,10 @@ from tests.deploy_support import K8S_DIR, SCHEMAS_DIR, defined_series_names, k8s
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")
 BUILTIN = {"Deployment", "Service", "Ingress", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceAccount",
-           "Role", "RoleBinding", "ConfigMap"}
+           "Role", "RoleBinding", "ConfigMap", "NetworkPolicy"}
 CRD_SCHEMAS = {"InferencePool": "inferencepool-v1.json", "HTTPRoute": "httproute-v1.json"}
 INFERENCE_DIR = K8S_DIR / "inference-gateway"
+NETWORK_POLICY_DIR = K8S_DIR / "network-policy"
 
 
 def _docs(kind: str) -> list[dict]:
@@ -34,13 +35,14 @@ def _named(kind: str, name: str) -> dict:
 def test_manifests_are_there():
     kinds = sorted(d["kind"] for _, d in k8s_documents())
     assert kinds == ["ConfigMap", "Deployment", "Deployment", "HTTPRoute", "InferencePool", "Ingress",
-                     "PodDisruptionBudget", "Role", "RoleBinding", "ScaledObject", "Service", "Service",
-                     "ServiceAccount"], kinds
+                     "NetworkPolicy", "PodDisruptionBudget", "Role", "RoleBinding", "ScaledObject", "Service",
+                     "Service", "ServiceAccount"], kinds
     # `kubectl apply -f deploy/k8s/` needs no CRD but KEDA's; the Inference Extension's pieces are a folder apart
     assert {p.name for p in K8S_DIR.glob("*.yaml")} == {"deployment.yaml", "service.yaml", "ingress.yaml",
                                                          "scaledobject.yaml"}
     assert {p.name for p in INFERENCE_DIR.glob("*.yaml")} == {"inferencepool.yaml", "httproute.yaml",
                                                                "endpoint-picker.yaml"}
+    assert {p.name for p in NETWORK_POLICY_DIR.glob("*.yaml")} == {"networkpolicy.yaml"}  # opt-in, a folder apart
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -55,7 +57,7 @@ def test_builtin_kinds_validate_strictly(version):
         except kv.ValidationError as e:
             pytest.fail(f"{path.name}: {doc['kind']}: {'.'.join(map(str, e.path))}: {e.message}")
         checked += 1
-    assert checked == 10
+    assert checked == 11
 
 
 def _unknown_fields(given, model_dump, path="spec"):
@@ -138,6 +140,44 @@ def test_session_affinity_for_websocket_sessions():
     assert int(ann["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 600  # WebSocket sessions live long
     backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend["name"] == svc["metadata"]["name"]
+
+
+def test_the_api_key_comes_from_a_secret_the_server_can_read_again():
+    """PARLEY_API_KEY_FILE names a file of the Secret's volume, mounted whole (a subPath mount is never updated when
+    the Secret changes, and SIGHUP would read the old keys), read-only, readable by the server's group."""
+    dep = _named("Deployment", "parley")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert "PARLEY_API_KEY" not in env  # a key in the manifest would be a key in git
+    path = env["PARLEY_API_KEY_FILE"]["value"]
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "parley-api-keys" and not volume["secret"].get("optional")
+    assert path.rsplit("/", 1)[1] == "api-keys"  # the Secret's key: kubectl create secret ... --from-file=api-keys=
+    assert volume["secret"]["defaultMode"] & 0o047 == 0o040 and pod["securityContext"]["fsGroup"] == 10001
+
+
+def test_the_ingress_publishes_the_api_alone():
+    """/v1/ goes out (behind its key); /health and /metrics, which ask for none, stay in the cluster."""
+    (ing,) = _docs("Ingress")
+    paths = [(p["path"], p["pathType"]) for rule in ing["spec"]["rules"] for p in rule["http"]["paths"]]
+    assert paths == [("/v1", "Prefix")]
+
+
+def test_the_network_policy_keeps_the_pods_port_to_the_ingress_prometheus_and_the_namespace():
+    (policy,) = _docs("NetworkPolicy")
+    dep = _named("Deployment", "parley")
+    assert policy["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert [p["port"] for p in rule["ports"]] == [port["name"] for port in c["ports"]] == ["http"]
+    namespaces = {p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rule["from"]
+                  if "namespaceSelector" in p}
+    assert namespaces == {"ingress-nginx", "monitoring"}
+    assert {"podSelector": {}} in rule["from"]
 
 
 # -- the Gateway API Inference Extension ----------------------------------------------------------------------------

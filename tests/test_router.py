@@ -1,5 +1,10 @@
 """Three Parley replicas (the tiny synthetic model, CPU) behind the real vllm-router from PyPI, run with the flags
-docker-compose.yml gives it (deploy/render_compose.py), and what a deployment needs of the pair:
+docker-compose.yml gives it (deploy/render_compose.py), and what a deployment needs of the pair. The replicas ask for
+an API key, which every call sends to the router, as a client of a deployment does:
+
+- the router passes the caller's key on, to the replica that serves the call and to the render calls it makes to
+  choose one (the voice sessions' prefix routing rests on those); a call without a key or with a wrong one gets the
+  replica's 401 back as it was, is not retried, and takes no replica out of rotation;
 
 - voice sessions of 6 chat turns over HTTP stay on the replica that holds their K/V: after turn 1, at least 90% of
   each session's prompt tokens come from the cache, by the replicas' own /metrics counters;
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import secrets
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -31,7 +37,16 @@ import httpx
 import pytest
 
 from tests.deploy_support import Router, router_executable, start_router, worker_health
-from tests.server_support import Scrape, Server, poll, scrape_metrics, stop_process, stop_server, tiny_server
+from tests.server_support import (
+    Scrape,
+    Server,
+    assert_openai_error,
+    poll,
+    scrape_metrics,
+    stop_process,
+    stop_server,
+    tiny_server,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,11 +54,13 @@ pytestmark = [
 ]
 
 MAX_BATCH, KV_SLOTS = 4, 8
+KEY = "sk-router-" + secrets.token_urlsafe(16)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 REPLICA = ("--max-batch", str(MAX_BATCH), "--kv-slots", str(KV_SLOTS), "--max-context", "4096", "--sla-tokens", "8",
-           "--sla-ms", "60000", "--step-delay-ms", "20")
+           "--sla-ms", "60000", "--step-delay-ms", "20", "--api-key", KEY)
 # One request at a time within its SLA: 8 tokens at 40 ms a step take ~330 ms; a second, waiting for the row, ~660.
 ONE_AT_A_TIME = ("--max-batch", "1", "--kv-slots", "2", "--max-context", "1024", "--sla-tokens", "8",
-                 "--sla-ms", "500", "--step-delay-ms", "40")
+                 "--sla-ms", "500", "--step-delay-ms", "40", "--api-key", KEY)
 BALANCE_ABS_THRESHOLD = MAX_BATCH // 2  # as compose sets it from PARLEY_MAX_BATCH
 TOKENS = 8
 SESSIONS, TURNS = 6, 6
@@ -118,7 +135,7 @@ def _completed(before: dict[int, Scrape], after: dict[int, Scrape]) -> dict[int,
 def _renders(replica: Server) -> bool:
     """Whether the replica answers vLLM's /v1/chat/completions/render (the prompt's token ids): vllm-router's
     cache-aware policy matches prompts by those ids, and routes by load alone without them."""
-    r = httpx.post(f"{replica.base}/v1/chat/completions/render", timeout=30,
+    r = httpx.post(f"{replica.base}/v1/chat/completions/render", timeout=30, headers=AUTH,
                    json={"messages": [{"role": "user", "content": "hello"}]})
     return r.status_code == 200 and isinstance(r.json().get("token_ids"), list)
 
@@ -129,9 +146,11 @@ def test_voice_sessions_stay_on_the_replica_that_holds_their_prefix(fleet: Fleet
     the usage each replica reports is what it counts (the sums agree), and a turn that landed elsewhere than its
     conversation would have no cached tokens."""
     fleet.needs_prefix_routing()
-    before = fleet.scrapes()
+    before, routed = fleet.scrapes(), fleet.router.metrics()
     sessions = asyncio.run(_calls(fleet.router.base, AGENTS[:SESSIONS]))
     after = fleet.scrapes()
+    # every call's render requests carried its key: the router had the token ids of every prompt
+    assert _without_token_ids(fleet.router.metrics()) == _without_token_ids(routed)
     usages = [u for session in sessions for u in session]
     hits = _deltas(before, after, "parley_prefix_cache_hits_total")
     queries = _deltas(before, after, "parley_prefix_cache_queries_total")
@@ -169,7 +188,7 @@ async def _calls(base: str, agents: Sequence[str], session_ids: Sequence[str | N
     calls arrive one after another."""
     ids = session_ids or [None] * len(agents)
     answered = [asyncio.Event() for _ in agents]
-    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, headers=AUTH) as client:
         return await asyncio.gather(*(
             _call(client, agent, sid, answered[i - 1] if staggered and i else None, answered[i])
             for i, (agent, sid) in enumerate(zip(agents, ids))))
@@ -209,7 +228,7 @@ async def _send(base: str, bodies: list[dict[str, Any]], concurrency: int, path:
     """Send every body, `concurrency` at a time: (start, status or the exception's name, headers, JSON or None)."""
     sem = asyncio.Semaphore(concurrency)
     out: list[tuple[float, Any, dict[str, str], Any]] = []
-    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, headers=AUTH) as client:
         async def one(body: dict[str, Any]) -> None:
             async with sem:
                 t0 = time.monotonic()
@@ -232,6 +251,37 @@ def _fresh(n: int, tag: str) -> list[dict[str, Any]]:
     """Prompts with nothing in common (each begins differently), 8 tokens each."""
     return [{"prompt": f"{i * 7919 % 1009} {tag} caller {i}: what are your opening hours on day {i}?",
              "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0} for i in range(n)]
+
+
+def _without_token_ids(router_metrics: Scrape) -> float:
+    """Requests the router routed by load alone, its render calls having brought no token ids back."""
+    return router_metrics.total("vllm_router_prefix_routing_decisions_total", outcome="missing_tokens")
+
+
+def test_the_router_passes_the_callers_key_on_and_the_replicas_401_back(fleet: Fleet) -> None:
+    """Ten calls through the router without a key or with a wrong one, six with the key. Each refused call is refused
+    by every replica the router asks for token ids (vllm-router 0.1.17 asks each) and by the one it sends the call to,
+    once: the replicas count (replicas + 1) refusals a call, no retry. The client gets the replica's 401 as it was;
+    the keyed calls are answered, with their token ids (their render calls carried the key); no replica leaves the
+    rotation."""
+    before, routed = fleet.scrapes(), fleet.router.metrics()
+    refused: list[httpx.Response] = []
+    with httpx.Client(base_url=fleet.router.base, timeout=REQUEST_TIMEOUT_S) as client:
+        for i, headers in enumerate([{}] * 5 + [{"Authorization": "Bearer sk-not-the-key"}] * 5):
+            refused.append(client.post("/v1/completions", headers=headers, json=_fresh(1, f"keyless-{i}")[0]))
+        answered = [client.post("/v1/completions", headers=AUTH, json=body) for body in _fresh(6, "keyed")]
+    after, done = fleet.scrapes(), fleet.router.metrics()
+    for r in refused:
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (r.status_code, r.text)
+        assert_openai_error(r.json(), code="invalid_api_key", param=None)
+    assert [r.status_code for r in answered] == [200] * 6, [r.text for r in answered]
+    refusals = _deltas(before, after, "parley_api_key_refusals_total")
+    assert sum(refusals.values()) == 10 * (len(fleet.replicas) + 1), refusals
+    assert _without_token_ids(done) - _without_token_ids(routed) == 10  # the keyed six had their token ids
+    assert done.total("vllm_router_request_errors_total", error_type="non_retryable_error") - \
+        routed.total("vllm_router_request_errors_total", error_type="non_retryable_error") == 10
+    assert set(worker_health(fleet.router).values()) == {1}
+    assert set(s.value for s in done.samples if s.name == "vllm_router_cb_state") == {0}  # every breaker closed
 
 
 def test_fresh_prompts_spread_over_the_replicas(fleet: Fleet) -> None:

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import completions, errors, realtime
 from service.api.answers import ModelCard, ModelList
+from service.api.auth import ApiKeys, RequireApiKey
 from service.api.errors import APIError
 from service.api.state import ServerState, server_state
 from service.api.tools import ToolDialect
@@ -31,7 +32,9 @@ log = logging.getLogger("parley.api")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 
 
-def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = MAX_BODY_BYTES,
+               api_keys: ApiKeys | None = None) -> FastAPI:
+    """`api_keys`: the keys every route but /health and /metrics asks for (service/api/auth.py); None or none: open."""
     state = ServerState()
 
     @asynccontextmanager
@@ -57,6 +60,10 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
     app.state.parley = state
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_keys is not None and api_keys.required:  # added last: outermost, so a refused caller's body is never read
+        app.add_middleware(RequireApiKey, keys=api_keys,
+                           count_refusal=lambda reason, transport: state.metrics.api_key_refusals.labels(
+                               reason=reason, transport=transport).inc())
     app.include_router(completions.router)
     app.include_router(realtime.router)
 
@@ -69,7 +76,7 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.loaded().engine.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state.loaded().engine.metrics.render() + state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/latency_model", response_model=None)
     async def latency_model() -> JSONResponse:

@@ -25,7 +25,7 @@ log = logging.getLogger("parley.api")
 
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # as OpenAI answers a missing or wrong key (code invalid_api_key)
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

@@ -31,6 +31,7 @@ from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from service.api.auth import KEY_SUBPROTOCOL
 from service.api.chunking import SentenceChunker
 from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
 from service.api.protocol import RealtimeResponseConfig, RealtimeSessionConfig
@@ -103,7 +104,7 @@ async def realtime_over_http() -> None:
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
     st = server_state(ws.app)
-    await ws.accept()
+    await ws.accept(subprotocol=accepted_subprotocol(ws.scope.get("subprotocols", [])))
     try:
         st.ready()
     except APIError as e:
@@ -112,6 +113,15 @@ async def realtime(ws: WebSocket) -> None:
         await ws.close(code=1013)
         return
     await RealtimeConnection(ws, st).run()
+
+
+def accepted_subprotocol(offered: list[str]) -> str | None:
+    """The subprotocol to answer a handshake with: `realtime` where offered (OpenAI's browser clients offer it beside
+    their key's, and a browser fails a handshake that offered subprotocols and got none back), else the first one
+    offered that is not a key: a key is never echoed back."""
+    if "realtime" in offered:
+        return "realtime"
+    return next((p for p in offered if not p.startswith(KEY_SUBPROTOCOL)), None)
 
 
 class RealtimeConnection:

@@ -17,6 +17,7 @@ from types import FrameType
 import uvicorn
 
 from service.api.app import MAX_BODY_BYTES, create_app
+from service.api.auth import ApiKeyError, ApiKeys, announce, redact_keys_in_logs, reload_on_sighup
 from service.api.state import ServerState, server_state
 from service.config import ServeConfig
 from service.runtime import build_engine, settle_process
@@ -76,8 +77,15 @@ class ParleyServer(uvicorn.Server):
 def serve(cfg: ServeConfig) -> int:
     """Run `parley serve` until SIGTERM/SIGINT; the exit status."""
     check_port(cfg.host, cfg.port)  # before minutes of loading, not after
+    try:
+        keys = ApiKeys.from_config(cfg)
+    except ApiKeyError as e:
+        raise SystemExit(f"parley: {e}") from None
+    redact_keys_in_logs()
+    announce(keys, cfg.host, cfg.port)
+    reload_on_sighup(keys)
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
-    app = create_app(lambda: settle_process(build_engine(cfg)))
+    app = create_app(lambda: settle_process(build_engine(cfg)), api_keys=keys)
     state = server_state(app)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
                             log_level=cfg.log_level, access_log=cfg.access_log, ws_max_size=WS_MAX_BYTES,

@@ -14,6 +14,7 @@ from service.api.streaming import EngineStream
 from service.engine.engine import Engine
 from service.engine.kv_slots import Session
 from service.engine.request import SamplingParams
+from service.metrics import FrontEndMetrics
 from service.model.tokenizer import Tokenizer
 from service.runtime import Runtime
 
@@ -26,6 +27,7 @@ class ServerState:
     draining: bool = False
     failed: str | None = None  # why the runtime could not be built
     created: int = field(default_factory=lambda: int(time.time()))
+    metrics: FrontEndMetrics = field(default_factory=FrontEndMetrics)  # what the front end counts itself
     _streams: int = 0
     _streams_changed: threading.Condition = field(default_factory=threading.Condition)
 
