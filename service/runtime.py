@@ -78,8 +78,9 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     log.info("warmed up in %.1f s", time.perf_counter() - t0)
     latency = calibrated_latency(cfg, decoder, model.config, backend, max_rows)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
-                                    strict=cfg.strict_sla, margin=cfg.sla_margin)
+                                    strict=cfg.strict_sla, target=cfg.sla_target)
     metrics = Metrics(cfg.sla_tokens)
+    metrics.export_guard(admission.guard)
     metrics.info.labels(model=cfg.model, backend=backend, device=device, weights=cfg.weights).set(1)
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,

@@ -79,7 +79,7 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
         adm = rt.admission
         return JSONResponse({**rt.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
                              "best_effort": adm.best_effort, "strict": adm.strict,
-                             "bias": round(adm.bias, 4), "margin": round(adm.margin, 4),
+                             "guard": adm.snapshot(),
                              "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
                              "backend": rt.backend, "device": rt.device})
 
