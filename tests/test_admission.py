@@ -491,3 +491,57 @@ def test_a_strict_server_probes_a_calibration_no_served_step_has_checked():
     checked.observe_step(1, 0.009)
     with pytest.raises(Rejected, match="cannot deliver"):
         AdmissionController(checked, 0.2, 64, 4, strict=True).check(newcomer())
+
+
+@pytest.mark.parametrize("admission", ["any", "controller"])
+def test_a_slow_verdict_never_stalls_the_streams_already_running(admission):
+    """A verdict forecasts on the API's thread (a millisecond or more at 16 in flight on the H100, far more on a busy
+    CPU); the engine thread must not wait for it between steps. It had: the engine held its own lock for the
+    verdict's whole length (which every iteration takes to update its gauges), and the controller its one lock (which
+    every SLA token and every end takes)."""
+    from service.engine.admission import AdmitAll
+
+    verdict_s = 2.0  # long next to a busy 2-core host's own hiccups (400 ms seen with other jobs sharing the cores)
+    slow = threading.Event()
+
+    class SlowVerdicts(AdmitAll):
+        def check(self, req):
+            if slow.is_set():
+                time.sleep(verdict_s)
+            super().check(req)
+
+    model = load_model("synthetic:tiny")
+    if admission == "any":
+        adm = SlowVerdicts(60.0)
+    else:
+        adm = AdmissionController(LatencyModel({1: 0.001}, {16: 0.001}, max_rows=16), 60.0, 4, 2)
+    eng = Engine(ReferenceDecoder(model.config, model.weights, max_slots=2, max_context=256), model.tokenizer,
+                 admission=adm, sla_ms=60_000, sla_tokens=4)
+    if admission == "controller":
+        forecast = adm.planner.forecast
+
+        def slow_forecast(*args, **kwargs):
+            if slow.is_set():
+                time.sleep(verdict_s / 2)  # twice: with the newcomer, and without it
+            return forecast(*args, **kwargs)
+
+        adm.planner.forecast = slow_forecast
+    eng.start()
+    stamps: list[float] = []
+    done = threading.Event()
+    try:
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                   lambda d: (stamps.append(time.perf_counter()), d.finish_reason and done.set()))
+        while len(stamps) < 5:
+            time.sleep(0.001)
+        # a second stream whose SLA token and end (each passes through admission) come during the slow verdict
+        eng.submit([7, 8, 9], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), lambda d: None)
+        slow.set()
+        t0 = time.perf_counter()
+        eng.submit([4, 5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), lambda d: None)
+        assert time.perf_counter() - t0 >= verdict_s
+        assert done.wait(60)
+    finally:
+        eng.stop()
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= t0 and a <= t0 + verdict_s]  # gaps it overlaps
+    assert len(during) > 2 and max(during) < verdict_s / 2, f"a token waited {max(during) * 1e3:.0f} ms"

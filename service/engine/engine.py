@@ -158,13 +158,17 @@ class Engine:
         req.choice = sampler.choice_of(req, self.decoder.draws_tokens)
         req.lifted_choice = sampler.unconstrained_choice(params, self.decoder.draws_tokens)
         with self._lock:
-            if self.stats.waiting >= self.max_waiting:
-                self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
-            try:
-                self.admission.check(req)
-            except Rejected as r:
-                self._reject(req, r)
-            self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
+            full = self.stats.waiting >= self.max_waiting
+        if full:
+            self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
+        # Not under self._lock: a verdict forecasts for a millisecond or more, and the engine thread takes that lock
+        # every iteration (admission has its own, which the engine thread never waits on for a verdict).
+        try:
+            self.admission.check(req)
+        except Rejected as r:
+            self._reject(req, r)
+        self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
+        with self._lock:
             self._live.add(req)
             self.stats.waiting += 1
             self.metrics.waiting.set(self.stats.waiting)
