@@ -167,8 +167,10 @@ class AdmissionController:
         refuse everything for ever, never observing the steps that would correct it. A latency model that no served
         step has checked yet is the calibration alone, and is given more room: a start-up on a busy host had timed
         one-row steps at 267 ms that took 72 ms a second later, and its strict server refused every request, idle or
-        not, for good."""
-        if now - self._last_probe < PROBE_EVERY_S or t_nth - req.arrival > self._probe_within() * self.sla_s:
+        not, for good. What a probe doubts is the forecast, not the time a request spent before it got here: it is
+        judged by the budget left."""
+        left = (req.deadline if req.deadline is not None else req.arrival + self.sla_s) - now
+        if now - self._last_probe < PROBE_EVERY_S or left <= 0 or t_nth - now > self._probe_within() * left:
             return False
         self._last_probe = now
         log.info("admitting %s as a probe: predicted %.0f ms for its SLA token on an idle server (SLA %.0f ms)",

@@ -88,6 +88,26 @@ def test_burst_splits_into_on_time_streams_and_fast_429s(slowed_server):
     assert after["parley_sla_violations_total"] == before["parley_sla_violations_total"]
 
 
+def test_the_sla_clock_starts_when_the_client_sent_the_request(slowed_server):
+    """Behind a router, a request may reach the server after retries or a queue: with `x-request-start` (when the
+    client sent it), it is judged by the budget it has left. 1.4 s of its 1.5 s gone: refused at once, where the same
+    request fresh is admitted and on time by the client's clock."""
+    base = slowed_server.base
+    wait_idle(base)
+    body = {"model": "synthetic:tiny", "prompt": "late", "max_tokens": SLA_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    stale = httpx.post(f"{base}/v1/completions", json=body, timeout=30,
+                       headers={"x-request-start": f"t={(time.time() - 1.4) * 1e3:.0f}"})
+    assert stale.status_code == 429 and time.perf_counter() - t0 < 0.5, stale.text
+    sent = time.time() - 0.1
+    fresh = httpx.post(f"{base}/v1/completions", json=body, timeout=30,
+                       headers={"x-request-start": f"{sent:.3f}"})
+    assert fresh.status_code == 200, fresh.text
+    assert time.time() - sent <= SLA_MS / 1e3  # its last token (the SLA's) within the SLA of when it was sent
+    wait_idle(base)
+
+
 def test_openai_sdk_does_not_retry_a_shed_request(slowed_server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{slowed_server.base}/v1", api_key="x", max_retries=3)

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api import completions, errors, realtime
 from service.api.answers import ModelCard, ModelList
 from service.api.errors import APIError
+from service.api.request_start import RequestStart
 from service.api.state import ServerState, server_state
 from service.api.tools import ToolDialect
 from service.metrics import CONTENT_TYPE
@@ -57,6 +58,7 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
     app.state.parley = state
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestStart)  # the outermost: a request's SLA clock starts before its body is read
     app.include_router(completions.router)
     app.include_router(realtime.router)
 
