@@ -17,11 +17,13 @@ How many scores are enough: N = the fewest for which the quantile is not the lar
 stall (a first request's one-off cost, a compile) never decides alone; it would otherwise keep a whole level
 refusing for hundreds of requests, and a refusing level learns nothing. A level with fewer pools the nearest levels'
 (one in-flight bucket or one prompt kind away, then two, ...) until it has N. Where all of them together have fewer,
-the stretch moves from a prior towards the pool's second-largest score in proportion to the scores it holds: a fresh
-server starts from the prior and relaxes as it sees its own requests. The prior is the one figure here not measured
-on this server: PRIOR_ALONE for a request alone (the calibration times steps back to back, as the engine runs them),
-PRIOR_LOADED beside others (a 2-core CPU streaming four replies over HTTP ran its steps 1.3-1.4x its calibration, and
-admitted requests on the H100 under load came up to 40% late).
+the stretch is a prior and the pool's second-largest score averaged, the prior weighing as PRIOR_SCORES scores: a
+fresh server starts from the prior and relaxes as it sees its own requests (on a GPU, the single streams a benchmark
+sends first have it admitting beside others within a few dozen requests). The prior is the one figure here not
+measured on this server, and it must hold where nothing has been seen: PRIOR_ALONE for a request alone (the
+calibration times steps back to back, as the engine runs them; the H100 came in 0.92 of such forecasts), PRIOR_LOADED
+beside others (the calibration times bare steps: a 2-core CPU streaming four replies over HTTP ran a fresh server's
+first burst at 1.45-1.6x its forecast, and admitted requests on the H100 under load came up to 40% late).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 PRIOR_ALONE = 1.05
-PRIOR_LOADED = 1.5
+PRIOR_LOADED = 2.0
+PRIOR_SCORES = 20  # how many scores the prior weighs as, until a level's pool has enough
 MISS_WINDOW_S = 60.0  # the late share /metrics shows: over this many seconds
 WINDOW_PER_N = 5  # a level keeps its last WINDOW_PER_N x N scores (995 at 0.99: the quantile is the 10th largest)
 
@@ -147,8 +150,7 @@ class AdmissionGuard:
         if not pool:
             return prior
         seen = sorted(pool)[-2] if len(pool) > 1 else prior  # the largest score never decides alone
-        share = len(pool) / self.enough
-        return share * seen + (1 - share) * prior
+        return (len(pool) * seen + PRIOR_SCORES * prior) / (len(pool) + PRIOR_SCORES)
 
     def _rings(self, level: Level) -> Iterator[list[Level]]:
         """The levels that have scores, by their distance from `level`, nearest first."""

@@ -349,7 +349,7 @@ def test_a_lagging_request_takes_two_steps_a_token_beside_others():
     from service.engine.request import State
 
     lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.003, 128: 0.004}, max_rows=64)  # 64 ms to token 64
-    adm = AdmissionController(lat, 0.1, 64, 4)
+    adm = settled(AdmissionController(lat, 0.1, 64, 4), 1.05)
     adm._last_probe = time.perf_counter()
     alone = newcomer(lags=True)
     adm.check(alone)  # alone: 64 ms
@@ -433,7 +433,7 @@ def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
     its calibrated steps). A burst on a fresh server whose latency model says 15 ms a step where steps take 20: the
     first wave (a seat each) keeps its SLA with room to spare, but a second wave, forecast to reach its SLA token at
     2 x 16 x 15 ms = 480 ms, would reach it at 640 ms, past the 550 ms promise. A fresh server's guard has seen
-    nothing: its prior must hold (1.5x beside other requests: 720 ms, refused). Repeated: it must hold every time."""
+    nothing: its prior must hold (2x beside other requests: 960 ms, refused). Repeated: it must hold every time."""
     model = load_model("synthetic:tiny")
     dec = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=SLOTS, max_context=256),
                                 step_delay_s=0.02)
