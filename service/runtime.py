@@ -130,15 +130,18 @@ def process_age_s() -> float:
 def settle_process(rt: Runtime) -> Runtime:
     """What a serving process sets once its runtime is warm (process-wide, so `parley serve` does it, not every
     build_engine): the start-up heap frozen out of the garbage collector, every collection timed, and a short GIL
-    switch interval. The engine thread waits on the GPU with the GIL released; when the wait ends it needs the GIL
-    back from the event loop's thread, which hands it over only every switch interval (5 ms by default) while it
-    runs Python: single-stream runs on the H100 showed 4-7 ms gaps between tokens, gone at 0.5 ms."""
+    switch interval. The engine thread waits on the GPU with the GIL released, and every torch call it makes releases
+    it too; each time it needs the GIL back from the event loop's thread, which hands it over only every switch
+    interval while it runs Python (admission's forecasts, SSE framing). Single-stream runs on the H100 showed 4-7 ms
+    gaps between tokens at the default 5 ms, gone at 0.5 ms; under load the engine's `feed` and `decode` phases
+    still took up to 6-7 ms, a dozen or so GIL hand-overs each. On the CPU beside a busy Python thread, the `feed`
+    phase's p99 was 3.5 ms at 0.5 ms and 1.5 ms at 0.1 ms (20 us alone)."""
     GC_WATCH.install(rt.engine.metrics)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return rt
 
 
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = 0.0001
 
 KV_MEMORY_SHARE = 0.5  # of the GPU memory left after the weights: the rest is for prefill graphs and activations
 MAX_DEFAULT_KV_SLOTS = 64
