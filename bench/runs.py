@@ -160,7 +160,7 @@ VOICE_TURNS = 8  # the voice scenario's (parley-loadtest --scenario voice): for 
 
 def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sessions: int = 4, warmup: int = 1,
           think_s: float = 0.5, fresh: str = "32,1000,2000,4000", fresh_requests: int = 10, fresh_out: int = 64,
-          sweep_rates: str = "1,2,4,8", sweep_s: float = 10.0, sweep_workers: int = 1,
+          sweep_rates: str = "1,2,4,8,16", sweep_s: float = 10.0, sweep_workers: int = 1,
           endpoints: str = "chat,realtime", voice_args: str = "") -> Benchmark:
     """Voice: one server (synthetic Llama-3.2-1B, the megakernel, `weights`, 8k context; `serve_args` replace or add
     flags) measured by `parley-loadtest --scenario voice` (8 turns, a 1,500-token system prompt, 40-token messages,
