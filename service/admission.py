@@ -114,7 +114,7 @@ class AdmissionController:
         req.deadline = req.arrival + self.sla_s
         with self._deciding:
             with self._lock:
-                active = [r for r in self._active.values() if r.state is not State.FINISHED]
+                active = self._in_flight()
             now = time.perf_counter()
             self._reconsider_best_effort()
             level = self.level_of(active, req)
@@ -181,6 +181,11 @@ class AdmissionController:
         """How many SLAs away an idle server's prediction may be for a probe."""
         return PROBE_WITHIN_UNCHECKED if self.latency.observed_steps == 0 else PROBE_WITHIN
 
+    def _in_flight(self) -> list[Request]:
+        """Admitted requests still to be served: not ended, and not cancelled (the engine drops a cancelled one before
+        its next step; a barge-in's next turn, sent as soon as response.done came, must not be judged beside it)."""
+        return [r for r in self._active.values() if r.state is not State.FINISHED and not r.cancelled]
+
     def release(self, req: Request) -> None:
         with self._lock:
             self._active.pop(req.id, None)
@@ -228,7 +233,7 @@ class AdmissionController:
     def headroom(self, now: float) -> float:
         """Smallest predicted slack before an admitted request's deadline; the whole SLA when idle."""
         with self._lock:
-            active = [r for r in self._active.values() if r.state is not State.FINISHED]
+            active = self._in_flight()
         step = self.latency.step(max(1, len(active)))
         slack = [r.deadline - (now + _left_to_nth(r) * step) for r in active
                  if r.deadline is not None and _left_to_nth(r) > 0]

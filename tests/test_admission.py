@@ -417,6 +417,22 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
         adm.check(pushing)  # its 27 ms prefill launch ahead of those steps would make it miss
 
 
+def test_a_cancelled_request_holds_nobody_back():
+    """A barge-in's next turn comes as soon as response.done does, which may be before the engine has dropped the
+    cancelled reply: it is judged as if that one were gone (it is, by the engine's next step)."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.00145, 2: 0.00145}, {16: 0.003, 128: 0.0035}, max_rows=64)  # ~95 ms to token 64 alone
+    adm = AdmissionController(lat, 0.1, 64, 4)
+    adm._last_probe = time.perf_counter()
+    barged = newcomer(state=State.RUNNING, max_tokens=200)
+    adm.check(barged)
+    with pytest.raises(Rejected):
+        adm.check(newcomer())  # beside a running reply: the prior's 2x
+    barged.cancelled = True
+    adm.check(newcomer())  # alone, as it will be
+
+
 def test_a_calibration_with_one_prefill_on_cache_predicts_every_kv_length():
     """A calibration cut short by its time budget (a busy host) may have timed one prefill on cached tokens: a
     conversation past that K/V length had raised IndexError in admission (a 500 for every later voice turn)."""
