@@ -18,13 +18,7 @@ from service.admission import AdmissionController
 from service.backends import make_decoder, resolve_backend
 from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
-from service.calibration import (
-    cache_dir_of,
-    cache_key,
-    calibrated,
-    default_budget,
-    run_every_step_shape,
-)
+from service.calibration import cache_dir_of, cache_key, calibrated, default_budget, run_every_step_shape
 from service.config import ServeConfig
 from service.engine.admission import AdmitAll
 from service.engine.commit import Event, StepDone
