@@ -106,7 +106,7 @@ def test_a_barge_ins_response_done_never_waits_for_a_step(tmp_path) -> None:
     """Steps of 300 ms (--step-delay-ms): a response.cancel sent as a delta arrives (the engine has just begun the next
     step) is answered with response.done at once, not when the step ends; the slot is free after that step, and the
     next turn runs in it."""
-    from tests.server_support import served, tiny_server
+    from tests.server_support import stop_server, tiny_server
 
     async def go(base_ws: str) -> list[float]:
         waits = []
@@ -124,12 +124,13 @@ def test_a_barge_ins_response_done_never_waits_for_a_step(tmp_path) -> None:
                 assert done["status"] == "cancelled" and done["id"] == f"r{i}"
         return waits
 
-    for server in served(tiny_server(tmp_path / "parley.log", "--step-delay-ms", "300", "--sla-ms", "60000",
-                                     "--max-batch", "1")):
+    server = tiny_server(tmp_path / "parley.log", "--step-delay-ms", "300", "--sla-ms", "60000", "--max-batch", "1")
+    try:
         waits = run(go(server.ws))
         assert max(waits) < 0.15, f"cancel -> done (s): {waits}"
-        after = wait_idle(server.base)
-        assert after.requests("cancelled") == 3
+        assert wait_idle(server.base).requests("cancelled") == 3
+    finally:
+        assert stop_server(server) == 0, server.log_tail()
 
 
 def test_multi_turn_reuses_the_kv_cache(shared_server: Server) -> None:
