@@ -31,7 +31,7 @@ SCRIPTS = {
 }
 ABOUT = {
     "e2e": "end to end: single streams and the goodput sweep, per server of the runs table (one GPU call)",
-    "voice": "voice sessions (HTTP, WebSocket), fresh prompts, session arrivals at 1-8/s, bf16 (one GPU call)",
+    "voice": "voice sessions (HTTP, WebSocket), fresh prompts, session arrivals at 1-16/s, bf16 (one GPU call)",
     "voice-fp8": "the voice benchmark with FP8 weights (one GPU call)",
 }
 

@@ -3,7 +3,9 @@
     python -m bench e2e --report-only [--raw bench/results/raw/e2e] [--out bench/results]
 
 The raw folder holds one parley-loadtest JSON per (server, loadtest), named <label>-<kind>.json (`kind` is
-single-32, single-1000 or sweep-32), device.json, and plan.json (the servers' flags and the issue's targets).
+single-32, single-1000, sweep-32, or capacity-32: the same sweep against the same model with admission off),
+device.json, and plan.json (the servers' flags and the issue's targets). Goodput / capacity is the sweep's highest
+rate with 99% of all requests on time over the capacity sweep's: what admission keeps of what the server can serve.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from bench.device import describe, file_stem
 from bench.publish import publish, pyplot
 
 # A target's figure: the loadtest it is read from, and which way it must hold.
-TARGETS = {"goodput_rps": ("sweep-32", ">="), "ttft_ms_p50": ("single-32", "<=")}
+TARGETS = {"goodput_rps": ("sweep-32", ">="), "ttft_ms_p50": ("single-32", "<="),
+           "goodput_over_capacity": ("sweep-32", ">="), "admitted_on_time_min": ("sweep-32", ">=")}
 
 
 def record(label: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -46,8 +49,19 @@ def record(label: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str, 
                          "client_lag_ms_p99": r["summary"].get("client_loop_lag_ms", {}).get("p99")}
                         for r in sorted(runs, key=lambda r: r["rate"] or 0)]
         admitted = [p["sla_attainment"] for p in rec["sweep"] if p["sla_attainment"] is not None]
-        rec["min_sla_attainment_over_sweep"] = min(admitted) if admitted else None
+        rec["min_sla_attainment_over_sweep"] = rec["admitted_on_time_min"] = min(admitted) if admitted else None
     return rec
+
+
+def pair_capacity(records: list[dict[str, Any]]) -> None:
+    """Each sweep-32 record gets its backend's capacity (the capacity-32 sweep's highest rate with 99% of all on
+    time, admission off) and goodput / capacity (0 where no rate held with admission on)."""
+    capacity = {r["backend"]: r.get("goodput_rps") for r in records if r["kind"] == "capacity-32"}
+    for rec in records:
+        if rec["kind"] != "sweep-32" or rec["backend"] not in capacity:
+            continue
+        cap = rec["capacity_rps"] = capacity[rec["backend"]]
+        rec["goodput_over_capacity"] = None if not cap else round((rec.get("goodput_rps") or 0.0) / cap, 3)
 
 
 def targets(servers: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,6 +99,7 @@ def build(raw: Path) -> dict[str, Any]:
         label, kind = path.stem.split("-", 1)
         doc = json.loads(path.read_text())
         records.append(record(label, doc["config"]["model"], kind, doc))
+    pair_capacity(records)
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
     return {**info, "servers": serve, "startup_s": json.loads(startup.read_text()) if startup.exists() else {},
@@ -110,6 +125,29 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{fmt(r['ttf64_ms_p99'])} | {fmt(r['ttft_ms_p50'])} | {fmt(r['itl_ms_p50'], 2)} | "
             f"{fmt(r['sla_attainment'], 3)} | {fmt(r['rejection_rate'], 3)} | {fmt(r.get('goodput_rps'))} | "
             f"{fmt(r['output_tokens_per_s'], 0)} | {fmt(r['usd_per_1m_tokens'], 3)} |")
+    paired = [r for r in doc["records"] if "capacity_rps" in r]
+    if paired:
+        lines += ["", "Goodput beside capacity: the highest rate with 99% of all requests on time, with admission on "
+                      "and with it off (`--sla-ms 100000`, the same arrivals judged by the client against 100 ms)",
+                  "", "| backend | goodput req/s | capacity req/s (admission off) | goodput / capacity | admitted on "
+                      "time, worst rate |", "|---|---|---|---|---|"]
+        lines += [f"| {r['backend']} | {fmt(r.get('goodput_rps'))} | {fmt(r['capacity_rps'])} | "
+                  f"{fmt(r.get('goodput_over_capacity'), 3)} | {fmt(r.get('admitted_on_time_min'), 3)} |"
+                  for r in paired]
+        for r in paired:
+            lines += ["", f"Rate by rate, {r['backend']}: admission on (admitted share, on time of admitted, of all) "
+                          "and off (on time of all); TTF64 p99 of what was served", "",
+                      "| rate /s | admitted | on time (admitted) | on time (all) | TTF64 p99 ms | off: on time (all) | "
+                      "off: TTF64 p99 ms |", "|---|---|---|---|---|---|---|"]
+            on = {p["rate"]: p for p in r["sweep"]}
+            cap = next(c for c in doc["records"] if c["backend"] == r["backend"] and c["kind"] == "capacity-32")
+            off = {p["rate"]: p for p in cap["sweep"]}
+            for rate in sorted(set(on) | set(off), key=lambda x: x or 0):
+                a, b = on.get(rate, {}), off.get(rate, {})
+                admitted = None if a.get("rejection_rate") is None else 1 - a["rejection_rate"]
+                lines.append(f"| {fmt(rate)} | {fmt(admitted, 3)} | {fmt(a.get('sla_attainment'), 3)} | "
+                             f"{fmt(a.get('sla_attainment_all'), 3)} | {fmt(a.get('ttf64_ms_p99'))} | "
+                             f"{fmt(b.get('sla_attainment_all'), 3)} | {fmt(b.get('ttf64_ms_p99'))} |")
     for r in (r for r in doc["records"] if r.get("sweep")):
         lines += ["", f"Sweep, {r['backend']} {r['kind']}: rate → SLA attainment of admitted (of all), rejection "
                       "rate, TTF64 p99, cost, the client's event-loop lag p99",
@@ -140,9 +178,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for r in sweeps:
         points = [p for p in r["sweep"] if p["ttf64_ms_p99"] is not None]  # a rate where nothing was served: none
         rates = [p["rate"] for p in points]
-        ax.plot(rates, [p["ttf64_ms_p99"] for p in points], marker="o", label=f"{r['backend']} TTF64 p99")
-        ax.plot(rates, [p["ttf64_ms_p50"] for p in points], marker=".", linestyle=":",
-                label=f"{r['backend']} TTF64 p50")
+        name = r["backend"] + (" (admission off)" if r["kind"] == "capacity-32" else "")
+        ax.plot(rates, [p["ttf64_ms_p99"] for p in points], marker="o", label=f"{name} TTF64 p99")
+        ax.plot(rates, [p["ttf64_ms_p50"] for p in points], marker=".", linestyle=":", label=f"{name} TTF64 p50")
         plotted = plotted or bool(points)
     ax.axhline(100, color="red", linestyle="--", label="SLA 100 ms")
     ax.set(xscale="log" if plotted else "linear", xlabel="arrival rate (requests/s)",

@@ -36,10 +36,13 @@ def loadtest_command(bench: Benchmark, test: Loadtest, url: str, raw: Path) -> l
 def plan_text(bench: Benchmark, raw: Path, out: Path, url: str | None = None) -> str:
     """The plan as the commands it runs, with an estimate of the time each takes on an H100."""
     lines = [f"{bench.name}: {len(bench.servers)} server(s), about {bench.estimate_s():.0f} s on an H100 "
-             "(a server's start counted as 60 s)",
+             "(a server's start counted as 60 s, 30 s for the same model again)",
              f"  raw data → {raw}/   report → {out}/{bench.name}-<device>.{{json,md,png}}"]
     for server in bench.servers:
         lines.append("")
+        if url and server.needs_own_server:
+            lines.append(f"{server.label}: skipped (it needs a server started with its own flags, not {url})")
+            continue
         serve = f"the server at {url}" if url else f"parley serve {shlex.join(server.serve)}"
         lines.append(f"{server.label}: {serve}")
         if server.targets:
@@ -110,6 +113,9 @@ def run(bench: Benchmark, raw: Path, out: Path, url: str | None = None, archive:
     paths: list[Path] = []
     startup: dict[str, float] = {}  # seconds from the start to /health 200, per server (issue 21: ≤ 30 s on a GPU)
     for server in bench.servers:
+        if url and server.needs_own_server:
+            say(t0, f"== {server.label}: skipped (it needs a server started with its own flags)")
+            continue
         say(t0, f"== {server.label}: " + (f"the server at {url}" if url else f"parley serve "
                                                                                 f"{shlex.join(server.serve)}"))
         started = time.monotonic()

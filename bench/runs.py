@@ -21,6 +21,9 @@ REFERENCE = ("--backend", "reference", "--max-batch", "16")
 PRICE = ("--gpu-hourly-usd", "2.5")  # the same price the load tester assumes: its cost figures and the server's agree
 SLA = ("--sla-tokens", "64", "--sla-ms", "100")
 START_S = 60.0  # a server's start on the H100 with a cold Triton cache, at most (the plan's estimate)
+WARM_START_S = 30.0  # ...and of the same model again (Triton's and the calibration's caches warm)
+# Admission off: an SLA no request misses, so the server admits all it can queue; the client still judges by 100 ms.
+ADMISSION_OFF = "--sla-ms 100000"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class Server:
     serve: tuple[str, ...]  # `parley serve` flags (host and port come from the runner)
     loadtests: tuple[Loadtest, ...]
     targets: Mapping[str, float] = field(default_factory=dict)  # figure -> the issue's target (the report checks)
+    start_s: float = START_S  # its start, for the plan's estimate
+    # It measures what only a server started with its own flags can (admission off): skipped at --url
+    needs_own_server: bool = False
 
     def __post_init__(self) -> None:
         if "-" in self.label:
@@ -51,7 +57,7 @@ class Benchmark:
     start_timeout_s: float = 300.0
 
     def estimate_s(self) -> float:
-        return sum(START_S + sum(t.estimate_s for t in s.loadtests) for s in self.servers)
+        return sum(s.start_s + sum(t.estimate_s for t in s.loadtests) for s in self.servers)
 
 
 def with_flags(flags: Sequence[str], more: str) -> tuple[str, ...]:
@@ -92,9 +98,11 @@ class E2ERun:
 E2E_COMMON = ("--max-context", "2048", *PRICE)
 E2E_RUNS = (
     E2ERun("megakernel.bf16", (*LLAMA, *MEGAKERNEL, "--weights", "bf16"), sweep=True,
-           targets={"goodput_rps": 40, "ttft_ms_p50": 4}),
+           targets={"goodput_rps": 40, "ttft_ms_p50": 4, "goodput_over_capacity": 0.9,
+                    "admitted_on_time_min": 0.99}),
     E2ERun("megakernel.fp8", (*LLAMA, *MEGAKERNEL, "--weights", "fp8"), sweep=True,
-           targets={"goodput_rps": 50, "ttft_ms_p50": 4}),
+           targets={"goodput_rps": 50, "ttft_ms_p50": 4, "goodput_over_capacity": 0.9,
+                    "admitted_on_time_min": 0.99}),
     # The in-run peer: the PyTorch decoder on the same GPU (~0.75 s a request, hence fewer).
     E2ERun("reference.bf16", (*LLAMA, *REFERENCE), sweep=False, single_requests=20),
     E2ERun("qwen.megakernel.bf16", (*QWEN, *MEGAKERNEL, "--weights", "bf16"), sweep=False),
@@ -103,12 +111,17 @@ E2E_RUNS = (
 
 def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests: int = 0,
         sweep_start: float = 10.0, sweep_max_rate: float = 1024.0, sweep_bisect: int = 3, sweep_s: float = 8.0,
-        sweep_workers: int = 1, extra_body: str = "") -> Benchmark:
+        sweep_workers: int = 1, extra_body: str = "", capacity: bool = True, sweep_warmup: int = 80) -> Benchmark:
     """End to end: one server per run of E2E_RUNS (`only`: some of their labels, comma-separated), each measured
     one stream at a time (32- and 1,000-token prompts, 64-token replies) and, where the run says, by the goodput
     sweep: Poisson arrivals from `sweep_start` requests/s, doubled until fewer than 99% of all requests meet the
     SLA (or past `sweep_max_rate`), then `sweep_bisect` bisections, `sweep_s` seconds of arrivals each, from
-    `sweep_workers` client processes.
+    `sweep_workers` client processes. `capacity`: each swept run's server again with admission off (`--sla-ms
+    100000`), swept the same way and judged by the client against the same 100 ms: its capacity, and the report's
+    goodput / capacity (what admission keeps of what the server can serve on time). `sweep_warmup`: requests sent
+    at the first rate before anything is measured: a fresh server's admission guard judges requests beside others by a
+    conservative prior until it has seen some of its own (service/admission_guard.py), and the goodput sought is a
+    serving replica's, not a cold one's first seconds (a rate whose first second refuses 2 of 80 fails the sweep).
     `serve_args`: flags replacing or added to every run's (`--model synthetic:tiny` for a CPU check);
     `single_requests`: instead of each run's own; `extra_body`: JSON merged into every request
     (`{"temperature": 0}`; none: the server's defaults, as the openai SDK sends)."""
@@ -129,16 +142,19 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
                                                   *body),
                      3 + (n // 2 + 3) * per_request_s),
         ]
-        if run.sweep:  # ~7 rates: doubling past the goodput, then the bisections
-            tests.append(Loadtest(
-                f"{run.label}-sweep-32",
-                ("--sweep", "--sweep-start", f"{sweep_start:g}", "--sweep-max-rate", f"{sweep_max_rate:g}",
-                 "--sweep-bisect", str(sweep_bisect),
-                 "--duration", f"{sweep_s:g}", "--workers", str(sweep_workers), "--warmup", "5",
-                 "--input-len", "32", "--output-len", "64", *body),
-                (4 + sweep_bisect) * (sweep_s + 2)))
-        servers.append(Server(run.label, with_flags((*run.serve, *E2E_COMMON), serve_args), tuple(tests),
-                              run.targets))
+        sweep = ("--sweep", "--sweep-start", f"{sweep_start:g}", "--sweep-max-rate", f"{sweep_max_rate:g}",
+                 "--sweep-bisect", str(sweep_bisect), "--duration", f"{sweep_s:g}", "--workers", str(sweep_workers),
+                 "--warmup", str(sweep_warmup), "--input-len", "32", "--output-len", "64", *body)
+        # ~7 rates: doubling past the goodput, bisections; the warm-up at the first rate
+        sweep_estimate_s = (4 + sweep_bisect) * (sweep_s + 2) + sweep_warmup / sweep_start
+        if run.sweep:
+            tests.append(Loadtest(f"{run.label}-sweep-32", sweep, sweep_estimate_s))
+        serve = with_flags((*run.serve, *E2E_COMMON), serve_args)
+        servers.append(Server(run.label, serve, tuple(tests), run.targets))
+        if run.sweep and capacity:  # its loadtest is named for the run: the report pairs it with the sweep
+            servers.append(Server(f"{run.label}.admissionoff", with_flags(serve, ADMISSION_OFF),
+                                  (Loadtest(f"{run.label}-capacity-32", sweep, sweep_estimate_s),),
+                                  start_s=WARM_START_S, needs_own_server=True))
     return Benchmark(name, "e2e", tuple(servers))
 
 
@@ -148,7 +164,7 @@ VOICE_TURNS = 8  # the voice scenario's (parley-loadtest --scenario voice): for 
 
 def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sessions: int = 4, warmup: int = 1,
           think_s: float = 0.5, fresh: str = "32,1000,2000,4000", fresh_requests: int = 10, fresh_out: int = 64,
-          sweep_rates: str = "1,2,4,8", sweep_s: float = 10.0, sweep_workers: int = 1,
+          sweep_rates: str = "1,2,4,8,16", sweep_s: float = 10.0, sweep_workers: int = 1,
           endpoints: str = "chat,realtime", voice_args: str = "") -> Benchmark:
     """Voice: one server (synthetic Llama-3.2-1B, the megakernel, `weights`, 8k context; `serve_args` replace or add
     flags) measured by `parley-loadtest --scenario voice` (8 turns, a 1,500-token system prompt, 40-token messages,

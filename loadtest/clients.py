@@ -114,6 +114,8 @@ async def http_turn(client: httpx.AsyncClient, target: Target, conversation: lis
     t0 = time.perf_counter()
     try:
         headers = {} if target.session_prefix is None else {"x-session-id": f"{target.session_prefix}-{rec.session}"}
+        # when it was sent, as proxies write it: a server behind a router (which may retry it) judges it from now
+        headers["x-request-start"] = f"t={time.time():.6f}"
         async with client.stream("POST", PATHS[target.endpoint], json=body, headers=headers) as resp:
             rec.status = resp.status_code
             if resp.status_code == 429:

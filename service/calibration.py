@@ -445,11 +445,13 @@ def write_cache(directory: Path, key: dict[str, Any], cal: Calibration) -> None:
 
 
 def calibrated(decoder: Decoder, key: dict[str, Any], directory: Path | None, max_rows: int, max_batch: int,
-               deadline_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Calibration:
-    """The cached calibration for `key` where one is there, else a fresh one, then cached. A one-row step is timed
-    to check the cache: SANITY times faster now, the cache was measured on a busy host (or another machine) and is
-    measured again; slower, the host is likely busy now, which measuring again would only bake in: the cache stays,
-    and the steps served correct it."""
+               deadline_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
+               seen: dict[int, float] | None = None) -> Calibration:
+    """The cached calibration for `key` where one is there, else a fresh one (no step slower than one of as many
+    rows or more in `seen`: no_slower_than_seen), then cached. A one-row step is timed to check the cache: SANITY
+    times faster now, the cache was measured on a busy host (or another machine) and is measured again; slower, the
+    host is likely busy now, which measuring again would only bake in: the cache stays, and the steps served correct
+    it."""
     cached = read_cache(directory, key) if directory is not None else None
     if directory is not None and cached is not None:
         now = sanity_step(decoder, max_batch, clock=clock)
@@ -459,10 +461,25 @@ def calibrated(decoder: Decoder, key: dict[str, Any], directory: Path | None, ma
             return cached
         log.warning("the cached latency calibration says a one-row step takes %.2f ms, it takes %.2f ms now: "
                     "measuring again", cached.step_s[1] * 1e3, now * 1e3)
-    cal = measure(decoder, max_rows, max_batch, deadline_s, clock)
+    cal = no_slower_than_seen(measure(decoder, max_rows, max_batch, deadline_s, clock), seen or {})
     if directory is not None:
         write_cache(directory, key, cal)
     return cal
+
+
+def no_slower_than_seen(cal: Calibration, seen: dict[int, float]) -> Calibration:
+    """The calibration with no step point slower than a step of at least as many rows was seen to take (the
+    warm-up's, run just before it): a stall only ever adds time, and more rows never take less. On two cores shared
+    with other jobs, one calibration timed a one-row step at 1.15 s that took 54 ms (the warm-up's 16-row steps had
+    taken 137 ms): its strict server predicted 74 s for 64 tokens, refused every request, and, with no request
+    served, never learned otherwise."""
+    step_s = {r: min([s, *(t for rows, t in seen.items() if rows >= r)]) for r, s in cal.step_s.items()}
+    if step_s == cal.step_s:
+        return cal
+    log.warning("the latency calibration timed steps slower than the warm-up ran them (a stalled try): %s ms, "
+                "kept at %s ms", {r: round(s * 1e3, 1) for r, s in cal.step_s.items()},
+                {r: round(s * 1e3, 1) for r, s in step_s.items()})
+    return dataclasses.replace(cal, step_s=step_s)
 
 
 def sanity_step(decoder: Decoder, max_batch: int, tries: int = 2,

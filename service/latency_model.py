@@ -29,7 +29,7 @@ SHORT_CONTEXT = 64  # the positions step_s is measured at: step_kv_s counts what
 LEARN_CEILING = 1.2  # a step is never learned slower than this many times its calibrated time: what slows the cadence
 # beyond that is the host (the API thread holding the GIL while it templates a 2,000-token conversation, on the H100's
 # voice run), not the step; had the model learned it, an idle server predicted 105 ms and refused every request.
-# Late tokens widen admission's margin instead, which gives back as they come on time.
+# What the host adds beyond that shows in the admission guard's scores (service/admission_guard.py) instead.
 
 
 class LatencyModel:

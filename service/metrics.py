@@ -6,12 +6,16 @@ Each Metrics object owns its registry, so that several engines (tests) never col
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from service.admission_guard import AdmissionGuard
     from service.engine.commit import Event
 
 # 0.1 is an edge on purpose; dense around it.
@@ -107,6 +111,10 @@ class Metrics:
         for outcome in OUTCOMES:  # so that rate() has a series from the start
             self.requests.labels(outcome=outcome, reason="")
 
+    def export_guard(self, guard: AdmissionGuard) -> None:
+        """The admission guard's state, read at every scrape: its stretch per load level and how often it erred."""
+        self.registry.register(_GuardCollector(guard))
+
     def consume(self, event: Event) -> None:
         """What a step committed (service/engine/commit.py), into the series above."""
         from service.engine.commit import Finished, Started, StepDone
@@ -177,6 +185,40 @@ class FrontEndMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GuardCollector(Collector):
+    """service/admission_guard.py's state as gauges, computed when scraped (a level appears once it has scores)."""
+
+    def __init__(self, guard: AdmissionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        target = GaugeMetricFamily(
+            "parley_admission_guard_target", "The share of admitted requests that must reach the SLA token in time "
+            "(--sla-target)")
+        target.add_metric([], self.guard.target)
+        quantile = GaugeMetricFamily(
+            "parley_admission_guard_quantile", "The factor admission stretches forecasts by at this load level: the "
+            "target quantile of actual / forecast time to the SLA token of admitted requests",
+            labels=["in_flight", "prompt"])
+        scores = GaugeMetricFamily(
+            "parley_admission_guard_scores", "Admitted requests of this load level whose actual / forecast time the "
+            "quantile is taken over (fewer than the target needs: it borrows from other levels and a prior)",
+            labels=["in_flight", "prompt"])
+        for state in self.guard.levels():
+            labels = [state.level.labels["in_flight"], state.level.labels["prompt"]]
+            quantile.add_metric(labels, state.stretch)
+            scores.add_metric(labels, state.scores)
+        late, exceeded = self.guard.miss_rate()
+        miss = GaugeMetricFamily("parley_admission_guard_miss_rate",
+                                 "Share of admitted requests late to their SLA token over the last minute")
+        miss.add_metric([], late)
+        over = GaugeMetricFamily(
+            "parley_admission_guard_exceeded_rate", "Share of admitted requests over the last minute whose actual / "
+            "forecast time exceeded the stretch they were admitted with (what the target bounds)")
+        over.add_metric([], exceeded)
+        yield from (target, quantile, scores, miss, over)
 
 
 def _value(gauge: Gauge) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import math
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from service.backends.faults import FaultInjectingDecoder
 from service.calibration import cache_dir_of, cache_key, calibrated, default_budget, run_every_step_shape
 from service.config import ServeConfig
 from service.engine.admission import AdmitAll
+from service.engine.commit import Event, StepDone
 from service.engine.engine import DEFAULT_MAX_ROWS, Engine
 from service.engine.grammar import grammars, json_rule
 from service.engine.kv_slots import COPY_MIN_TOKENS
@@ -73,13 +75,14 @@ def build_engine(cfg: ServeConfig) -> Runtime:
         faults.armed = False
     t0 = time.perf_counter()
     # warm first: the calibration then times shapes that have already run once (allocations, kernel loads)
-    warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens, frozenset(model.config.eos_token_ids),
-            max_batch=cfg.max_batch, max_rows=max_rows)
+    seen = warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens, frozenset(model.config.eos_token_ids),
+                   max_batch=cfg.max_batch, max_rows=max_rows)
     log.info("warmed up in %.1f s", time.perf_counter() - t0)
-    latency = calibrated_latency(cfg, decoder, model.config, backend, max_rows)
+    latency = calibrated_latency(cfg, decoder, model.config, backend, max_rows, seen)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
-                                    strict=cfg.strict_sla, margin=cfg.sla_margin)
+                                    strict=cfg.strict_sla, target=cfg.sla_target)
     metrics = Metrics(cfg.sla_tokens)
+    metrics.export_guard(admission.guard)
     metrics.info.labels(model=cfg.model, backend=backend, device=device, weights=cfg.weights).set(1)
     metrics.gpu_hourly_usd.set(cfg.gpu_hourly_usd)
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
@@ -93,15 +96,15 @@ def build_engine(cfg: ServeConfig) -> Runtime:
 
 
 def calibrated_latency(cfg: ServeConfig, decoder: Decoder, config: ModelConfig, backend: str,
-                       max_rows: int) -> LatencyModel:
+                       max_rows: int, seen: dict[int, float] | None = None) -> LatencyModel:
     """The latency model admission starts from: the cached calibration of this device, model, weight format and
     step limits where --calibration-cache has one (a restart times one step), else measured within
-    --calibration-budget-s and cached."""
+    --calibration-budget-s (no step slower than the warm-up saw one of as many rows or more: `seen`) and cached."""
     t0 = time.perf_counter()
     key = cache_key(decoder.device, cfg.model, config, cfg.weights, backend, max_rows, cfg.max_batch,
                     decoder.max_context, batch_invariant=cfg.batch_invariant, step_delay_ms=cfg.step_delay_ms)
     budget = cfg.calibration_budget_s or default_budget(decoder.device, process_age_s())
-    cal = calibrated(decoder, key, cache_dir_of(cfg.calibration_cache), max_rows, cfg.max_batch, budget)
+    cal = calibrated(decoder, key, cache_dir_of(cfg.calibration_cache), max_rows, cfg.max_batch, budget, seen=seen)
     latency = cal.latency_model()
     log.info("latency model ready in %.1f s (%d points timed at start-up, the rest predicted and learned while "
              "serving): %s", time.perf_counter() - t0, len(cal.measured), latency.snapshot())
@@ -121,15 +124,18 @@ def process_age_s() -> float:
 def settle_process(rt: Runtime) -> Runtime:
     """What a serving process sets once its runtime is warm (process-wide, so `parley serve` does it, not every
     build_engine): the start-up heap frozen out of the garbage collector, every collection timed, and a short GIL
-    switch interval. The engine thread waits on the GPU with the GIL released; when the wait ends it needs the GIL
-    back from the event loop's thread, which hands it over only every switch interval (5 ms by default) while it
-    runs Python: single-stream runs on the H100 showed 4-7 ms gaps between tokens, gone at 0.5 ms."""
+    switch interval. The engine thread waits on the GPU with the GIL released, and every torch call it makes releases
+    it too; each time it needs the GIL back from the event loop's thread, which hands it over only every switch
+    interval while it runs Python (admission's forecasts, SSE framing). Single-stream runs on the H100 showed 4-7 ms
+    gaps between tokens at the default 5 ms, gone at 0.5 ms; under load the engine's `feed` and `decode` phases
+    still took up to 6-7 ms, a dozen or so GIL hand-overs each. On the CPU beside a busy Python thread, the `feed`
+    phase's p99 was 3.5 ms at 0.5 ms and 1.5 ms at 0.1 ms (20 us alone)."""
     GC_WATCH.install(rt.engine.metrics)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return rt
 
 
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = 0.0001
 
 KV_MEMORY_SHARE = 0.5  # of the GPU memory left after the weights: the rest is for prefill graphs and activations
 MAX_DEFAULT_KV_SLOTS = 64
@@ -149,13 +155,16 @@ def default_kv_slots(config: ModelConfig, max_context: int, max_batch: int, devi
 
 
 def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: int,
-            eos_ids: frozenset[int] = frozenset(), max_batch: int | None = None, max_rows: int | None = None) -> None:
+            eos_ids: frozenset[int] = frozenset(), max_batch: int | None = None,
+            max_rows: int | None = None) -> dict[int, float]:
     """Short requests through the whole path (an engine of their own on the same decoder, run before the users'),
     so the first user pays no compilation or allocation: not even the grammar engine's view of the vocabulary,
     which took the first request with `tools` 0.4 s on the H100 (and so past its SLA: refused). They are admitted
     whatever the SLA (a strict SLA that no request can meet, on a CPU, must refuse users, not stop the server
-    starting) and counted in no user's metrics and no latency model."""
-    engine = Engine(decoder, tokenizer, admission=AdmitAll(sla_ms / 1e3), metrics=Metrics(sla_tokens),
+    starting) and counted in no user's metrics and no latency model. Returns the fastest step it saw of each size
+    (rows → seconds): what no calibrated step of as many rows or fewer can exceed."""
+    steps = _FastestSteps(sla_ms / 1e3)
+    engine = Engine(decoder, tokenizer, admission=steps, metrics=Metrics(sla_tokens),
                     sla_ms=sla_ms, sla_tokens=sla_tokens, max_batch=max_batch, max_rows=max_rows)
     engine.start()
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -181,6 +190,19 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
     if decoder.device.type == "cuda" and max_rows is not None:
         # every step shape compiled and its graph captured now, though a calibration read from its cache times one
         run_every_step_shape(decoder, max_rows, max_batch or decoder.max_slots)
+    return steps.fastest
+
+
+class _FastestSteps(AdmitAll):
+    """Admits everything (the warm-up's requests), and keeps the fastest time of each step size it runs."""
+
+    def __init__(self, sla_s: float) -> None:
+        super().__init__(sla_s)
+        self.fastest: dict[int, float] = {}
+
+    def consume(self, event: Event) -> None:
+        if isinstance(event, StepDone) and event.seconds > 0 and not event.launched:
+            self.fastest[event.rows] = min(event.seconds, self.fastest.get(event.rows, math.inf))
 
 
 def _warm_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int]) -> TokenConstraint | None:

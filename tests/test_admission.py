@@ -161,87 +161,74 @@ def test_an_idle_cpu_server_says_it_serves_best_effort_and_strict_refuses(caplog
     lenient.check(req)  # best-effort admits
 
 
-def test_admission_learns_that_its_predictions_run_pessimistic():
-    """A latency model more pessimistic than the server refuses, even on an idle server, requests that would make
-    it; each SLA token that then comes early (a probe's) teaches the controller its bias and narrows a widened
-    margin, until it admits them again. And it stays honest: late tokens push the bias up."""
-    from service.engine.output import TextOutput
-    from service.engine.request import Request
-    from service.model.synthetic import byte_tokenizer
-
-    lat = LatencyModel({1: 0.00145}, {16: 0.003, 128: 0.0035}, max_rows=64)  # reality: ~1.3 ms a step
-    adm = AdmissionController(lat, 0.1, 64, 4)
-    assert not adm.best_effort
-    def request():
-        return Request(list(range(32)), SamplingParams(max_tokens=64), lambda d: None,
-                       TextOutput(byte_tokenizer(300).detokenizer()))
-
-    def observe(ratio):
-        req = request()
-        adm._predicted[req.id] = adm.idle_prediction_s()
-        adm.observe_nth(req, req.arrival + ratio * adm.idle_prediction_s())
-
-    adm.margin = 0.25  # as after a late token
+def test_the_guard_learns_that_forecasts_run_pessimistic_and_stays_honest():
+    """A latency model more pessimistic than the server refuses, even on an idle server, requests that would make it;
+    once enough requests alone have come in 0.85 of their forecast, the guard's stretch says so and they are admitted.
+    And it stays honest: when they take 1.3x their forecast, they are refused again."""
+    lat = LatencyModel({1: 0.0017}, {16: 0.003, 128: 0.0035}, max_rows=64)  # 64 x 1.7 ms: 109 ms, over the SLA
+    adm = AdmissionController(lat, 0.1, 64, 4, strict=True)
     adm._last_probe = time.perf_counter()  # no probe just now
+    alone = adm.level_of([], newcomer())
     with pytest.raises(Rejected):
-        adm.check(request())
-    for _ in range(40):
-        observe(0.9)
-    assert adm.bias < 0.95 and adm.margin < 0.2
-    req = request()
-    adm.check(req)  # admitted now
+        adm.check(newcomer())
+    for _ in range(adm.guard.enough):
+        adm.guard.observe(alone, 0.85, 1.05)
+    assert adm.guard.stretch(alone) == pytest.approx(0.85)
+    adm.check(req := newcomer())  # 109 ms x 0.85: admitted now
     adm.release(req)
-    for _ in range(40):
-        observe(1.5)
-    assert adm.bias > 1.2
+    for _ in range(adm.guard.enough):
+        adm.guard.observe(alone, 1.3, 0.85)
+    with pytest.raises(Rejected):
+        adm.check(newcomer())
 
 
-def test_a_stalled_token_widens_the_margin_but_never_switches_admission_off():
-    """On the H100 one ~100 ms stall under load made a few SLA tokens come 2x late; the learned bias jumped, the
-    idle prediction times the bias crossed the SLA and the server went best-effort, admitting requests that then
-    missed. A stall must widen the margin (refuse more for a while), not teach the bias or turn enforcement off."""
-    from service.engine.output import TextOutput
-    from service.engine.request import Request
-    from service.model.synthetic import byte_tokenizer
+def test_each_admitted_request_is_scored_against_its_own_forecast():
+    """The guard's score of a request is the time from its verdict to its SLA token over what the forecast said, at
+    the load level it was admitted at; a shorter reply (its last token is its SLA token) is judged late or not, but
+    not scored: a few steps' forecast errs differently from the SLA's 64."""
+    from service.engine.commit import Finished, Token
 
-    lat = LatencyModel({1: 0.0015}, {16: 0.003, 128: 0.0035}, max_rows=64)  # idle: 96 ms to token 64
-    adm = AdmissionController(lat, 0.1, 64, 4, clock=lambda: 0.0)  # no time passes: the margin stays widened
-    assert not adm.best_effort
-    for _ in range(5):
-        req = Request(list(range(32)), SamplingParams(max_tokens=64), lambda d: None,
-                      TextOutput(byte_tokenizer(300).detokenizer()))
-        adm._predicted[req.id] = adm.idle_prediction_s()
-        adm.observe_nth(req, req.arrival + 2.0 * adm.idle_prediction_s())
-    assert adm.bias < 1.15  # five 2x-late tokens moved it by at most their clipped share
-    assert adm.margin > 0.5  # ...and widened the margin instead
-    adm._reconsider_best_effort()
-    assert not adm.best_effort
-    for _ in range(30):  # steps seen under load, slower than idle ones: the idle prediction passes the SLA
-        adm.consume(step_done(1, 0.0018))
-    assert adm.idle_prediction_s() > 0.1
-    adm._reconsider_best_effort()
-    assert not adm.best_effort  # refusing, not admitting everything
+    lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.002, 128: 0.003}, max_rows=64)
+    adm = AdmissionController(lat, 0.1, 64, 4)
+    req = newcomer()
+    level = adm.level_of([], req)
+    adm.check(req)
+    promise = adm._promises[req.id]
+    assert promise.level == level and promise.stretch == pytest.approx(1.05)  # a fresh server: the prior alone
+    assert promise.predicted - promise.at == pytest.approx(0.064, rel=0.05)  # 64 steps of 1 ms, unstretched
+    adm.consume(Token(req, 7, 64, "", promise.at + 1.25 * (promise.predicted - promise.at)))
+    assert adm.guard._scores[level].ranked == [pytest.approx(1.25)]
+    assert adm.guard.miss_rate() == (0.0, 1.0)  # on time, but over the 1.05 it was admitted with
+    short = newcomer(max_tokens=8)
+    adm.check(short)
+    adm.consume(Finished(short, "length", short.deadline + 0.01, token=7, n=8))
+    assert len(adm.guard._scores[level]) == 1 and adm.guard.miss_rate()[0] == 0.5  # judged late, not scored
+    assert list(adm._active) == [req.id] and not adm._promises  # the short one ended: forgotten
 
 
-def test_an_idle_server_judges_with_the_configured_margin():
-    """A margin widened by late tokens makes a busy server refuse; an idle one, which delays nobody by admitting,
-    judges with the configured 10% (on the H100 one late 1,000-token request had a single stream of them refused)."""
-    from service.engine.output import TextOutput
-    from service.engine.request import Request
-    from service.model.synthetic import byte_tokenizer
+def test_late_requests_at_a_busy_level_refuse_there_only_and_never_switch_admission_off():
+    """On the H100 a stall under load made SLA tokens come 2x late; the old learned bias crossed the SLA and the
+    server went best-effort, admitting requests that then missed. Now the lateness is scored at the level where it
+    happened: a newcomer beside a running request is refused there, an idle server (whose requests alone came on
+    time) still admits, and enforcement never turns off."""
+    from service.engine.request import State
 
     lat = LatencyModel({1: 0.00125, 2: 0.0013}, {16: 0.003, 128: 0.0035}, max_rows=64)  # idle: ~82 ms
     adm = AdmissionController(lat, 0.1, 64, 4)
-    adm.margin = 0.5  # as after a late token
-    def request():
-        return Request(list(range(32)), SamplingParams(max_tokens=64), lambda d: None,
-                       TextOutput(byte_tokenizer(300).detokenizer()))
-
-    adm._last_probe = time.perf_counter()  # no probe now: the margin alone decides
-    first = request()
-    adm.check(first)  # idle: 82 ms x 1.1 fits
-    with pytest.raises(Rejected):
-        adm.check(request())  # busy: with the widened margin it does not
+    adm._last_probe = time.perf_counter()  # no probe now: the stretch alone decides
+    running = newcomer(state=State.RUNNING)
+    alone, busy = adm.level_of([], newcomer()), adm.level_of([running], newcomer())
+    assert alone != busy
+    for _ in range(adm.guard.enough):
+        adm.guard.observe(alone, 1.0, 1.05)
+        adm.guard.observe(busy, 1.4, 1.5)
+    adm.check(running)
+    with pytest.raises(Rejected, match="cannot deliver"):
+        adm.check(newcomer())  # beside it: 82 ms x 1.4
+    adm.release(running)
+    adm.check(newcomer())  # alone: 82 ms x 1.0
+    adm._reconsider_best_effort()
+    assert not adm.best_effort  # refusing, not admitting everything
 
 
 def test_a_disturbed_calibration_is_measured_again_keeping_the_fastest_times():
@@ -276,6 +263,16 @@ def newcomer(prompt_tokens=32, cached=0, max_tokens=64, lags=False, state=None):
     return req
 
 
+def settled(adm, score):
+    """`adm` once its guard has seen enough requests, each taking `score` times its forecast: every level's stretch
+    is `score` (the levels without scores of their own pool these)."""
+    from service.admission_guard import Level
+
+    for _ in range(adm.guard.enough):
+        adm.guard.observe(Level(0, 0), score, score)
+    return adm
+
+
 def test_prefill_is_predicted_from_the_new_and_the_cached_tokens():
     """A 1,000-token prompt on an idle server misses the SLA when fresh, and keeps it when all but 40 of its tokens
     are cached: the prediction follows new tokens and the cached length they attend over (interpolated between
@@ -286,7 +283,7 @@ def test_prefill_is_predicted_from_the_new_and_the_cached_tokens():
     at_256, at_1024 = 0.003 + (0.012 - 0.003) * 24 / 112, 0.006 + (0.020 - 0.006) * 24 / 112  # 40 new tokens
     assert lat.prefill(40, cached=960) == pytest.approx(at_256 + (at_1024 - at_256) * (1000 - 256) / (1024 - 256))
     assert lat.prefill(40, cached=4000) >= lat.prefill(40)  # past the measured lengths: extrapolated, never cheaper
-    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05)
+    adm = AdmissionController(lat, 0.1, 64, 4)
     adm._last_probe = time.perf_counter()  # no probe: the prediction alone decides
     with pytest.raises(Rejected) as e:
         adm.check(newcomer(1000))  # 80 + 63 ms
@@ -323,49 +320,27 @@ def test_calibration_measures_prefills_on_cached_tokens_at_shapes_that_replay_th
 
 
 def test_one_outlier_never_makes_an_idle_server_refuse():
-    """An idle server predicted at 99% of its SLA (margin included) keeps admitting after a step, a prefill and an
-    SLA token each 10x late: a lone outlier teaches neither the latency model nor the bias, and an idle server
-    judges with the configured margin."""
+    """A fresh idle server predicted at 99% of its SLA (the prior's stretch included) keeps admitting after a step, a
+    prefill and an SLA token each 10x late: a lone outlier teaches neither the latency model nor the guard (the
+    largest score never decides alone; a compile or a first request's one-off cost would otherwise keep a level
+    refusing for hundreds of requests)."""
+    from service.admission_guard import PRIOR_ALONE
+    from service.engine.commit import Token
+
     lat = LatencyModel({1: 0.00148}, {16: 0.003, 128: 0.005}, max_rows=64)
-    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05)
+    adm = AdmissionController(lat, 0.1, 64, 4)
     adm._last_probe = time.perf_counter()
-    assert adm.idle_prediction_s() * 1.05 == pytest.approx(0.0994, abs=0.0005)
+    assert adm.idle_prediction_s() * PRIOR_ALONE == pytest.approx(0.0994, abs=0.0005)
     adm.check(first := newcomer())
-    adm.release(first)
     adm.consume(step_done(1, 10 * lat.step(1)))
     adm.consume(step_done(1, 10 * lat.prefill(32), launched=[(32, 0)]))
-    late = newcomer()
-    adm._predicted[late.id] = adm.idle_prediction_s()
-    adm.observe_nth(late, late.arrival + 10 * adm.idle_prediction_s())
-    assert adm.margin > adm.base_margin  # the busy server's margin did widen
+    promise = adm._promises[first.id]
+    adm.consume(Token(first, 7, 64, "", promise.at + 10 * (promise.predicted - promise.at)))
+    adm.release(first)
     adm.check(newcomer())
     # a second one in a row is no outlier any more: the model learns (by at most OUTLIER a step)
     adm.consume(step_done(1, 10 * lat.step(1)))
     assert lat.step(1) == pytest.approx(0.00148 * 1.05)
-
-
-def test_a_nearly_idle_server_stops_refusing_soon_after_late_tokens():
-    """One request running: late SLA tokens widen the margin, by MAX_WIDEN at most each, and the widening halves
-    every second whether tokens come or not, so a refusing server does not stay refusing."""
-    from service.admission import MAX_WIDEN
-    from service.engine.request import State
-
-    now = [0.0]
-    lat = LatencyModel({1: 0.00125, 2: 0.00125}, {16: 0.003, 128: 0.0035}, max_rows=64)  # ~82 ms to token 64
-    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05, clock=lambda: now[0])
-    adm._last_probe = time.perf_counter()
-    running = newcomer(state=State.RUNNING)
-    adm.check(running)
-    running.output_ids = [0] * 32  # half-way to its SLA token
-    for i in range(2):
-        late = newcomer()
-        adm._predicted[late.id] = 0.08
-        adm.observe_nth(late, late.arrival + 0.8)
-        assert adm.margin <= 0.05 + (i + 1) * MAX_WIDEN + 1e-9
-    with pytest.raises(Rejected):
-        adm.check(newcomer())  # 82 ms x 1.25 (x the bias, which the second late token in a row taught)
-    now[0] += 3.0
-    adm.check(newcomer())  # the widening is an eighth of what it was
 
 
 def test_a_lagging_request_takes_two_steps_a_token_beside_others():
@@ -374,7 +349,7 @@ def test_a_lagging_request_takes_two_steps_a_token_beside_others():
     from service.engine.request import State
 
     lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.003, 128: 0.004}, max_rows=64)  # 64 ms to token 64
-    adm = AdmissionController(lat, 0.1, 64, 4, margin=0.05)
+    adm = settled(AdmissionController(lat, 0.1, 64, 4), 1.05)
     adm._last_probe = time.perf_counter()
     alone = newcomer(lags=True)
     adm.check(alone)  # alone: 64 ms
@@ -422,7 +397,7 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
     from service.engine.request import State
 
     lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)  # 128 ms to token 64
-    adm = AdmissionController(lat, 0.2, 64, 4, margin=0.05)
+    adm = settled(AdmissionController(lat, 0.2, 64, 4), 1.05)
     late = newcomer(state=State.RUNNING)
     adm.check(late)
     fits = newcomer()
@@ -430,7 +405,7 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
     late.deadline = time.perf_counter() + 0.01  # its 64th token comes 54 x 2.1 ms on: late whatever happens
     adm.check(fits)  # 64 x 2.1 ms: on time, admitted beside the late one
 
-    adm = AdmissionController(lat, 0.2, 64, 4, margin=0.05)
+    adm = settled(AdmissionController(lat, 0.2, 64, 4), 1.05)
     on_time = newcomer(state=State.RUNNING)
     adm.check(on_time)
     riding = newcomer(prompt_tokens=100)
@@ -440,6 +415,22 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
     pushing = newcomer(prompt_tokens=400)
     with pytest.raises(Rejected, match="admitted one miss"):
         adm.check(pushing)  # its 27 ms prefill launch ahead of those steps would make it miss
+
+
+def test_a_cancelled_request_holds_nobody_back():
+    """A barge-in's next turn comes as soon as response.done does, which may be before the engine has dropped the
+    cancelled reply: it is judged as if that one were gone (it is, by the engine's next step)."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.00145, 2: 0.00145}, {16: 0.003, 128: 0.0035}, max_rows=64)  # ~95 ms to token 64 alone
+    adm = AdmissionController(lat, 0.1, 64, 4)
+    adm._last_probe = time.perf_counter()
+    barged = newcomer(state=State.RUNNING, max_tokens=200)
+    adm.check(barged)
+    with pytest.raises(Rejected):
+        adm.check(newcomer())  # beside a running reply: the prior's 2x
+    barged.cancelled = True
+    adm.check(newcomer())  # alone, as it will be
 
 
 def test_a_calibration_with_one_prefill_on_cache_predicts_every_kv_length():
@@ -457,8 +448,8 @@ def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
     """The calibration times bare steps; a host serving them runs slower (a 2-core CPU streaming four replies ran 1.3x
     its calibrated steps). A burst on a fresh server whose latency model says 15 ms a step where steps take 20: the
     first wave (a seat each) keeps its SLA with room to spare, but a second wave, forecast to reach its SLA token at
-    2 x 16 x 15 ms x the margin = 504 ms, would reach it at 640 ms, past the 550 ms promise. Admission must not say yes
-    to it on predictions of predictions that nothing served has checked yet. Repeated: it must hold every time."""
+    2 x 16 x 15 ms = 480 ms, would reach it at 640 ms, past the 550 ms promise. A fresh server's guard has seen
+    nothing: its prior must hold (2x beside other requests: 960 ms, refused). Repeated: it must hold every time."""
     model = load_model("synthetic:tiny")
     dec = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=SLOTS, max_context=256),
                                 step_delay_s=0.02)
@@ -471,7 +462,7 @@ def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
     finally:
         warm.stop()
     lat = LatencyModel({1: 0.015, 16: 0.015}, {16: 0.015}, max_rows=16)
-    admission = AdmissionController(lat, sla_s, sla_tokens, SLOTS, strict=True, margin=0.05)
+    admission = AdmissionController(lat, sla_s, sla_tokens, SLOTS, strict=True)
     eng = Engine(dec, model.tokenizer, admission=admission, sla_ms=sla_s * 1e3, sla_tokens=sla_tokens,
                  max_batch=SLOTS)
     params = SamplingParams(max_tokens=sla_tokens, temperature=0, ignore_eos=True)
@@ -506,7 +497,7 @@ def test_a_strict_server_probes_a_calibration_no_served_step_has_checked():
     strict idle server refuse for good: it admits a probe (one a second), whose steps correct the model. Once served
     steps have checked the model, its predictions are trusted further: the same one is refused."""
     lat = LatencyModel({1: 0.009}, {16: 0.009}, max_rows=16)  # 64 x 9 ms = 0.58 s for an SLA of 0.2 s
-    adm = AdmissionController(lat, 0.2, 64, 4, strict=True, margin=0.05)
+    adm = AdmissionController(lat, 0.2, 64, 4, strict=True)
     probe = newcomer()
     adm.check(probe)
     adm.release(probe)
@@ -515,4 +506,58 @@ def test_a_strict_server_probes_a_calibration_no_served_step_has_checked():
     checked = LatencyModel({1: 0.009}, {16: 0.009}, max_rows=16)
     checked.observe_step(1, 0.009)
     with pytest.raises(Rejected, match="cannot deliver"):
-        AdmissionController(checked, 0.2, 64, 4, strict=True, margin=0.05).check(newcomer())
+        AdmissionController(checked, 0.2, 64, 4, strict=True).check(newcomer())
+
+
+@pytest.mark.parametrize("admission", ["any", "controller"])
+def test_a_slow_verdict_never_stalls_the_streams_already_running(admission):
+    """A verdict forecasts on the API's thread (a millisecond or more at 16 in flight on the H100, far more on a busy
+    CPU); the engine thread must not wait for it between steps. It had: the engine held its own lock for the
+    verdict's whole length (which every iteration takes to update its gauges), and the controller its one lock (which
+    every SLA token and every end takes)."""
+    from service.engine.admission import AdmitAll
+
+    verdict_s = 2.0  # long next to a busy 2-core host's own hiccups (400 ms seen with other jobs sharing the cores)
+    slow = threading.Event()
+
+    class SlowVerdicts(AdmitAll):
+        def check(self, req):
+            if slow.is_set():
+                time.sleep(verdict_s)
+            super().check(req)
+
+    model = load_model("synthetic:tiny")
+    if admission == "any":
+        adm = SlowVerdicts(60.0)
+    else:
+        adm = AdmissionController(LatencyModel({1: 0.001}, {16: 0.001}, max_rows=16), 60.0, 4, 2)
+    eng = Engine(ReferenceDecoder(model.config, model.weights, max_slots=2, max_context=256), model.tokenizer,
+                 admission=adm, sla_ms=60_000, sla_tokens=4)
+    if admission == "controller":
+        forecast = adm.planner.forecast
+
+        def slow_forecast(*args, **kwargs):
+            if slow.is_set():
+                time.sleep(verdict_s / 2)  # twice: with the newcomer, and without it
+            return forecast(*args, **kwargs)
+
+        adm.planner.forecast = slow_forecast
+    eng.start()
+    stamps: list[float] = []
+    done = threading.Event()
+    try:
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                   lambda d: (stamps.append(time.perf_counter()), d.finish_reason and done.set()))
+        while len(stamps) < 5:
+            time.sleep(0.001)
+        # a second stream whose SLA token and end (each passes through admission) come during the slow verdict
+        eng.submit([7, 8, 9], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), lambda d: None)
+        slow.set()
+        t0 = time.perf_counter()
+        eng.submit([4, 5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), lambda d: None)
+        assert time.perf_counter() - t0 >= verdict_s
+        assert done.wait(60)
+    finally:
+        eng.stop()
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= t0 and a <= t0 + verdict_s]  # gaps it overlaps
+    assert len(during) > 2 and max(during) < verdict_s / 2, f"a token waited {max(during) * 1e3:.0f} ms"

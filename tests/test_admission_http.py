@@ -88,6 +88,26 @@ def test_burst_splits_into_on_time_streams_and_fast_429s(slowed_server):
     assert after["parley_sla_violations_total"] == before["parley_sla_violations_total"]
 
 
+def test_the_sla_clock_starts_when_the_client_sent_the_request(slowed_server):
+    """Behind a router, a request may reach the server after retries or a queue: with `x-request-start` (when the
+    client sent it), it is judged by the budget it has left. 1.4 s of its 1.5 s gone: refused at once, where the same
+    request fresh is admitted and on time by the client's clock."""
+    base = slowed_server.base
+    wait_idle(base)
+    body = {"model": "synthetic:tiny", "prompt": "late", "max_tokens": SLA_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    stale = httpx.post(f"{base}/v1/completions", json=body, timeout=30,
+                       headers={"x-request-start": f"t={(time.time() - 1.4) * 1e3:.0f}"})
+    assert stale.status_code == 429 and time.perf_counter() - t0 < 0.5, stale.text
+    sent = time.time() - 0.1
+    fresh = httpx.post(f"{base}/v1/completions", json=body, timeout=30,
+                       headers={"x-request-start": f"{sent:.3f}"})
+    assert fresh.status_code == 200, fresh.text
+    assert time.time() - sent <= SLA_MS / 1e3  # its last token (the SLA's) within the SLA of when it was sent
+    wait_idle(base)
+
+
 def test_openai_sdk_does_not_retry_a_shed_request(slowed_server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{slowed_server.base}/v1", api_key="x", max_retries=3)
@@ -115,20 +135,20 @@ def test_realtime_refusal_is_an_error_event_with_retry_after(slowed_server):
     wait_idle(slowed_server.base)
 
 
-# The embedded model on the CPU with a strict SLA, as a new user tried it (issue 31: `--sla-ms 8000 --strict-sla
-# --max-batch 4`, 24 streamed 64-token completions: 8 admitted, 4 of them 25% late). Here 12 requests of 32 tokens
-# with a 7 s SLA, the same ratio of the SLA to a wave's predicted time (2-3x): the first wave finds a seat each, a
-# second, forecast within the SLA, would wait for one.
-STRICT_SLA_MS, STRICT_TOKENS, STRICT_SLOTS = 7000, 32, 4
+# The embedded model on the CPU with a strict SLA, as a new user tried it (issues 31 and 36): `parley serve
+# --sla-ms 8000 --strict-sla --max-batch 4` and a burst of 24 streamed 64-token completions. Before the admission
+# guard, 4 were admitted and two or three of them reached their 64th token after 8.6-8.7 s, run after run: the
+# calibration times bare steps, and a 2-core CPU streaming four replies over HTTP runs them 1.45-1.6x slower. A fresh
+# server has seen nothing: its guard's prior must hold; every later burst is judged with what the earlier ones taught.
+STRICT_SLA_MS, STRICT_TOKENS, STRICT_SLOTS, BURST, BURSTS = 8000, 64, 4, 24, 3
 
 
 @pytest.fixture
 def strict_cpu_server(tmp_path):
     from tests.server_support import start_server
 
-    yield from served(start_server(tmp_path / "parley.log", "--sla-ms", str(STRICT_SLA_MS), "--sla-tokens",
-                                   str(STRICT_TOKENS), "--strict-sla", "--max-batch", str(STRICT_SLOTS),
-                                   "--max-context", "512"))
+    yield from served(start_server(tmp_path / "parley.log", "--sla-ms", str(STRICT_SLA_MS), "--strict-sla",
+                                   "--max-batch", str(STRICT_SLOTS)))
 
 
 async def stream_embedded(client, base, i):
@@ -150,21 +170,58 @@ async def stream_embedded(client, base, i):
 @pytest.mark.slow
 @pytest.mark.parametrize("repeat", range(3))
 def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_cpu_server, repeat):
-    """A burst on a fresh strict-SLA server: whatever it admits reaches its SLA token in time, every time; then one
-    request on the idle server is admitted (and on time): admission never refuses what an idle server can serve."""
+    """Three bursts on a fresh strict-SLA server: whatever it admits reaches its SLA token in time, every time; then
+    one request on the idle server is admitted (and on time): admission never refuses what an idle server can serve.
+    Three fresh servers: each starts from the guard's prior."""
     base = strict_cpu_server.base
 
     async def burst(n):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
             return await asyncio.gather(*(stream_embedded(client, base, i) for i in range(n)))
 
-    results = asyncio.run(burst(3 * STRICT_SLOTS))
-    ok = [r for r in results if r["status"] == 200]
-    assert {r["status"] for r in results} <= {200, 429}
-    late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > STRICT_SLA_MS]
-    assert not late, f"{len(ok)} admitted, these late (s): {late}\n{strict_cpu_server.log_tail()}"
-    wait_idle(base)
-    time.sleep(1.1)  # past the idle server's probe interval (admission.PROBE_EVERY_S)
+    for b in range(BURSTS):
+        results = asyncio.run(burst(BURST))
+        ok = [r for r in results if r["status"] == 200]
+        assert {r["status"] for r in results} <= {200, 429}
+        assert ok, f"burst {b}: nothing admitted\n{strict_cpu_server.log_tail()}"
+        late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > STRICT_SLA_MS]
+        assert not late, f"burst {b}: {len(ok)} admitted, these late (s): {late}\n{strict_cpu_server.log_tail()}"
+        wait_idle(base)
+        time.sleep(1.1)  # past the idle server's probe interval (admission.PROBE_EVERY_S)
     [alone] = asyncio.run(burst(1))
     assert alone["status"] == 200 and alone["sla_token_s"] * 1e3 <= STRICT_SLA_MS, \
         f"{alone}\n{strict_cpu_server.log_tail()}"
+
+
+@pytest.mark.slow
+def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_path):
+    """The same burst where the SLA is 1.25x what the calibration says four streams take to their 64th token, on
+    whatever CPU runs it: the old margin (5%) admitted all four, which came 1.45-1.6x their forecast, late. A fresh
+    server's guard judges requests beside others with its prior (2x) until it has seen enough: whatever it admits is
+    on time, burst after burst. (The calibration is measured once and shared through its cache, so the SLA matches
+    it.)"""
+    from tests.server_support import start_server, stop_server
+
+    cache = tmp_path / "calibration"
+    flags = ("--strict-sla", "--max-batch", str(STRICT_SLOTS), "--calibration-cache", str(cache))
+    first = start_server(tmp_path / "calibrate.log", "--sla-ms", str(STRICT_SLA_MS), *flags)
+    try:
+        step_s = httpx.get(f"{first.base}/v1/latency_model", timeout=30).json()["step_ms"][str(STRICT_SLOTS)] / 1e3
+    finally:
+        assert stop_server(first) == 0, first.log_tail()
+    sla_ms = round(1.25 * STRICT_TOKENS * step_s * 1e3)
+    server = start_server(tmp_path / "parley.log", "--sla-ms", str(sla_ms), *flags)
+    try:
+        async def burst(n):
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+                return await asyncio.gather(*(stream_embedded(client, server.base, i) for i in range(n)))
+
+        for b in range(BURSTS):
+            ok = [r for r in asyncio.run(burst(BURST)) if r["status"] == 200]
+            late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > sla_ms]
+            assert ok and not late, f"burst {b}, SLA {sla_ms} ms: {len(ok)} admitted, late (s): {late}\n" \
+                                    f"{server.log_tail()}"
+            wait_idle(server.base)
+            time.sleep(1.1)
+    finally:
+        assert stop_server(server) == 0, server.log_tail()

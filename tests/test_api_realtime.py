@@ -102,6 +102,37 @@ def test_cancel_is_quick_and_frees_the_slot(shared_server: Server) -> None:
     assert after.requests("cancelled") == before + 1
 
 
+def test_a_barge_ins_response_done_never_waits_for_a_step(tmp_path) -> None:
+    """Steps of 300 ms (--step-delay-ms): a response.cancel sent as a delta arrives (the engine has just begun the next
+    step) is answered with response.done at once, not when the step ends; the slot is free after that step, and the
+    next turn runs in it."""
+    from tests.server_support import stop_server, tiny_server
+
+    async def go(base_ws: str) -> list[float]:
+        waits = []
+        async with connect(base_ws) as ws:
+            await recv_event(ws)
+            for i in range(3):
+                await send(ws, {"type": "response.create", "response": {
+                    "id": f"r{i}", "input": f"story {i}", "max_tokens": 50, "ignore_eos": True}})
+                while (await recv_event(ws))["type"] != "response.output_text.delta":
+                    pass
+                t0 = time.monotonic()
+                await send(ws, {"type": "response.cancel"})
+                _, done = await until_done(ws)
+                waits.append(time.monotonic() - t0)
+                assert done["status"] == "cancelled" and done["id"] == f"r{i}"
+        return waits
+
+    server = tiny_server(tmp_path / "parley.log", "--step-delay-ms", "300", "--sla-ms", "60000", "--max-batch", "1")
+    try:
+        waits = run(go(server.ws))
+        assert max(waits) < 0.15, f"cancel -> done (s): {waits}"
+        assert wait_idle(server.base).requests("cancelled") == 3
+    finally:
+        assert stop_server(server) == 0, server.log_tail()
+
+
 def test_multi_turn_reuses_the_kv_cache(shared_server: Server) -> None:
     async def go() -> list[dict[str, Any]]:
         async with connect(shared_server.ws) as ws:

@@ -34,22 +34,33 @@ def test_the_list_names_every_benchmark(capsys) -> None:
     assert main(["no-such-bench"]) == 2
 
 
-def test_e2e_plan_is_issue_21s() -> None:
+def test_e2e_plan_is_issue_21s_and_36s() -> None:
     plan = e2e()
     servers = {s.label: s for s in plan.servers}
-    assert list(servers) == ["megakernel.bf16", "megakernel.fp8", "reference.bf16", "qwen.megakernel.bf16"]
+    assert list(servers) == ["megakernel.bf16", "megakernel.bf16.admissionoff", "megakernel.fp8",
+                             "megakernel.fp8.admissionoff", "reference.bf16", "qwen.megakernel.bf16"]
     for label, s in servers.items():
         flags = " ".join(s.serve)
         assert ("--max-batch 16 --max-rows 16" in flags) == ("megakernel" in label)
         swept = [t for t in s.loadtests if "--sweep" in t.args]
-        assert bool(swept) == (label in ("megakernel.bf16", "megakernel.fp8"))
+        assert bool(swept) == label.startswith(("megakernel.bf16", "megakernel.fp8"))
         for t in swept:  # the sweep searches upward without a cap: doubling from 10/s, then bisecting
             assert "--sweep-rates" not in t.args and t.args[t.args.index("--sweep-start") + 1] == "10"
+    for run in ("megakernel.bf16", "megakernel.fp8"):  # issue 36: the capacity beside the goodput, in the same call
+        on, off = servers[run], servers[f"{run}.admissionoff"]
+        assert off.serve == (*on.serve, "--sla-ms", "100000") and off.needs_own_server
+        [sweep] = [t for t in on.loadtests if t.name == f"{run}-sweep-32"]
+        [capacity] = off.loadtests
+        assert capacity.name == f"{run}-capacity-32" and capacity.args == sweep.args  # the same rates
+        assert on.targets["goodput_over_capacity"] == 0.9 and on.targets["admitted_on_time_min"] == 0.99
     assert servers["megakernel.bf16"].targets["goodput_rps"] == 40
     assert servers["megakernel.fp8"].targets["goodput_rps"] == 50
     assert "--weights fp8" in " ".join(servers["megakernel.fp8"].serve)
     assert "synthetic:qwen2.5-1.5b" in servers["qwen.megakernel.bf16"].serve
-    assert plan.estimate_s() < GPU_CALL_S - 60
+    # two GPU calls: the swept runs with their capacities, then the peers
+    assert e2e(only="megakernel.bf16,megakernel.fp8").estimate_s() < GPU_CALL_S - 60
+    assert e2e(only="reference.bf16,qwen.megakernel.bf16").estimate_s() < GPU_CALL_S - 60
+    assert e2e(capacity=False).estimate_s() < GPU_CALL_S - 60
 
 
 def test_voice_plan_fits_one_call() -> None:
@@ -60,7 +71,7 @@ def test_voice_plan_fits_one_call() -> None:
     assert names == ["session-chat", "session-realtime", "fresh-32", "fresh-1000", "fresh-2000", "fresh-4000",
                      "sweep-chat", "sweep-realtime"]
     sweep = server.loadtests[-1].args
-    assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8"
+    assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8,16"  # issue 36: 1-16 sessions/s
     assert plan.estimate_s() < GPU_CALL_S - 60
     assert "fp8" in " ".join(voice(weights="fp8").servers[0].serve)
 
@@ -107,6 +118,30 @@ def test_e2e_against_the_scripted_server(tmp_path: Path, url: str) -> None:  # n
     again = bench("e2e", "--report-only", "--raw", str(raw), "--out", str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "again" / report.name).read_text())["records"] == doc["records"]
+
+
+def test_e2e_report_puts_the_capacity_beside_the_goodput(tmp_path: Path, url: str) -> None:  # noqa: F811
+    """The capacity sweep (admission off) is paired with its run's sweep: goodput / capacity and the rates side by
+    side. Here both sweeps measure the scripted server, which keeps the SLA at any rate; the capacity sweep's cap is
+    twice the goodput sweep's, so the ratio is 0.5."""
+    raw, results = tmp_path / "raw", tmp_path / "results"
+    raw.mkdir()
+    common = ["--url", url, "--quiet", "--sla-tokens", "64", "--sla-ms", "100", "--sweep", "--sweep-start", "4",
+              "--duration", "1", "--warmup", "0", "--input-len", "32", "--output-len", "64"]
+    for kind, cap in (("sweep-32", "8"), ("capacity-32", "16")):
+        out = subprocess.run([sys.executable, "-m", "loadtest.cli", *common, "--sweep-max-rate", cap,
+                              "--json", str(raw / f"megakernel.bf16-{kind}.json")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    again = bench("e2e", "--report-only", "--raw", str(raw), "--out", str(results))
+    assert again.returncode == 0, again.stderr
+    [report] = results.glob("e2e-*.json")
+    sweep = next(r for r in json.loads(report.read_text())["records"] if r["kind"] == "sweep-32")
+    assert (sweep["goodput_rps"], sweep["capacity_rps"], sweep["goodput_over_capacity"]) == (8, 16, 0.5)
+    assert sweep["admitted_on_time_min"] == 1.0
+    md = report.with_suffix(".md").read_text()
+    assert "| megakernel.bf16 | 8.0 | 16.0 | 0.500 | 1.000 |" in md
+    assert "| 16.0 | – | – | – | – | 1.000 |" in md  # a rate only the capacity sweep reached
 
 
 @pytest.mark.slow

@@ -187,6 +187,21 @@ def test_a_point_stalled_in_every_try_is_no_slower_than_more_work():
     assert cal.step_s[1] == pytest.approx(step_cost(1)) and cal.prefill_s[256] == pytest.approx(256 * TOKEN_S)
 
 
+def test_no_step_is_kept_slower_than_the_warm_up_ran_one_of_as_many_rows():
+    """Every try of every step stalls (other jobs on the two cores), so that no step of more rows shows what a smaller
+    one takes; the warm-up, run just before, had seen 16-row steps take 3 ms. No step of 16 rows or fewer is kept
+    slower than that; more rows are left as timed."""
+    from service.calibration import no_slower_than_seen
+
+    dec = StandIn(stall=lambda call: 0.05 if dec.calls[-1][0] == "decode" else 0.0)
+    cal = measure(dec, max_rows=64, max_batch=8, deadline_s=60, clock=dec.clock)
+    assert min(cal.step_s.values()) > 0.05
+    capped = no_slower_than_seen(cal, {16: 0.003, 1: 0.5})
+    assert capped.step_s[1] == capped.step_s[8] == capped.step_s[16] == 0.003
+    assert capped.step_s[64] == cal.step_s[64] > 0.05 and capped.measured == cal.measured
+    assert no_slower_than_seen(cal, {}) is cal
+
+
 def test_gpu_graph_buckets_time_every_pair_a_prefill_replays():
     """With graph buckets every (new tokens, K/V length) pair a prefill can replay is a point, run at a shape that
     replays that pair's graph (something cached; ending before the context's last position)."""

@@ -660,12 +660,13 @@ def test_a_prompt_rides_in_the_step_beside_running_decodes_chunked_by_the_token_
     """Mixed steps: a long prompt arriving while another request decodes is cut into chunks of the token budget and
     rides in the running request's steps (no step without its decode row), and both get the tokens they get alone."""
     prompt = list(range(1, 40))
+    running = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)  # still decoding when the prompt comes
     (alone_long,), _ = run_jobs(tiny, False, [(prompt, GREEDY, None)])
-    (alone_short,), _ = run_jobs(tiny, False, [([9, 9, 9], GREEDY, None)])
+    (alone_short,), _ = run_jobs(tiny, False, [([9, 9, 9], running, None)])
     eng, dec = recorded_engine(tiny, overlap=True, max_rows=16)
     try:
         q1, q2 = queue.SimpleQueue(), queue.SimpleQueue()
-        eng.submit([9, 9, 9], GREEDY, q1.put)
+        eng.submit([9, 9, 9], running, q1.put)
         eng.start()
         assert wait_until(lambda: len(dec.steps) >= 2)
         eng.submit(prompt, GREEDY, q2.put)

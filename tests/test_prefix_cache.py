@@ -164,6 +164,21 @@ def test_a_session_keeps_its_slot_truncates_it_and_leaves_it_cached_when_closed(
     assert kv.place(stranger, block_hashes(stranger), None) == Placement(p1.slot, 32)
 
 
+def test_a_truncation_while_the_cancelled_turn_still_holds_the_slot_applies_when_it_ends():
+    """A barge-in's response.done goes out as soon as it is cancelled, before the engine has released the turn's slot:
+    a truncation then waits for the release, and the tokens the engine fed after the cancel go with it."""
+    kv = slots()
+    session = Session()
+    turn = tokens(30, 1)
+    p = kv.place(turn, block_hashes(turn), session)
+    kv.filled(p.slot, turn, block_hashes(turn))
+    kv.truncate(session, 34)  # the caller heard 4 of the reply's tokens; the turn still runs
+    kv.truncate(session, 36)  # a later one keeping more keeps no more than the first
+    assert session.busy and kv.cache.tokens(p.slot) == turn
+    kv.release(p.slot, turn + tokens(9, 2), session)
+    assert kv.cache.tokens(p.slot) == (turn + tokens(9, 2))[:34] and session.keep_tokens is None and not session.busy
+
+
 def test_a_pinned_slot_is_copied_from_not_taken_over_by_others():
     kv = slots()
     session = Session()

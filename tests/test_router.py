@@ -336,17 +336,27 @@ def test_a_full_replica_sends_the_overflow_elsewhere(fleet: Fleet) -> None:
 
 def test_when_no_replica_can_take_it_the_client_gets_the_429_and_do_not_retry(tmp_path) -> None:
     """A router in front of one replica that keeps its SLA for one request at a time: its refusals have nowhere
-    else to go. The router retries each a few times within ~0.1 s, then passes the replica's 429 on, headers and
+    else to go. The router retries each a few times within ~20 ms, then passes the replica's 429 on, headers and
     body as they were."""
     replica = tiny_server(tmp_path / "one-at-a-time.log", *ONE_AT_A_TIME)
     router = None
     try:
         router = start_router([replica.base], tmp_path / "router-one.log", BALANCE_ABS_THRESHOLD)
         results = asyncio.run(_send(router.base, _fresh(6, "full"), concurrency=6))
+        # The router passes the client's send time on (deploy/README.md, "The client's clock"): a request whose
+        # client sent it 400 ms of its 500 ms ago is refused on every try, the same request sent now is served.
+        poll(lambda: scrape_metrics(replica.base).get("parley_requests_running"), lambda n: n == 0, 60,
+             "the replica idle")
+        body = _fresh(1, "clock")[0]
+        stale = httpx.post(f"{router.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
+                           headers={"x-request-start": f"t={(time.time() - 0.4) * 1e3:.0f}"})
+        fresh = httpx.post(f"{router.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
+                           headers={"x-request-start": f"t={time.time() * 1e3:.0f}"})
     finally:
         if router is not None:
             stop_process(router.proc, timeout_s=10)
         assert stop_server(replica) == 0, replica.log_tail()
+    assert (stale.status_code, fresh.status_code) == (429, 200), (stale.text, fresh.text)
     statuses = Counter(r[1] for r in results)
     assert set(statuses) <= {200, 429} and statuses[200] >= 1 and statuses[429] >= 1, statuses
     for _, status, headers, body in results:

@@ -22,6 +22,7 @@ from service.api import completions, errors, realtime
 from service.api.answers import ModelCard, ModelList
 from service.api.auth import ApiKeys, RequireApiKey
 from service.api.errors import APIError
+from service.api.request_start import RequestStart
 from service.api.state import ServerState, server_state
 from service.api.tools import ToolDialect
 from service.metrics import CONTENT_TYPE
@@ -60,6 +61,7 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
     app.state.parley = state
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestStart)  # a request's SLA clock starts before its body is read
     if api_keys is not None and api_keys.required:  # added last: outermost, so a refused caller's body is never read
         app.add_middleware(RequireApiKey, keys=api_keys,
                            count_refusal=lambda reason, transport: state.metrics.api_key_refusals.labels(
@@ -86,7 +88,7 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
         adm = rt.admission
         return JSONResponse({**rt.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
                              "best_effort": adm.best_effort, "strict": adm.strict,
-                             "bias": round(adm.bias, 4), "margin": round(adm.margin, 4),
+                             "guard": adm.snapshot(),
                              "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
                              "backend": rt.backend, "device": rt.device})
 

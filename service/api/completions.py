@@ -48,6 +48,7 @@ from service.api.protocol import (
     ToolCall,
 )
 from service.api.reply import ReplyReader
+from service.api.request_start import request_start
 from service.api.state import ServerState, server_state
 from service.api.streaming import SSE_DONE, EngineStream, SSEResponse, sse_event, until_disconnect
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolEvent
@@ -126,7 +127,7 @@ def documented(endpoint: Endpoint) -> dict[int | str, dict[str, Any]]:
 
 @router.post("/v1/completions", response_model=None, responses=documented(COMPLETIONS))
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    arrival = time.perf_counter()
+    arrival = request_start(request)
     st = serving(request, body)
     turn = await build_turn(st, TurnRequest(
         body.prompt_input(), body, COMPLETIONS.fields, COMPLETIONS.spoken,
@@ -136,7 +137,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @router.post("/v1/chat/completions", response_model=None, responses=documented(CHAT))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    arrival = time.perf_counter()
+    arrival = request_start(request)
     st = serving(request, body)
     turn = await build_turn(st, TurnRequest(
         Conversation([m.for_template() for m in body.messages]), body, CHAT.fields, CHAT.spoken,

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.engine.engine import Engine
 from service.engine.kv_slots import Session
-from service.engine.request import Delta, Request, SamplingParams
+from service.engine.request import Delta, Request, SamplingParams, State
 
 
 class EngineStream:
@@ -31,6 +31,7 @@ class EngineStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.finished = False
+        self._cancelled = False
         self._on_close = on_close
         # Raises Rejected (refused) or ValueError (bad input) before anything is queued.
         self.request: Request = engine.submit(prompt_ids, params, self._sink, session=session,
@@ -51,9 +52,17 @@ class EngineStream:
             yield delta
 
     def cancel(self) -> None:
-        """Free the slot before the next step (idempotent; a finished request is left alone)."""
-        if not self.finished:
-            self.engine.cancel(self.request)
+        """Free the slot before the next step, and end the stream now: its last delta (cancelled) is queued at once,
+        behind those already there, rather than when the engine thread next commits a step (a barge-in's
+        response.done had come a step or a stalled iteration after its response.cancel: 4.8 ms p99 on the H100). The
+        engine's own last delta for it is never read. Idempotent; a finished request is left alone."""
+        req = self.request
+        if self.finished or self._cancelled or req.state is State.FINISHED:  # finished: its last delta is on its way
+            return
+        self._cancelled = True
+        self.engine.cancel(req)
+        self._queue.put_nowait(Delta("", [], finish_reason="cancelled", usage=req.usage(),
+                                     timings=req.timings(time.perf_counter())))
 
     def close(self) -> None:
         """Done with it: cancelled if it still runs, and `on_close` called (once; idempotent)."""

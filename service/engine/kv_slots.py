@@ -45,6 +45,7 @@ class Session:
     slot: int | None = None  # the slot it pins (its last turn's), until evicted
     busy: bool = False  # a turn is running
     closed: bool = False
+    keep_tokens: int | None = None  # a truncation asked while its last turn still held the slot: applied on release
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class KVSlots:
             st = self._state[slot]
             st.busy, st.last_used = False, self._clock()
             if session is not None:
+                if session.keep_tokens is not None:
+                    self.cache.truncate(slot, session.keep_tokens)
+                    session.keep_tokens = None
                 session.busy = False
                 if session.closed:
                     st.pin, session.slot = None, None
@@ -129,9 +133,15 @@ class KVSlots:
     # -- sessions -----------------------------------------------------------------------------------------
     def truncate(self, session: Session, keep_tokens: int) -> None:
         """The session's cached tokens keep only their first `keep_tokens` (a no-op where its slot was evicted or
-        holds fewer). Between turns: the API truncates after a response has ended."""
+        holds fewer). Between turns: the API truncates after a response has ended, which a cancelled one does before
+        the engine has released its slot (its response.done goes out at once): then when it does."""
         with self._lock:
-            if session.slot is not None and not self._state[session.slot].busy:
+            if session.slot is None:
+                return
+            if self._state[session.slot].busy:
+                held = session.keep_tokens
+                session.keep_tokens = keep_tokens if held is None else min(held, keep_tokens)
+            else:
                 self.cache.truncate(session.slot, keep_tokens)
 
     def close(self, session: Session) -> None:

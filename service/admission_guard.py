@@ -1,0 +1,202 @@
+"""AdmissionGuard: how far admission stretches the planner's forecast, measured rather than tuned, so that "admitted"
+carries a stated probability of being on time.
+
+Split conformal prediction, run online. Every admitted request leaves one score: the time from its verdict to its
+SLA token over the time the forecast (unstretched) said it would take. The guard keeps the recent scores of each
+load level, and a level's stretch is the ceil((n + 1) x target)-th smallest of its n scores. If the next request's
+score is exchangeable with those (same level, no drift since), it exceeds that stretch with probability at most
+1 - target; admitting only requests whose stretched forecast meets their deadline then keeps at least `target` of
+them on time. Whatever the forecast does not see (host stalls, steps carrying prompt chunks, a busier host than the
+calibration's) is in the scores, at the level where it happens; no margin is picked by hand.
+
+A level is (requests in flight once the newcomer joins, in powers of two; what the prompt tokens still to prefill
+need: one step, chunks over several, or a launch of their own): a server with sixteen streams and prompts riding in
+every step misses its forecast differently from one serving a single stream.
+
+How many scores are enough: N = the fewest for which the quantile is not the largest score (199 at 0.99), so that one
+stall (a first request's one-off cost, a compile) never decides alone; it would otherwise keep a whole level
+refusing for hundreds of requests, and a refusing level learns nothing. A level with fewer pools the nearest levels'
+(one in-flight bucket or one prompt kind away, then two, ...) until it has N. Where all of them together have fewer,
+the stretch is a prior and the pool's second-largest score averaged, the prior weighing as PRIOR_SCORES scores: a
+fresh server starts from the prior and relaxes as it sees its own requests (on a GPU, the single streams a benchmark
+sends first have it admitting beside others within a few dozen requests). The prior is the one figure here not
+measured on this server, and it must hold where nothing has been seen: PRIOR_ALONE for a request alone (the
+calibration times steps back to back, as the engine runs them; the H100 came in 0.92 of such forecasts), PRIOR_LOADED
+beside others (the calibration times bare steps: a 2-core CPU streaming four replies over HTTP ran a fresh server's
+first burst at 1.45-1.6x its forecast, and admitted requests on the H100 under load came up to 40% late).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+PRIOR_ALONE = 1.05
+PRIOR_LOADED = 2.0
+PRIOR_SCORES = 20  # how many scores the prior weighs as, until a level's pool has enough
+MISS_WINDOW_S = 60.0  # the late share /metrics shows: over this many seconds
+WINDOW_PER_N = 5  # a level keeps its last WINDOW_PER_N x N scores (995 at 0.99: the quantile is the 10th largest)
+
+IN_FLIGHT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # upper bounds; more than the last is one bucket too
+PROMPT_KINDS = ("step", "chunked", "launch")  # the prompt tokens to prefill fit one step / need several / a launch
+
+
+@dataclass(frozen=True, order=True)
+class Level:
+    """A load level: an in-flight bucket (an index into IN_FLIGHT_BUCKETS; its length for more) and a prompt kind (an
+    index into PROMPT_KINDS)."""
+
+    in_flight: int
+    prompt: int
+
+    @classmethod
+    def of(cls, in_flight: int, prompt_tokens: int, max_rows: int, launch_min_tokens: int) -> Level:
+        """The level of a verdict: `in_flight` requests admitted and not ended, the newcomer included;
+        `prompt_tokens` prompt tokens among them still to prefill."""
+        bucket = next((i for i, b in enumerate(IN_FLIGHT_BUCKETS) if in_flight <= b), len(IN_FLIGHT_BUCKETS))
+        kind = 0 if prompt_tokens <= max_rows else 1 if prompt_tokens < launch_min_tokens else 2
+        return cls(bucket, kind)
+
+    @property
+    def alone(self) -> bool:
+        return self.in_flight == 0
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Its Prometheus labels, e.g. in_flight="3-4", prompt="chunked"."""
+        if self.in_flight >= len(IN_FLIGHT_BUCKETS):
+            span = f"{IN_FLIGHT_BUCKETS[-1] + 1}+"
+        else:
+            hi = IN_FLIGHT_BUCKETS[self.in_flight]
+            lo = IN_FLIGHT_BUCKETS[self.in_flight - 1] + 1 if self.in_flight else 1
+            span = str(hi) if lo == hi else f"{lo}-{hi}"
+        return {"in_flight": span, "prompt": PROMPT_KINDS[self.prompt]}
+
+    def distance(self, other: Level) -> int:
+        return abs(self.in_flight - other.in_flight) + abs(self.prompt - other.prompt)
+
+
+@dataclass(frozen=True)
+class LevelState:
+    """What /metrics shows of a level: its stretch now, and how many scores of its own are behind it."""
+
+    level: Level
+    stretch: float
+    scores: int
+
+
+class _Window:
+    """A level's last `size` scores, in arrival order and sorted (its quantile is one index)."""
+
+    def __init__(self, size: int) -> None:
+        self.order: deque[float] = deque()
+        self.ranked: list[float] = []
+        self.size = size
+
+    def add(self, score: float) -> None:
+        self.order.append(score)
+        bisect.insort(self.ranked, score)
+        if len(self.order) > self.size:
+            del self.ranked[bisect.bisect_left(self.ranked, self.order.popleft())]
+
+    def __len__(self) -> int:
+        return len(self.ranked)
+
+
+def enough_scores(target: float) -> int:
+    """The fewest scores whose conformal quantile at `target` is not the largest: ceil((n + 1) target) <= n - 1."""
+    return math.ceil((1 + target) / (1 - target) - 1e-9)
+
+
+def conformal_quantile(ordered: Sequence[float], target: float) -> float:
+    """The ceil((n + 1) target)-th smallest of these scores, sorted (inf where there are too few for one)."""
+    k = math.ceil((len(ordered) + 1) * target - 1e-9)
+    return ordered[k - 1] if 0 < k <= len(ordered) else math.inf
+
+
+class AdmissionGuard:
+    def __init__(self, target: float = 0.99, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.5 <= target < 1:
+            raise ValueError(f"the on-time target must lie in [0.5, 1), not {target}")
+        self.target = target
+        self.enough = enough_scores(target)
+        self._scores: dict[Level, _Window] = {}
+        self._judged: deque[tuple[float, bool]] = deque()  # (when, late) of each admitted request's SLA
+        self._exceeded: deque[tuple[float, bool]] = deque()  # (when, score over the stretch it was admitted with)
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    # -- what admission asks -------------------------------------------------------------------------------
+    def stretch(self, level: Level) -> float:
+        """The factor forecasts at this level are stretched by."""
+        with self._lock:
+            return self._stretch(level)
+
+    def _stretch(self, level: Level) -> float:
+        own = self._scores.get(level)
+        if own is not None and len(own) >= self.enough:
+            return conformal_quantile(own.ranked, self.target)
+        pool: list[float] = []
+        for ring in self._rings(level):  # this level's scores, then the nearest levels' until there are enough
+            pool += [x for lv in ring for x in self._scores[lv].ranked]
+            if len(pool) >= self.enough:
+                return conformal_quantile(sorted(pool), self.target)
+        prior = PRIOR_ALONE if level.alone else PRIOR_LOADED
+        if not pool:
+            return prior
+        seen = sorted(pool)[-2] if len(pool) > 1 else prior  # the largest score never decides alone
+        return (len(pool) * seen + PRIOR_SCORES * prior) / (len(pool) + PRIOR_SCORES)
+
+    def _rings(self, level: Level) -> Iterator[list[Level]]:
+        """The levels that have scores, by their distance from `level`, nearest first."""
+        by_distance: dict[int, list[Level]] = {}
+        for lv in self._scores:
+            by_distance.setdefault(level.distance(lv), []).append(lv)
+        for d in sorted(by_distance):
+            yield by_distance[d]
+
+    # -- what admitted requests teach ----------------------------------------------------------------------
+    def observe(self, level: Level, score: float, stretch: float) -> None:
+        """An admitted request judged at `level` with `stretch` reached its SLA token after `score` times its
+        forecast."""
+        if not math.isfinite(score) or score <= 0:
+            return
+        with self._lock:
+            self._scores.setdefault(level, _Window(WINDOW_PER_N * self.enough)).add(score)
+            self._exceeded.append((self._clock(), score > stretch))
+            self._trim()
+
+    def judged(self, late: bool) -> None:
+        """An admitted request's SLA was judged: its SLA token came (or it ended before it), late or in time."""
+        with self._lock:
+            self._judged.append((self._clock(), late))
+            self._trim()
+
+    def _trim(self) -> None:
+        old = self._clock() - MISS_WINDOW_S
+        for recent in (self._judged, self._exceeded):
+            while recent and recent[0][0] < old:
+                recent.popleft()
+
+    # -- what operators read -------------------------------------------------------------------------------
+    def miss_rate(self) -> tuple[float, float]:
+        """Over the last MISS_WINDOW_S: the share of admitted requests judged late, and the share of scores over the
+        stretch their request was admitted with (what the target bounds); 0 where there were none."""
+        with self._lock:
+            self._trim()
+            return _share(self._judged), _share(self._exceeded)
+
+    def levels(self) -> list[LevelState]:
+        """Every level with scores, and the two a fresh server judges most requests at (alone, and beside one)."""
+        with self._lock:
+            shown = set(self._scores) | {Level(0, 1), Level(1, 1)}
+            return [LevelState(lv, self._stretch(lv), len(self._scores.get(lv, ()))) for lv in sorted(shown)]
+
+
+def _share(recent: deque[tuple[float, bool]]) -> float:
+    return sum(flag for _, flag in recent) / len(recent) if recent else 0.0

@@ -1,0 +1,131 @@
+"""The admission guard (service/admission_guard.py): the stretch is the conformal quantile of what admitted requests
+really took over their forecast, per load level; a fresh server starts from a prior and relaxes as it learns; one stall
+never decides; the late share and the guard's own error rate over the last minute; its gauges on /metrics."""
+
+import random
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.admission_guard import (
+    MISS_WINDOW_S,
+    PRIOR_ALONE,
+    PRIOR_LOADED,
+    PRIOR_SCORES,
+    WINDOW_PER_N,
+    AdmissionGuard,
+    Level,
+    conformal_quantile,
+    enough_scores,
+)
+from service.metrics import Metrics
+
+ALONE, BESIDE_ONE, BUSY = Level(0, 1), Level(1, 1), Level(4, 1)
+
+
+def test_the_stretch_covers_the_target_share_of_new_requests():
+    """Scores drawn from one distribution (a forecast right on average, sometimes 30% late): the stretch learned from
+    a window of them is exceeded by about 1% of the next 20,000, not more (the conformal guarantee, in expectation)."""
+    rng = random.Random(36)
+
+    def score():
+        return rng.lognormvariate(0, 0.08) * (1.3 if rng.random() < 0.03 else 1.0)
+
+    over = []
+    for _ in range(20):  # twenty windows, each judged on fresh draws
+        guard = AdmissionGuard(0.99)
+        for _ in range(guard.enough * WINDOW_PER_N):
+            guard.observe(BUSY, score(), 1.0)
+        stretch = guard.stretch(BUSY)
+        over += [score() > stretch for _ in range(1000)]
+    assert 0.003 < sum(over) / len(over) <= 0.015
+
+
+def test_the_quantile_is_the_finite_sample_one():
+    assert enough_scores(0.99) == 199 and enough_scores(0.9) == 19
+    assert conformal_quantile(list(range(1, 200)), 0.99) == 198  # ceil(200 x 0.99) = 198th of 199: not the largest
+    assert conformal_quantile(list(range(1, 100)), 0.99) == 99  # 99 scores: their largest
+    assert conformal_quantile([1.0], 0.99) == float("inf")
+
+
+def test_a_fresh_server_starts_from_the_prior_and_relaxes_as_it_learns():
+    guard = AdmissionGuard(0.99)
+    assert guard.stretch(ALONE) == PRIOR_ALONE and guard.stretch(BUSY) == PRIOR_LOADED
+    for _ in range(PRIOR_SCORES):
+        guard.observe(ALONE, 0.9, 1.05)
+    half = guard.stretch(BUSY)  # no scores of its own: it pools the nearest levels', as many as the prior weighs
+    assert half == pytest.approx((0.9 + PRIOR_LOADED) / 2)
+    for _ in range(guard.enough):
+        guard.observe(ALONE, 0.9, 1.05)
+    assert guard.stretch(BUSY) == pytest.approx(0.9)  # enough nearby: what was measured, not the prior
+    for _ in range(guard.enough):
+        guard.observe(BUSY, 1.2, 0.9)
+    assert guard.stretch(BUSY) == pytest.approx(1.2)  # its own, once it has enough
+    assert guard.stretch(ALONE) == pytest.approx(0.9)  # and another level keeps its own
+
+
+def test_one_stall_never_decides_but_a_pattern_does():
+    guard = AdmissionGuard(0.99)
+    guard.observe(BESIDE_ONE, 40.0, 1.5)  # a compile: a first request 40x late
+    assert guard.stretch(BESIDE_ONE) == PRIOR_LOADED
+    for _ in range(10):
+        guard.observe(BESIDE_ONE, 1.0, 1.5)
+    assert guard.stretch(BESIDE_ONE) < PRIOR_LOADED
+    for _ in range(guard.enough):
+        guard.observe(BESIDE_ONE, 1.0, 1.0)
+    assert guard.stretch(BESIDE_ONE) == pytest.approx(1.0)  # 40 is the largest of 210: not the quantile
+    for _ in range(10):
+        guard.observe(BESIDE_ONE, 1.6, 1.0)  # 5% of them 1.6x late: that is the 0.99 quantile now
+    assert guard.stretch(BESIDE_ONE) == pytest.approx(1.6)
+
+
+def test_a_level_keeps_only_its_recent_scores():
+    guard = AdmissionGuard(0.99)
+    for _ in range(guard.enough * WINDOW_PER_N):
+        guard.observe(BUSY, 2.0, 1.0)
+    for _ in range(guard.enough * WINDOW_PER_N):
+        guard.observe(BUSY, 1.1, 1.0)
+    assert guard.stretch(BUSY) == pytest.approx(1.1)
+
+
+def test_the_late_share_and_the_guards_error_over_the_last_minute():
+    now = [0.0]
+    guard = AdmissionGuard(0.99, clock=lambda: now[0])
+    assert guard.miss_rate() == (0.0, 0.0)
+    for late in (False, False, False, True):
+        guard.judged(late)
+    guard.observe(BUSY, 1.3, 1.2)  # over the stretch it was admitted with
+    guard.observe(BUSY, 1.1, 1.2)
+    assert guard.miss_rate() == (0.25, 0.5)
+    now[0] += MISS_WINDOW_S + 1
+    guard.judged(False)
+    assert guard.miss_rate() == (0.0, 0.0)
+
+
+def test_levels_bucket_requests_in_flight_and_prompt_work():
+    assert Level.of(1, 32, 16, 256) == Level(0, 1) and Level.of(1, 16, 16, 256) == Level(0, 0)
+    assert Level.of(3, 300, 16, 256) == Level(2, 2) and Level.of(100, 0, 16, 256) == Level(7, 0)
+    assert Level(2, 1).labels == {"in_flight": "3-4", "prompt": "chunked"}
+    assert Level(0, 0).labels == {"in_flight": "1", "prompt": "step"}
+    assert Level(7, 2).labels == {"in_flight": "65+", "prompt": "launch"}
+
+
+def test_the_guard_on_metrics():
+    now = [0.0]
+    guard = AdmissionGuard(0.95, clock=lambda: now[0])
+    metrics = Metrics(64)
+    metrics.export_guard(guard)
+    for _ in range(guard.enough):
+        guard.observe(BUSY, 1.25, 1.5)
+    guard.judged(True)
+    guard.judged(False)
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    quantile = {(s.labels["in_flight"], s.labels["prompt"]): s.value
+                for s in fams["parley_admission_guard_quantile"].samples}
+    assert quantile[("9-16", "chunked")] == pytest.approx(1.25)
+    assert quantile[("1", "chunked")] == pytest.approx(1.25)  # pooled from the busy level's
+    scores = {s.labels["in_flight"]: s.value for s in fams["parley_admission_guard_scores"].samples}
+    assert scores["9-16"] == guard.enough and scores["1"] == 0
+    assert fams["parley_admission_guard_target"].samples[0].value == 0.95
+    assert fams["parley_admission_guard_miss_rate"].samples[0].value == 0.5
+    assert fams["parley_admission_guard_exceeded_rate"].samples[0].value == 0.0
