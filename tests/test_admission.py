@@ -206,6 +206,27 @@ def test_each_admitted_request_is_scored_against_its_own_forecast():
     assert list(adm._active) == [req.id] and not adm._promises  # the short one ended: forgotten
 
 
+def test_a_request_is_scored_against_its_latest_forecast_not_the_load_that_came_after_it():
+    """A request admitted alone is forecast again when another joins it (its steps now carry two rows): its promise
+    moves to that forecast, so reaching its SLA token when the joined forecast said scores 1, not the 1.3-1.4x it
+    would score against its forecast alone (on the H100 such scores raised an idle server's stretch until it refused
+    requests alone)."""
+    from service.engine.commit import Token
+
+    lat = LatencyModel({1: 0.001, 2: 0.0013}, {16: 0.002, 128: 0.003}, max_rows=64)
+    adm = AdmissionController(lat, 0.5, 64, 4)  # room for a fresh server's prior beside others (2x)
+    first = newcomer()
+    adm.check(first)
+    alone = adm._promises[first.id]
+    adm.check(second := newcomer())
+    joined = adm._promises[first.id]
+    assert joined.at == alone.at and joined.level == alone.level and joined.stretch == alone.stretch
+    assert joined.predicted - joined.at > 1.25 * (alone.predicted - alone.at)  # two rows a step, and its prompt
+    assert adm._promises[second.id].level != alone.level  # the newcomer's own promise, at its level
+    adm.consume(Token(first, 7, 64, "", joined.predicted))
+    assert adm.guard._scores[alone.level].ranked == [pytest.approx(1.0)]
+
+
 def test_late_requests_at_a_busy_level_refuse_there_only_and_never_switch_admission_off():
     """On the H100 a stall under load made SLA tokens come 2x late; the old learned bias crossed the SLA and the
     server went best-effort, admitting requests that then missed. Now the lateness is scored at the level where it

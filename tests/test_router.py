@@ -349,9 +349,9 @@ def test_when_no_replica_can_take_it_the_client_gets_the_429_and_do_not_retry(tm
              "the replica idle")
         body = _fresh(1, "clock")[0]
         stale = httpx.post(f"{router.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
-                           headers={"x-request-start": f"t={(time.time() - 0.4) * 1e3:.0f}"})
+                           headers={**AUTH, "x-request-start": f"t={(time.time() - 0.4) * 1e3:.0f}"})
         fresh = httpx.post(f"{router.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
-                           headers={"x-request-start": f"t={time.time() * 1e3:.0f}"})
+                           headers={**AUTH, "x-request-start": f"t={time.time() * 1e3:.0f}"})
     finally:
         if router is not None:
             stop_process(router.proc, timeout_s=10)
