@@ -5,8 +5,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -161,9 +161,9 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
     so the first user pays no compilation or allocation: not even the grammar engine's view of the vocabulary,
     which took the first request with `tools` 0.4 s on the H100 (and so past its SLA: refused). They are admitted
     whatever the SLA (a strict SLA that no request can meet, on a CPU, must refuse users, not stop the server
-    starting) and counted in no user's metrics and no latency model. Returns the fastest step it saw of each size
-    (rows → seconds): what no calibrated step of as many rows or fewer can exceed."""
-    steps = _FastestSteps(sla_ms / 1e3)
+    starting) and counted in no user's metrics and no latency model. Returns the median step it saw of each size
+    (rows → seconds): what a calibrated step of as many rows or fewer far over is a stall (no_slower_than_seen)."""
+    steps = _SeenSteps(sla_ms / 1e3)
     engine = Engine(decoder, tokenizer, admission=steps, metrics=Metrics(sla_tokens),
                     sla_ms=sla_ms, sla_tokens=sla_tokens, max_batch=max_batch, max_rows=max_rows)
     engine.start()
@@ -190,19 +190,22 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
     if decoder.device.type == "cuda" and max_rows is not None:
         # every step shape compiled and its graph captured now, though a calibration read from its cache times one
         run_every_step_shape(decoder, max_rows, max_batch or decoder.max_slots)
-    return steps.fastest
+    return steps.medians()
 
 
-class _FastestSteps(AdmitAll):
-    """Admits everything (the warm-up's requests), and keeps the fastest time of each step size it runs."""
+class _SeenSteps(AdmitAll):
+    """Admits everything (the warm-up's requests), and keeps the times of each step size it runs."""
 
     def __init__(self, sla_s: float) -> None:
         super().__init__(sla_s)
-        self.fastest: dict[int, float] = {}
+        self.seconds: dict[int, list[float]] = {}
 
     def consume(self, event: Event) -> None:
         if isinstance(event, StepDone) and event.seconds > 0 and not event.launched:
-            self.fastest[event.rows] = min(event.seconds, self.fastest.get(event.rows, math.inf))
+            self.seconds.setdefault(event.rows, []).append(event.seconds)
+
+    def medians(self) -> dict[int, float]:
+        return {rows: statistics.median(times) for rows, times in self.seconds.items()}
 
 
 def _warm_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int]) -> TokenConstraint | None:

@@ -187,10 +187,12 @@ def test_a_point_stalled_in_every_try_is_no_slower_than_more_work():
     assert cal.step_s[1] == pytest.approx(step_cost(1)) and cal.prefill_s[256] == pytest.approx(256 * TOKEN_S)
 
 
-def test_no_step_is_kept_slower_than_the_warm_up_ran_one_of_as_many_rows():
+def test_no_step_is_kept_far_slower_than_the_warm_up_ran_one_of_as_many_rows():
     """Every try of every step stalls (other jobs on the two cores), so that no step of more rows shows what a smaller
     one takes; the warm-up, run just before, had seen 16-row steps take 3 ms. No step of 16 rows or fewer is kept
-    slower than that; more rows are left as timed."""
+    far slower than that; more rows are left as timed. A step within 2x of the warm-up's is left as timed: the
+    warm-up's own times vary (on the H100, steps pipelined a step ahead end close together in host time), and
+    capping at them set a one-row step at 0.6 ms that takes 1.1."""
     from service.calibration import no_slower_than_seen
 
     dec = StandIn(stall=lambda call: 0.05 if dec.calls[-1][0] == "decode" else 0.0)
@@ -200,6 +202,8 @@ def test_no_step_is_kept_slower_than_the_warm_up_ran_one_of_as_many_rows():
     assert capped.step_s[1] == capped.step_s[8] == capped.step_s[16] == 0.003
     assert capped.step_s[64] == cal.step_s[64] > 0.05 and capped.measured == cal.measured
     assert no_slower_than_seen(cal, {}) is cal
+    near = {rows: 0.6 * t for rows, t in cal.step_s.items()}  # the warm-up's steps a little faster: no stall
+    assert no_slower_than_seen(cal, near) is cal
 
 
 def test_gpu_graph_buckets_time_every_pair_a_prefill_replays():
