@@ -42,11 +42,14 @@ PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked t
 
 @dataclass(frozen=True)
 class Promise:
-    """What admission said of a request when it admitted it: at `at`, its SLA token at `predicted` (the forecast
-    unstretched), judged at `level` with `stretch`. Each later admission forecasts it again beside its newcomer and
-    moves `predicted` there (Promise.rebased): its score is then how far the forecast was off, not how much load came
-    after it (scored against its first forecast, a request admitted alone in a moderate load scores 1.4x, and the
-    idle server's stretch rose until it refused requests alone: the H100's voice sweep)."""
+    """What admission said of a request: admitted at `at`, its SLA token at `predicted` (the forecast unstretched),
+    judged at `level` with `stretch`. Each later admission forecasts it again beside its newcomer and judges it at the
+    newcomer's level: the promise moves to that forecast, level and stretch. Its score is then how far the forecast
+    was off at the load it ended in, not how much load came after it (scored against its first forecast, a request
+    admitted alone in a moderate load scored 1.4x and the idle server's stretch rose until it refused requests alone:
+    the H100's voice sweep), and it is scored where it was last judged (kept at the level it was admitted at, a
+    request that ended beside four others taught the level of one, and the busy levels, short of scores of their
+    own, borrowed lighter ones': 3% of admitted requests came late on the H100 at 12-20 req/s, 12% in FP8 at 30)."""
 
     at: float
     predicted: float
@@ -58,13 +61,10 @@ class Promise:
         span = self.predicted - self.at
         return (came - self.at) / span if span > 0 else math.inf
 
-    def rebased(self, predicted: float) -> Promise:
-        return Promise(self.at, predicted, self.level, self.stretch)
-
 
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
-                 strict: bool = False, target: float = 0.99, clock: Callable[[], float] = time.monotonic) -> None:
+                 strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic) -> None:
         self.latency = latency
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
         self.max_batch = max_batch  # requests seated together
@@ -133,8 +133,7 @@ class AdmissionController:
                     p = self._promises.get(r.id)
                     if t < math.inf and (p is not None or r is req):
                         predicted = now + (t - now) / stretch
-                        self._promises[r.id] = p.rebased(predicted) if p is not None else \
-                            Promise(now, predicted, level, stretch)
+                        self._promises[r.id] = Promise(p.at if p is not None else now, predicted, level, stretch)
                 self._active[req.id] = req
 
     def _decide(self, req: Request, active: list[Request], now: float, stretch: float,

@@ -206,11 +206,12 @@ def test_each_admitted_request_is_scored_against_its_own_forecast():
     assert list(adm._active) == [req.id] and not adm._promises  # the short one ended: forgotten
 
 
-def test_a_request_is_scored_against_its_latest_forecast_not_the_load_that_came_after_it():
+def test_a_request_is_scored_against_its_latest_forecast_where_it_was_last_judged():
     """A request admitted alone is forecast again when another joins it (its steps now carry two rows): its promise
-    moves to that forecast, so reaching its SLA token when the joined forecast said scores 1, not the 1.3-1.4x it
-    would score against its forecast alone (on the H100 such scores raised an idle server's stretch until it refused
-    requests alone)."""
+    moves to that forecast and to the newcomer's level and stretch, so reaching its SLA token when the joined forecast
+    said scores 1 at the level of two in flight: not the 1.3-1.4x it would score against its forecast alone (on the
+    H100 such scores raised an idle server's stretch until it refused requests alone), and not at the level of one
+    (where busy levels, short of scores, borrowed them and let late requests in)."""
     from service.engine.commit import Token
 
     lat = LatencyModel({1: 0.001, 2: 0.0013}, {16: 0.002, 128: 0.003}, max_rows=64)
@@ -219,12 +220,13 @@ def test_a_request_is_scored_against_its_latest_forecast_not_the_load_that_came_
     adm.check(first)
     alone = adm._promises[first.id]
     adm.check(second := newcomer())
-    joined = adm._promises[first.id]
-    assert joined.at == alone.at and joined.level == alone.level and joined.stretch == alone.stretch
+    joined, theirs = adm._promises[first.id], adm._promises[second.id]
+    assert joined.at == alone.at  # its span still runs from its own verdict
+    assert joined.level == theirs.level != alone.level and joined.stretch == theirs.stretch != alone.stretch
     assert joined.predicted - joined.at > 1.25 * (alone.predicted - alone.at)  # two rows a step, and its prompt
-    assert adm._promises[second.id].level != alone.level  # the newcomer's own promise, at its level
     adm.consume(Token(first, 7, 64, "", joined.predicted))
-    assert adm.guard._scores[alone.level].ranked == [pytest.approx(1.0)]
+    assert adm.guard._scores[theirs.level].ranked == [pytest.approx(1.0)]
+    assert alone.level not in adm.guard._scores
 
 
 def test_late_requests_at_a_busy_level_refuse_there_only_and_never_switch_admission_off():

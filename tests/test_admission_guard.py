@@ -79,6 +79,21 @@ def test_one_stall_never_decides_but_a_pattern_does():
     assert guard.stretch(BESIDE_ONE) == pytest.approx(1.6)
 
 
+def test_a_rare_busy_level_is_never_stretched_less_than_it_saw_itself():
+    """A level a busy server reaches now and then pools lighter levels' scores until it has enough of its own; the
+    pool's quantile never hides what it saw itself (bar its single largest score): on the H100 the lighter levels
+    alone said 1.14 while FP8 requests admitted at 30 req/s came 16% late."""
+    guard = AdmissionGuard(0.99)
+    for _ in range(guard.enough):
+        guard.observe(BESIDE_ONE, 1.0, 1.0)
+    guard.observe(BUSY, 1.5, 1.0)  # one score alone never decides
+    assert guard.stretch(BUSY) == pytest.approx(1.0)
+    for score in (1.3, 1.2, 1.1):
+        guard.observe(BUSY, score, 1.0)
+    assert guard.stretch(BUSY) == pytest.approx(1.3)  # its own second largest, above the pool's quantile
+    assert guard.stretch(BESIDE_ONE) == pytest.approx(1.0)  # the lighter level keeps its own
+
+
 def test_a_level_keeps_only_its_recent_scores():
     guard = AdmissionGuard(0.99)
     for _ in range(guard.enough * WINDOW_PER_N):
