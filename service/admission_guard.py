@@ -15,8 +15,8 @@ every step misses its forecast differently from one serving a single stream.
 
 How many scores are enough: N = the fewest for which the quantile is not the largest score (199 at 0.99), so that one
 stall (a first request's one-off cost, a compile) never decides alone; it would otherwise keep a whole level refusing
-for hundreds of requests, and a refusing level learns nothing. A level with fewer pools the nearest levels' (one in-
-flight bucket or one prompt kind away, then two, ...) until it has N, and its stretch is then never below its own
+for hundreds of requests, and a refusing level learns nothing. A level with fewer pools the nearest levels' (one
+in-flight bucket or one prompt kind away, then two, ...) until it has N, and its stretch is then never below its own
 second-largest score: the levels a busy server reaches rarely are the ones that miss, and lighter levels' scores alone
 said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. Where all of them
 together have fewer, the stretch is a prior and the pool's second-largest score averaged, the prior weighing as
