@@ -151,7 +151,7 @@ class Engine:
             raise ValueError(f"this model's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
                              f"max_tokens asks for {params.max_tokens} more")
         vocab = self.decoder.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # in C: a generator over the prompt took ~50 ns a token
             raise ValueError(f"token ids must lie in [0, {vocab})")
         req = Request(prompt_ids=list(prompt_ids), params=params, sink=sink, session=session,
                       output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
