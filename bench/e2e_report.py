@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import loop_metrics
 from bench.device import describe, file_stem
 from bench.publish import publish, pyplot
 
@@ -98,7 +99,7 @@ def build(raw: Path) -> dict[str, Any]:
     for path in paths:
         label, kind = path.stem.split("-", 1)
         doc = json.loads(path.read_text())
-        records.append(record(label, doc["config"]["model"], kind, doc))
+        records.append(record(label, doc["config"]["model"], kind, doc) | loop_metrics.figures(raw, path.stem))
     pair_capacity(records)
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
@@ -125,6 +126,16 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{fmt(r['ttf64_ms_p99'])} | {fmt(r['ttft_ms_p50'])} | {fmt(r['itl_ms_p50'], 2)} | "
             f"{fmt(r['sla_attainment'], 3)} | {fmt(r['rejection_rate'], 3)} | {fmt(r.get('goodput_rps'))} | "
             f"{fmt(r['output_tokens_per_s'], 0)} | {fmt(r['usd_per_1m_tokens'], 3)} |")
+    looped = [r for r in doc["records"] if r.get("loop_iterations")]
+    if looped:
+        lines += ["", "The engine loop, from each server's /metrics over each loadtest (its warm-up included): the "
+                      "host's time per iteration (not blocked on the device), and the GPU's idle time between "
+                      "consecutive steps (CUDA events; – without a GPU)", "",
+                  "| backend | run | iterations | host time per iteration p50 µs | p99 µs | GPU idle between steps "
+                  "p50 µs | p99 µs |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['backend']} | {r['kind']} | {r['loop_iterations']} | {fmt(r['host_us_p50'])} | "
+                  f"{fmt(r['host_us_p99'])} | {fmt(r['gpu_idle_us_p50'])} | {fmt(r['gpu_idle_us_p99'])} |"
+                  for r in looped]
     paired = [r for r in doc["records"] if "capacity_rps" in r]
     if paired:
         lines += ["", "Goodput beside capacity: the highest rate with 99% of all requests on time, with admission on "

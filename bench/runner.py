@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench import loop_metrics
 from bench.runs import Benchmark, Loadtest, Server
 from bench.server import ROOT, ServerFailed, get_text, serving
 
@@ -76,6 +77,15 @@ def run_loadtest(bench: Benchmark, test: Loadtest, url: str, raw: Path, t0: floa
     return rc == 0 and out.exists()
 
 
+def scrape(base: str, path: Path) -> None:
+    """base's /metrics into `path` (a stale one removed where it does not answer)."""
+    text = get_text(base, "/metrics")
+    if text is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(text)
+
+
 @contextmanager
 def _server(server: Server, raw: Path, url: str | None, timeout_s: float) -> Iterator[str]:
     if url:
@@ -125,7 +135,12 @@ def run(bench: Benchmark, raw: Path, out: Path, url: str | None = None, archive:
                 if not url:
                     startup[server.label] = round(time.monotonic() - started, 1)
                     (raw / "startup.json").write_text(json.dumps(startup, indent=1) + "\n")
-                failed += [t.name for t in server.loadtests if not run_loadtest(bench, t, base, raw, t0)]
+                for test in server.loadtests:
+                    # /metrics around each loadtest: the report reads the engine loop's histograms over it
+                    scrape(base, raw / f"{test.name}{loop_metrics.BEFORE}")
+                    if not run_loadtest(bench, test, base, raw, t0):
+                        failed.append(test.name)
+                    scrape(base, raw / f"{test.name}{loop_metrics.AFTER}")
                 for path, name in (("/v1/latency_model", f"{server.label}-latency-model.json"),
                                    ("/metrics", f"{server.label}-metrics.txt")):
                     text = get_text(base, path)

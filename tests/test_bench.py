@@ -167,4 +167,34 @@ def test_e2e_starts_parley(tmp_path: Path) -> None:
     [report] = results.glob("e2e-*.json")
     doc = json.loads(report.read_text())
     assert "--model synthetic:tiny" in " ".join(doc["servers"]["reference.bf16"])
+    # the engine loop over each loadtest, from /metrics scraped around it: the host's time, and no GPU idle on a CPU
+    loop = next(r for r in doc["records"] if r["kind"] == "single-32")
+    assert loop["loop_iterations"] >= 3 * 64 and 0 < loop["host_us_p50"] <= loop["host_us_p99"]
+    assert loop["gpu_idle_us_p50"] is None and loop["gpu_idle_us_p99"] is None
+    assert "host time per iteration p50 µs" in report.with_suffix(".md").read_text()
     assert 0 < doc["startup_s"]["reference.bf16"] < 300  # the start-up, as issue 21 bounds it
+
+
+def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> None:
+    """The report's engine-loop figures: the difference of two scrapes, its quantiles interpolated within a bucket;
+    a histogram the server does not export (the GPU's idle time on a CPU) gives None, not 0."""
+    from bench import loop_metrics
+
+    def scrape(counts: dict[str, int]) -> str:
+        lines = ["# TYPE parley_engine_host_seconds histogram"]
+        lines += [f'parley_engine_host_seconds_bucket{{le="{le}"}} {n}' for le, n in counts.items()]
+        lines += [f"parley_engine_host_seconds_count {counts['+Inf']}", "parley_engine_host_seconds_sum 1.0"]
+        return "\n".join(lines) + "\n"
+
+    # 100 iterations before the loadtest, all slow; during it 100 more: 50 under 0.1 ms, 49 under 0.2, 1 over 1 ms
+    (tmp_path / "x-single-32.metrics-before.txt").write_text(scrape({"0.0001": 0, "0.0002": 0, "0.001": 100,
+                                                                     "+Inf": 100}))
+    (tmp_path / "x-single-32.metrics.txt").write_text(scrape({"0.0001": 50, "0.0002": 99, "0.001": 199,
+                                                              "+Inf": 200}))
+    figures = loop_metrics.figures(tmp_path, "x-single-32")
+    assert figures["loop_iterations"] == 100
+    assert figures["host_us_p50"] == 100.0  # the 50th of 100 sits at the first bucket's top
+    assert figures["host_us_p99"] == 200.0  # the 99th: the second bucket's last
+    assert figures["gpu_idle_us_p50"] is None and figures["gpu_idle_us_p99"] is None
+    assert loop_metrics.figures(tmp_path, "never-scraped") == {}
+    assert loop_metrics.quantile({0.001: 0, float("inf"): 4}, 0.5) == 0.001  # past the last bound: that bound

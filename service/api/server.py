@@ -8,6 +8,7 @@ the exit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -72,6 +73,10 @@ class ParleyServer(uvicorn.Server):
             log.info("Parley listening on http://%s:%d — model %s, backend %s, device %s, %d slots, context %d",
                      c.host, c.port, rt.model_id, rt.backend, rt.device, rt.config.max_batch,
                      self.state.max_context)
+            # uvicorn's "auto" takes uvloop and httptools where installed (a dependency on Linux): on an idle CPU
+            # server they took 0.3-0.4 ms off the first token against asyncio's loop and h11 (bench/NOTES.md)
+            log.info("event loop %s, HTTP parser %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
+                     getattr(c.http_protocol_class, "__name__", c.http))
 
 
 def serve(cfg: ServeConfig) -> int:

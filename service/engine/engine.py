@@ -23,6 +23,7 @@ from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
 from service.engine.kv_slots import KVSlots, Session
+from service.engine.loop_clock import LoopClock
 from service.engine.masks import StepMasks
 from service.engine.output import TextOutput
 from service.engine.planner import LAUNCH_MIN_TOKENS, Planner
@@ -97,6 +98,9 @@ class Engine:
         self._slow_steps = SlowSteps()
         self._slow_iterations = SlowIterations()
         self._launch_phases: dict[str, float] = {}
+        self._read_wait = 0.0  # this iteration's time blocked reading a step's tokens (the host waiting on the device)
+        self._clock = LoopClock(decoder.device, self.metrics.engine_host,
+                                self.metrics.track_gpu_idle() if decoder.device.type == "cuda" else None)
         self._slow_prefills = 0  # the decoder's count, as last exported
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
@@ -147,7 +151,7 @@ class Engine:
             raise ValueError(f"this model's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
                              f"max_tokens asks for {params.max_tokens} more")
         vocab = self.decoder.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # in C: a generator over the prompt took ~50 ns a token
             raise ValueError(f"token ids must lie in [0, {vocab})")
         req = Request(prompt_ids=list(prompt_ids), params=params, sink=sink, session=session,
                       output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
@@ -219,6 +223,8 @@ class Engine:
                 self._fail_all()
 
     def _iteration(self) -> None:
+        started = time.perf_counter()
+        self._read_wait = 0.0
         self._take_inbox()
         now = time.perf_counter()
         self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
@@ -228,6 +234,7 @@ class Engine:
             self._inflight = None
             if inflight is not None:
                 self._complete(inflight)
+                self._clock.iteration(time.perf_counter() - started, self._read_wait)
             else:
                 self._update_gauges()
                 self._wake.wait(timeout=0.5)
@@ -247,8 +254,18 @@ class Engine:
                 self._complete(launched)
         t_complete = time.perf_counter()
         self._update_gauges()
+        end = time.perf_counter()
         self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases,
-                                       "complete": t_complete - t_launch, "gauges": time.perf_counter() - t_complete})
+                                       "complete": t_complete - t_launch, "gauges": end - t_complete})
+        self._clock.iteration(end - started, self._read_wait + self._step_compute())
+
+    def _step_compute(self) -> float:
+        """The launch's time that was the step's own compute: none on a GPU (launches return at once); on the CPU the
+        decoder's calls and the choice of tokens, which run on this thread (a grammar mask's wait is the host's)."""
+        if self.overlap:
+            return 0.0
+        p = self._launch_phases
+        return p.get("copies+prefills", 0.0) + p.get("decode", 0.0) + p.get("choose", 0.0) - p.get("mask wait", 0.0)
 
     def _take_inbox(self) -> None:
         while True:
@@ -287,6 +304,8 @@ class Engine:
         the choice of its tokens on the device. A failure fails the plan's requests alone."""
         t0 = time.perf_counter()
         self._busy_since = time.monotonic()
+        self._launch_phases = {}
+        self._clock.step_start()
         try:
             for c in plan.copies:
                 self.decoder.copy_prefix(c.src, c.dst, c.tokens)
@@ -304,12 +323,14 @@ class Engine:
                                       masks=collected.masks if masked_in_step and collected else None)
             t3 = time.perf_counter()
             tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step)
+            self._clock.step_end(consecutive=inflight is not None)
             self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}
             if tokens.mask_waits:  # grammar masks not ready in time: the engine thread waited (part of choose)
                 self._launch_phases["mask wait"] = tokens.mask_wait_s
                 self.metrics.grammar_mask_waits.inc(tokens.mask_waits)
         except Exception as e:
+            self._clock.step_failed()
             log.exception("step failed")
             self._publish([Finished(r, "error", time.perf_counter(), error=f"step failed: {e}")
                            for r in _requests_of(plan) if r.state is not State.FINISHED])
@@ -340,6 +361,7 @@ class Engine:
     def _complete(self, launched: Launched) -> None:
         """Read a launched step's tokens back and commit it."""
         self._busy_since = time.monotonic()
+        t0 = time.perf_counter()
         try:
             launched.tokens.read()
         except Exception as e:
@@ -350,6 +372,7 @@ class Engine:
             return
         finally:
             self._busy_since = None
+            self._read_wait += time.perf_counter() - t0
         now = time.perf_counter()
         # The step as a client sees it: from the last step's end while the engine ran step after step (the host's
         # work and stalls between steps included: the cadence tokens come at, which admission must learn), from its

@@ -1,0 +1,74 @@
+"""The engine loop as a server's /metrics saw it over one loadtest: the runner scrapes /metrics before and after each
+(<loadtest>.metrics-before.txt, <loadtest>.metrics.txt in the raw folder), and the report reads the difference of two
+histograms, parley_engine_host_seconds and parley_gpu_idle_seconds, as quantiles (interpolated within a bucket, as
+Prometheus' histogram_quantile does). The loadtest's warm-up requests are in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+HOST = "parley_engine_host_seconds"
+GPU_IDLE = "parley_gpu_idle_seconds"
+BEFORE, AFTER = ".metrics-before.txt", ".metrics.txt"  # after the loadtest's name
+
+
+def buckets(text: str, name: str) -> dict[float, float] | None:
+    """A histogram's cumulative bucket counts (upper bound → count) summed over its labels; None where it is absent."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
+    return out or None
+
+
+def quantile(cumulative: dict[float, float], q: float) -> float | None:
+    """The q-quantile of a histogram's cumulative counts; None where it counted nothing. Past the last finite bound:
+    that bound (the histogram knows no more)."""
+    edges = sorted(cumulative)
+    total = cumulative[edges[-1]]
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in edges:
+        count = cumulative[le]
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def over(before: str | None, after: str, name: str) -> dict[float, float] | None:
+    """The histogram's counts between two scrapes (after alone where there is no before)."""
+    end = buckets(after, name)
+    if end is None:
+        return None
+    start = buckets(before, name) if before is not None else None
+    return {le: n - (start or {}).get(le, 0.0) for le, n in end.items()}
+
+
+def figures(raw: Path, loadtest: str) -> dict[str, Any]:
+    """host_us_p50/p99, gpu_idle_us_p50/p99 and loop_iterations over one loadtest; {} where it was not scraped, None
+    for a figure the server did not measure (the GPU's idle time on a CPU)."""
+    after_file, before_file = raw / f"{loadtest}{AFTER}", raw / f"{loadtest}{BEFORE}"
+    if not after_file.exists():
+        return {}
+    after = after_file.read_text()
+    before = before_file.read_text() if before_file.exists() else None
+    out: dict[str, Any] = {}
+    for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE)):
+        h = over(before, after, name)
+        for q in (50, 99):
+            v = None if h is None else quantile(h, q / 100)
+            out[f"{key}_us_p{q}"] = None if v is None else round(v * 1e6, 1)
+        if key == "host":
+            out["loop_iterations"] = None if h is None else int(h[float("inf")])
+    return out

@@ -1,0 +1,107 @@
+"""LoopClock: the engine loop measured, per iteration. Two figures (issue 37: the GPU never waits for the host):
+
+- the host's time: an iteration's wall time less what it spent blocked on the device (on a GPU the read of a step's
+  tokens; on the CPU the step's own compute, which runs on the engine thread): plan, launch, commit, publish, gauges;
+- on CUDA, the GPU's idle time between two consecutive steps: CUDA events recorded on the step's stream before its
+  first launch and after its last, and the gap between one step's end and the next one's start, as the GPU timed them.
+  A gap is read only once both events have completed (`query()`, never a synchronisation), an iteration or two later.
+
+"Consecutive": the next step was launched while the last one was still in flight, the engine running a step ahead. A
+step launched after the engine had read everything (it had nothing to plan ahead, or waited for work) starts a new run:
+that gap is the server being idle, not the host being late. Without CUDA only the host's time is measured; the idle
+histogram is never created, so /metrics shows no series rather than zeros that were never measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from prometheus_client import Histogram
+
+MAX_PENDING = 64  # gaps not yet readable (the GPU is never this far behind; a bound, not a queue that grows)
+
+
+class Event(Protocol):
+    """What LoopClock asks of a torch.cuda.Event."""
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class LoopClock:
+    def __init__(self, device: torch.device, host: Histogram, gpu_idle: Histogram | None = None,
+                 new_event: Callable[[], Event] | None = None) -> None:
+        """`gpu_idle`: where the gaps go; None, or a device that is not CUDA, measures the host's time only.
+        `new_event`: a maker of timing events, for tests without a GPU (default: CUDA events with timing)."""
+        self.host = host
+        self.gpu = gpu_idle is not None and (device.type == "cuda" or new_event is not None)
+        self.gpu_idle = gpu_idle
+        self._new_event: Callable[[], Event] = new_event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._stream = torch.cuda.current_stream(device) if self.gpu and device.type == "cuda" else None
+        self._free: list[Event] = []
+        self._start: Event | None = None  # the step being launched
+        self._last_end: Event | None = None  # the end of the last step launched
+        self._pending: list[tuple[Event, Event]] = []  # (a step's end, the next one's start)
+
+    # -- the GPU's idle time ---------------------------------------------------------------------------------------
+    def step_start(self) -> None:
+        """Before a step's first launch (prefix copies, prefills, its inputs' copy)."""
+        if self.gpu:
+            self._start = self._record()
+
+    def step_end(self, consecutive: bool) -> None:
+        """After a step's last launch; `consecutive`: launched while the step before it was still in flight."""
+        if not self.gpu or self._start is None:
+            return
+        start, self._start = self._start, None
+        end = self._record()
+        last, self._last_end = self._last_end, end
+        if consecutive and last is not None:
+            self._pending.append((last, start))
+            if len(self._pending) > MAX_PENDING:
+                self._release(*self._pending.pop(0))
+        else:
+            self._release(start, *(() if last is None else (last,)))
+
+    def step_failed(self) -> None:
+        """The launch raised: its events pair with nothing (the next step starts a new run)."""
+        if self._start is not None:
+            self._release(self._start)
+        if self._last_end is not None:
+            self._release(self._last_end)
+        self._start = self._last_end = None
+
+    def _record(self) -> Event:
+        event = self._free.pop() if self._free else self._new_event()
+        event.record(self._stream)
+        return event
+
+    def _release(self, *events: Event) -> None:
+        self._free.extend(events)
+
+    def _read_gaps(self) -> None:
+        """Every gap whose next step has started on the GPU (so the step before it has ended): into the histogram.
+        The stream runs in order, so the first gap not readable yet ends the pass."""
+        assert self.gpu_idle is not None
+        done = 0
+        for end, start in self._pending:
+            if not start.query():
+                break
+            # on one stream the next step's start completes after the last one's end: a negative reading is the
+            # timer's resolution (~0.5 us), not time
+            self.gpu_idle.observe(max(0.0, end.elapsed_time(start)) / 1e3)
+            self._release(end, start)  # a pair's events belong to no other pair (the last end is in none yet)
+            done += 1
+        del self._pending[:done]
+
+    # -- the host's time -------------------------------------------------------------------------------------------
+    def iteration(self, wall_s: float, device_s: float) -> None:
+        """An iteration that ran or read a step: `wall_s` in all, `device_s` of it blocked on the device."""
+        self.host.observe(max(0.0, wall_s - device_s))
+        if self._pending:
+            self._read_gaps()
