@@ -73,8 +73,9 @@ class ParleyServer(uvicorn.Server):
             log.info("Parley listening on http://%s:%d — model %s, backend %s, device %s, %d slots, context %d",
                      c.host, c.port, rt.model_id, rt.backend, rt.device, rt.config.max_batch,
                      self.state.max_context)
-            # uvicorn's "auto" takes uvloop and httptools where installed (a dependency on Linux): on an idle CPU
-            # server they took 0.3-0.4 ms off the first token against asyncio's loop and h11 (bench/NOTES.md)
+            # uvicorn's "auto" takes uvloop and httptools where installed: 0.3 ms off an idle CPU server's first
+            # token, none on the H100 (6.7 ms against 6.5), where its single streams ran a worse tail; not a
+            # dependency (bench/NOTES.md). The log says which ran.
             log.info("event loop %s, HTTP parser %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
                      getattr(c.http_protocol_class, "__name__", c.http))
 
