@@ -24,6 +24,7 @@ SCRIPTS = {
     "decode": ("bench.decode", "the decode step: megakernel against its peers and the bandwidth floor (GPU)"),
     "ncu-step": ("bench.ncu_step", "where one decode step's warps wait, line by line, under Nsight Compute (GPU)"),
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),
+    "gluon-proto": ("bench.gluon_proto", "gate/up alone: Gluon swap-AB (TMA, wgmma) vs Triton vs cuBLAS (GPU)"),
     "fp8-quality": ("bench.fp8_quality", "what FP8 weights cost in perplexity and greedy agreement"),
     "tool-speech": ("bench.tool_speech", "20 tool round trips: does each follow-up end in speech (CPU or GPU)"),
     "diag": ("bench._diag", "the megakernel's per-step logits error against the reference (GPU)"),
