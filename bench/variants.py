@@ -120,6 +120,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "st3": lambda w: KernelConfig(tiles=_narrow(w, MATVECS, stages=3)),
     "ks2": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), k_slices=2)),
     "down2": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), rows=32, k_splits=2, k_halves=False)),
+    # timing only, its logits WRONG by design: no task waits for its inputs, so the step costs what its tasks cost
+    # streamed back to back; against the default, what the dependency waits and phase boundaries cost
+    "no-wait": lambda w: KernelConfig(skip_waits=True),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -130,6 +130,7 @@ def megakernel(
     PF_AHEAD: tl.constexpr, PF_OWN: tl.constexpr, PF_KV: tl.constexpr,
     DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
     PROFILE: tl.constexpr,
+    SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): no task waits for its inputs
 ):
     NF: tl.constexpr = I.RECORD_LEN
     H: tl.constexpr = MODEL.hidden
@@ -173,7 +174,8 @@ def megakernel(
         if PF_KV:
             if op == I.ATTN:
                 prefetch_kv(r, inputs, cache, MODEL, ATT)
-        wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
+        if not SKIP_WAITS:
+            wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
         if PROFILE:
             tl.store(sched.prof + t * 4 + 1, tl.extra.cuda.globaltimer())
         inc = tl.full([], 1, tl.int32)
@@ -270,6 +272,9 @@ class KernelConfig:
     max_spin: int = 1 << 22
     poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
     profile: bool = False  # record (start, ready, end, SM) per task in Megakernel.prof
+    # Timing only: every task starts without waiting for its inputs (the results are wrong). The step's cost less its
+    # dependency latency: what the same tasks cost streamed back to back (bench variant `no-wait`).
+    skip_waits: bool = False
 
 
 @dataclass
@@ -487,5 +492,6 @@ class Megakernel:
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
             POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
+            SKIP_WAITS=c.skip_waits,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )
