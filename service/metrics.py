@@ -62,6 +62,10 @@ class Metrics:
         self.engine_host = Histogram(
             "parley_engine_host_seconds", "One engine iteration's time not blocked on the device (plan, launch, "
             "commit, publish, gauges): what the host adds between two steps", buckets=LOOP_BUCKETS, registry=r)
+        self.verdict_after = Histogram(
+            "parley_admission_verdict_seconds", "From a request's arrival (the SLA clock's start) to admission's "
+            "verdict: the budget the front end (body, template, tokenizer) and the forecast spent before it was "
+            "admitted or refused", buckets=LOOP_BUCKETS, registry=r)
         self.gpu_idle: Histogram | None = None  # only where a GPU is measured (track_gpu_idle): absent, not zeros
         self.gc_pause = Histogram(
             "parley_gc_pause_seconds", "Python garbage-collector pauses: every stream stalls during one",

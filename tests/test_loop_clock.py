@@ -204,3 +204,45 @@ def test_gpu_idle_between_consecutive_steps_is_measured_on_cuda(tiny):
     # 32 steps, each but the first launched while the one before ran; the last gaps may not have been read yet
     assert samples["parley_gpu_idle_seconds_count"] >= 16
     assert samples["parley_gpu_idle_seconds_sum"] >= 0
+
+
+class RefuseSecond:
+    """Admits the first request, refuses every later one (as an overloaded server would)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def bind(self, planner) -> None: ...
+
+    def check(self, req) -> None:
+        from service.engine.admission import Rejected
+
+        self.seen += 1
+        req.deadline = req.arrival + 0.1
+        if self.seen > 1:
+            raise Rejected("overloaded", "full")
+
+    def consume(self, event) -> None: ...
+
+    def headroom(self, now: float) -> float:
+        return 0.1
+
+
+def test_the_budget_gone_before_the_verdict_is_measured_admitted_or_refused(tiny):
+    """parley_admission_verdict_seconds: from a request's arrival (its SLA clock, which x-request-start may start
+    before it reached the server) to admission's verdict. On the H100 a fresh 2,000-token prompt reached its verdict
+    5-9 ms after arriving and was refused at a forecast of 101-103 ms: the front end's share of the budget."""
+    from service.engine.admission import Rejected
+
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4, admission=RefuseSecond())
+    sink = queue.SimpleQueue()
+    eng.submit(list(range(1, 9)), GREEDY, sink.put, arrival=time.perf_counter() - 0.040)  # sent 40 ms ago
+    with pytest.raises(Rejected):
+        eng.submit(list(range(1, 9)), GREEDY, sink.put, arrival=time.perf_counter() - 0.004)
+    samples = {(s.name, s.labels.get("le")): s.value
+               for s in metric_families(eng.metrics)["parley_admission_verdict_seconds"].samples}
+    assert samples[("parley_admission_verdict_seconds_count", None)] == 2  # the refused one too
+    assert samples[("parley_admission_verdict_seconds_bucket", "0.003")] == 0  # neither before 3 ms
+    assert samples[("parley_admission_verdict_seconds_bucket", "0.02")] == 1  # the refused one, 4 ms in
+    assert 0.044 <= samples[("parley_admission_verdict_seconds_sum", None)] < 0.5

@@ -171,6 +171,8 @@ class Engine:
             self.admission.check(req)
         except Rejected as r:
             self._reject(req, r)
+        finally:  # admitted or refused: how much of its SLA budget was gone by then
+            self.metrics.verdict_after.observe(time.perf_counter() - req.arrival)
         self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
         with self._lock:
             self._live.add(req)
