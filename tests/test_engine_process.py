@@ -23,7 +23,6 @@ from websockets.asyncio.client import ClientConnection, connect
 from tests.server_support import (
     Server,
     group_pids,
-    health_status,
     poll,
     recv_event,
     scrape_metrics,
@@ -165,23 +164,33 @@ def test_realtime_barge_in_and_kv_reuse(proc_server: Server) -> None:
     assert scrape_metrics(proc_server.base).requests("cancelled") >= 1
 
 
-def test_sigterm_drains_and_stops_both_processes(tmp_path: Path) -> None:
-    """SIGTERM mid-stream: the stream still ends with [DONE], new requests get 503 meanwhile, and both processes
-    exit (the front end 0)."""
-    server = tiny_server(tmp_path / "drain.log", *SLOW)
+def test_the_sla_clock_crosses_with_the_request(proc_server: Server) -> None:
+    """x-request-start is read in the front end and judged by admission in the engine process: a request sent 59.5 s
+    ago against a 60 s SLA has 0.5 s left, less than 64 steps of 20 ms: refused at once; the same request fresh is
+    admitted."""
+    body = {"prompt": "late", "max_tokens": 64, "ignore_eos": True}
+    stale = httpx.post(f"{proc_server.base}/v1/completions", json=body, timeout=30,
+                       headers={"x-request-start": f"t={(time.time() - 59.5) * 1e3:.0f}"})
+    assert stale.status_code == 429 and stale.json()["error"]["type"] == "overloaded", stale.text
+    fresh = httpx.post(f"{proc_server.base}/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
+    assert fresh.status_code == 200, fresh.text
+
+
+def test_api_keys_are_checked_in_the_front_end(tmp_path: Path) -> None:
+    """--api-key with --engine-process: a call without the key is refused 401 by the front end (counted on the one
+    /metrics beside the engine's series), with it served; SIGTERM then stops both processes (exit 0)."""
+    server = tiny_server(tmp_path / "keys.log", *SLOW, "--api-key", "sk-test-proc")
     pids = set(group_pids(server.proc.pid))
     try:
-        events: list[str] = []
-        body = {**LONG, "max_tokens": 60}
-        with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if (d := sse_data(line)) is not None:
-                    events.append(d)
-                    if len(events) == 3:
-                        server.proc.send_signal(signal.SIGTERM)
-                        poll(lambda: health_status(server.base), lambda s: s == 503, 10, "/health 503 draining")
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-        assert server.proc.wait(timeout=60) == 0, server.log_tail()
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{server.base}/v1/completions", json=body, timeout=30).status_code == 401
+        ok = httpx.post(f"{server.base}/v1/completions", json=body, timeout=30,
+                        headers={"Authorization": "Bearer sk-test-proc"})
+        assert ok.status_code == 200, ok.text
+        m = scrape_metrics(server.base)
+        assert m.total("parley_api_key_refusals_total", reason="missing", transport="http") == 1
+        assert m.requests("completed") == 1 and m.requests("rejected") == 0
+        assert stop_server(server) == 0, server.log_tail()
         poll(lambda: gone(pids), bool, 20, "every process of the server gone")
     finally:
         if server.proc.poll() is None:
