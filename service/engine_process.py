@@ -191,7 +191,7 @@ class EngineService:
             return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
         except ValueError as e:
             return Verdict(m.rid, 400, "invalid", str(e)), None
-        return Verdict(m.rid), req
+        return Verdict(m.rid, cached_tokens=req.cached_tokens), req
 
     def _reply(self, m: Query) -> None:
         t0 = time.perf_counter()

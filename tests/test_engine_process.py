@@ -20,6 +20,14 @@ import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
+from service.api.engine_client import EngineClient, RemoteGrammar
+from service.config import ServeConfig
+from service.engine import ipc
+from service.engine.admission import Rejected
+from service.engine.grammar import GrammarError
+from service.engine.request import SamplingParams
+from service.engine_process import EngineService
+from service.runtime import build_engine
 from tests.server_support import (
     Server,
     group_pids,
@@ -84,6 +92,57 @@ async def until_done(ws: ClientConnection, errors: list[dict[str, Any]] | None =
         if e["type"] == "error" and errors is not None:
             errors.append(e["error"])
     return e["response"]
+
+
+def test_the_client_and_the_service_in_one_process() -> None:
+    """EngineService on threads, EngineClient on this event loop (no server): a delta's usage and timings cross; a
+    grammar the engine process cannot compile is a GrammarError, a prompt it cannot take a ValueError (the turn's
+    400s); a cancel ends the stream at once with the usage so far; after Drain, a submit is refused 503."""
+    rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128,
+                                  calibration_budget_s=1, sla_ms=60000))
+    addresses = ipc.Addresses.fresh()
+    service = EngineService(rt, addresses)
+    serving = threading.Thread(target=service.serve, daemon=True)
+    serving.start()
+
+    async def go() -> None:
+        client = await EngineClient.connect(addresses)
+        try:
+            assert client.info.max_context == 128 and client.tokenizer.encode("hi")
+            stream = await client.submit([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+            deltas = [d async for d in stream]
+            last = deltas[-1]
+            assert last.finish_reason == "length" and last.usage is not None and last.timings is not None
+            assert last.usage.completion_tokens == 5 == sum(len(d.token_ids) for d in deltas)
+            assert last.timings.ttft_ms is not None and last.timings.e2e_ms >= last.timings.ttft_ms
+            with pytest.raises(GrammarError):
+                await client.submit([1, 2], SamplingParams(max_tokens=2), RemoteGrammar("start: ("))
+            with pytest.raises(ValueError, match="token ids"):
+                await client.submit([1, 10**6], SamplingParams(max_tokens=2))
+            long = await client.submit([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True))
+            seen = 0
+            async for d in long:
+                seen += len(d.token_ids)
+                if seen >= 2 and d.finish_reason is None:
+                    long.cancel()
+                if d.finish_reason is not None:
+                    assert d.finish_reason == "cancelled" and d.usage is not None and d.usage.completion_tokens < 100
+            long.close()
+            client.drain()
+            await asyncio.sleep(0.2)  # a heartbeat after the Drain
+            assert client.unavailable() is not None and client.unavailable()[0] == "draining"
+            with pytest.raises(Rejected) as refused:
+                await client.submit([1, 2], SamplingParams(max_tokens=2))
+            assert refused.value.status == 503
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        service.stop()
+        serving.join(timeout=10)
+        service.close()
 
 
 def test_streams_tools_and_one_metrics(proc_server: Server) -> None:

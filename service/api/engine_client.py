@@ -84,14 +84,15 @@ def delta_of(o: Out) -> Delta:
 class RemoteStream:
     """One submitted request, its deltas readable with `async for` (the last one carries finish_reason)."""
 
-    def __init__(self, client: EngineClient, rid: int, prompt_tokens: int,
+    def __init__(self, client: EngineClient, rid: int, prompt_tokens: int, arrival: float,
                  on_close: Callable[[], None] | None) -> None:
         self.client, self.rid = client, rid
         self.verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._prompt_tokens = prompt_tokens
         self._tokens = 0
-        self._start = time.perf_counter()
+        self._arrival = arrival
+        self._first_at: float | None = None  # when its first token reached this process
         self.finished = False  # its last delta was read
         self._ended = False  # its last delta is queued
         self._on_close = on_close
@@ -99,6 +100,8 @@ class RemoteStream:
     def put(self, d: Delta) -> None:
         if self._ended:
             return  # cancelled here already: the engine's own last delta is never read
+        if d.token_ids and self._first_at is None:
+            self._first_at = time.perf_counter()
         self._tokens += len(d.token_ids)
         if d.finish_reason is not None:
             self._ended = True
@@ -108,7 +111,16 @@ class RemoteStream:
         self.put(Delta("", [], finish_reason="error", error=why, usage=self._usage()))
 
     def _usage(self) -> Usage:
-        return Usage(self._prompt_tokens, self._tokens, 0)
+        cached = self.verdict.result().cached_tokens if self.verdict.done() else 0
+        return Usage(self._prompt_tokens, self._tokens, cached)
+
+    def _timings(self) -> Timings:
+        """A cancel's timings, as this process saw them (the engine's own last delta is not waited for)."""
+        def ms(t: float | None) -> float | None:
+            return None if t is None else round((t - self._arrival) * 1e3, 3)
+
+        return Timings(ttft_ms=ms(self._first_at), e2e_ms=ms(time.perf_counter()),
+                       n=self.client.info.sla_tokens)
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         while not self.finished:
@@ -123,8 +135,7 @@ class RemoteStream:
         if self._ended:
             return
         self.client.cancel(self.rid)
-        self.put(Delta("", [], finish_reason="cancelled", usage=self._usage(),
-                       timings=Timings(e2e_ms=round((time.perf_counter() - self._start) * 1e3, 3))))
+        self.put(Delta("", [], finish_reason="cancelled", usage=self._usage(), timings=self._timings()))
 
     def close(self) -> None:
         self.cancel()
@@ -189,12 +200,12 @@ class EngineClient:
         if self.dead is not None:
             raise Rejected("engine_gone", f"the engine process is gone: {self.dead}", retry_after_s=5.0, status=503)
         rid = next(self._rids)
-        stream = self._streams[rid] = RemoteStream(self, rid, len(prompt_ids), on_close)
+        arrival = arrival if arrival is not None else time.perf_counter()
+        stream = self._streams[rid] = RemoteStream(self, rid, len(prompt_ids), arrival, on_close)
         p = Params(params.max_tokens, params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), params.seed,
                    list(params.stop), params.ignore_eos, None if grammar is None else grammar.lark,
                    grammar is not None and grammar.opening)
-        self._send(Submit(rid, list(prompt_ids), p, arrival if arrival is not None else time.perf_counter(),
-                          None if session is None else session.id))
+        self._send(Submit(rid, list(prompt_ids), p, arrival, None if session is None else session.id))
         try:
             verdict = await stream.verdict
         except BaseException:  # cancelled while waiting (the client went away): the engine must not run it

@@ -101,6 +101,7 @@ class Verdict(msgspec.Struct, tag=True, array_like=True):
     reason: str = ""
     message: str = ""
     retry_after_s: float = 0.0
+    cached_tokens: int = 0  # admitted: the prompt tokens the prefix cache is expected to hold (a cancel's usage)
 
 
 class Out(msgspec.Struct, array_like=True):
