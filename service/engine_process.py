@@ -242,6 +242,27 @@ def engine_info(rt: Runtime) -> EngineInfo:
         bos_token=tok.bos_token, eos_token=tok.eos_token, extra_tokens=list(tok.extra_tokens))
 
 
+def warn_of_late_compiles() -> None:
+    """From Ready on, a Triton kernel compiled (or loaded from the disk cache) in this process is a shape the warm-up
+    missed: the old engine-process branch's 7.6-10.5 s decode iterations on the H100 were such compiles. Each is
+    logged with its kernel and specialization, so a sweep's stall has a name. (Where Triton has no such hook: none.)"""
+    try:
+        from triton import knobs  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return
+    before = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs: object) -> object:
+        log.warning("a Triton kernel was compiled after start-up (a shape the warm-up missed): %s",
+                    str(kwargs.get("repr", "?"))[:300])
+        return before(**kwargs) if before is not None else None
+
+    try:
+        knobs.runtime.jit_post_compile_hook = hook
+    except AttributeError:
+        pass
+
+
 # -- the process ----------------------------------------------------------------------------------------------------
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 15.0  # after SIGTERM: the engine thread's last step, then SIGKILL
@@ -290,6 +311,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     rt = settle_process(build_engine(cfg))  # warm-up and every step shape: here, before Ready
     service = EngineService(rt, ipc.Addresses(root))
+    warn_of_late_compiles()
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     log.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - t0)
     try:
