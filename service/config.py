@@ -81,6 +81,9 @@ class ServeConfig(BaseSettings):
     drain_timeout_s: float = Field(30.0, description="on SIGTERM, how long in-flight requests may take")
     wedge_timeout_s: float = Field(30.0, description="a decode step or prefill hung this long turns /health "
                                    "503 (and new requests get 503) so that an orchestrator restarts the server")
+    engine_process: bool = Field(False, description="run the engine (warm-up, admission, the step loop) in a "
+                                 "process of its own beside the HTTP front end, so that the front end's Python never "
+                                 "holds the GIL the engine loop needs (issue 37; off: the engine is a thread)")
     step_delay_ms: float = Field(0.0, description="testing: slow every decode step down by this much")
     fail_step: int = Field(0, description="testing: the decode step (1-based, of users' requests) that "
                            "raises, once; 0: never")

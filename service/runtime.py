@@ -47,6 +47,18 @@ class Runtime:
     latency: LatencyModel
     admission: AdmissionController
 
+    def latency_model(self) -> dict[str, object]:
+        """What admission predicts with (GET /v1/latency_model): the latency model, the SLA, the guard."""
+        adm = self.admission
+        return {**self.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
+                "best_effort": adm.best_effort, "strict": adm.strict, "guard": adm.snapshot(),
+                "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
+                "backend": self.backend, "device": self.device}
+
+    @property
+    def max_context(self) -> int:
+        return min(self.config.max_context, self.model.config.max_position_embeddings)
+
 
 def build_engine(cfg: ServeConfig) -> Runtime:
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")

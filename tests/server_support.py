@@ -214,3 +214,18 @@ def assert_openai_error(body: Any, code: str | None = None, param: str | None = 
     if type is not None:
         assert err["type"] == type, err
     return err
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of a process group (a server started with start_new_session: its pid is the group's)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # field 5: the process group; field 3: its state
+            pids.append(int(entry))
+    return pids

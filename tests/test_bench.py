@@ -63,6 +63,24 @@ def test_e2e_plan_is_issue_21s_and_36s() -> None:
     assert e2e(capacity=False).estimate_s() < GPU_CALL_S - 60
 
 
+def test_e2e_compares_the_thread_and_the_process_engine_in_one_call() -> None:
+    """engine=both: each run twice, the second server with --engine-process and a label of its own (its loadtests'
+    files and the report's rows apart), the same loadtests, and both within one GPU call."""
+    plan = e2e(only="megakernel.bf16", capacity=False, engine="both", sweep_s=6)
+    thread, proc = plan.servers
+    assert (thread.label, proc.label) == ("megakernel.bf16", "megakernel.bf16.proc")
+    assert "--engine-process" not in thread.serve and proc.serve == (*thread.serve[:-4], "--engine-process",
+                                                                     *thread.serve[-4:])
+    assert [t.name.split("-", 1) for t in proc.loadtests] == [["megakernel.bf16.proc", t.name.split("-", 1)[1]]
+                                                              for t in thread.loadtests]
+    assert [t.args for t in proc.loadtests] == [t.args for t in thread.loadtests]
+    assert plan.estimate_s() < 300
+    assert [s.label for s in e2e(only="megakernel.bf16", engine="process").servers] == \
+        ["megakernel.bf16.proc", "megakernel.bf16.proc.admissionoff"]
+    with pytest.raises(ValueError, match="engine"):
+        e2e(engine="fork")
+
+
 def test_voice_plan_fits_one_call() -> None:
     plan = voice()
     [server] = plan.servers

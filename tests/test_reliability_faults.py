@@ -37,6 +37,8 @@ from tests.server_support import (
 )
 
 LAX = ("--sla-ms", "600000")  # admission is not the point here: no 429 from a busy host
+# the thread engine (the default), and the engine in a process of its own (tests/test_engine_process.py has the rest)
+ENGINES = pytest.mark.parametrize("engine", [(), ("--engine-process",)], ids=["thread", "process"])
 
 pytestmark = pytest.mark.slow
 
@@ -170,10 +172,11 @@ def test_a_sampling_error_fails_only_its_request() -> None:
 
 
 # -- a wedged engine ----------------------------------------------------------------------------------------------
-def test_a_wedged_engine_turns_health_503(tmp_path) -> None:
+@ENGINES
+def test_a_wedged_engine_turns_health_503(tmp_path, engine: tuple[str, ...]) -> None:
     wedge_s = 2.0
     server = tiny_server(tmp_path / "wedge.log", *LAX, "--max-batch", "2", "--max-context", "256", "--hang-step", "3",
-                         "--wedge-timeout-s", str(wedge_s))
+                         "--wedge-timeout-s", str(wedge_s), *engine)
     try:
         with httpx.Client(base_url=server.base, timeout=TIMEOUT_S) as client:
             assert client.get("/health").status_code == 200
@@ -204,9 +207,10 @@ def test_a_wedged_engine_turns_health_503(tmp_path) -> None:
 
 
 # -- a graceful shutdown ------------------------------------------------------------------------------------------
-def test_sigterm_drains_every_kind_of_request_in_flight(tmp_path) -> None:
+@ENGINES
+def test_sigterm_drains_every_kind_of_request_in_flight(tmp_path, engine: tuple[str, ...]) -> None:
     server = tiny_server(tmp_path / "drain.log", *LAX, "--max-batch", "4", "--max-context", "256",
-                         "--step-delay-ms", "30")
+                         "--step-delay-ms", "30", *engine)
     n = 40  # ~1.2 s of decoding each: SIGTERM lands mid-generation
     body = {"max_tokens": n, "ignore_eos": True, "temperature": 0}
     try:

@@ -1,12 +1,15 @@
 """create_app: the FastAPI application — OpenAI-compatible HTTP (completions, chat, models), the realtime WebSocket,
-/health and /metrics. Give it a Runtime (tests) or a factory that builds one (`parley serve`): the factory runs in
-the lifespan, before the server answers anything, so /health is 200 only once the model is loaded and warm."""
+/health and /metrics. Give it a Runtime (tests) or a factory that builds one (`parley serve`), or with
+`--engine-process` a coroutine function that connects to the engine process (engine_client.py): either runs in the
+lifespan, before the server answers anything, so /health is 200 only once the model is loaded and warm. /metrics is
+the engine's registry (rendered in the engine process where it runs apart) followed by the front end's."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api import completions, errors, realtime
 from service.api.answers import ModelCard, ModelList
 from service.api.auth import ApiKeys, RequireApiKey
+from service.api.engine_client import EngineClient
 from service.api.errors import APIError
 from service.api.request_start import RequestStart
 from service.api.state import ServerState, server_state
@@ -33,14 +37,29 @@ log = logging.getLogger("parley.api")
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 
 
-def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = MAX_BODY_BYTES,
-               api_keys: ApiKeys | None = None) -> FastAPI:
-    """`api_keys`: the keys every route but /health and /metrics asks for (service/api/auth.py); None or none: open."""
+def create_app(runtime: Runtime | Callable[[], Runtime] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               api_keys: ApiKeys | None = None,
+               connect: Callable[[], Awaitable[EngineClient]] | None = None) -> FastAPI:
+    """`api_keys`: the keys every route but /health and /metrics asks for (service/api/auth.py); None or none: open.
+    `connect` instead of `runtime`: the engine runs in a process of its own."""
     state = ServerState()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         built = False
+        if connect is not None:
+            try:
+                state.client = await connect()
+            except Exception as e:
+                state.failed = f"the engine process could not start: {e}"
+                log.exception("start-up failed")
+                raise
+            try:
+                yield
+            finally:
+                await state.client.close()
+            return
+        assert runtime is not None
         if isinstance(runtime, Runtime):
             state.runtime = runtime
         else:
@@ -78,22 +97,23 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.loaded().engine.metrics.render() + state.metrics.render(), media_type=CONTENT_TYPE)
+        state.loaded()
+        engine = await engine_answer(state.client, "metrics") if state.client is not None else \
+            state._runtime.engine.metrics.render()
+        return Response(engine + state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/latency_model", response_model=None)
     async def latency_model() -> JSONResponse:
         """What admission predicts with: decode-step time per batch size and prefill time per prompt length,
         measured at start-up and corrected from every step since; and the SLA it enforces."""
-        rt = state.loaded()
-        adm = rt.admission
-        return JSONResponse({**rt.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
-                             "best_effort": adm.best_effort, "strict": adm.strict,
-                             "guard": adm.snapshot(),
-                             "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
-                             "backend": rt.backend, "device": rt.device})
+        state.loaded()
+        if state.client is not None:
+            return JSONResponse(json.loads(await engine_answer(state.client, "latency_model")))
+        return JSONResponse(state._runtime.latency_model())
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.loaded().model_id, created=state.created, max_model_len=state.max_context,
+        state.loaded()
+        return ModelCard(id=state.model_id, created=state.created, max_model_len=state.max_context,
                          capabilities=ToolDialect.of(state.tokenizer).capabilities())
 
     @app.get("/v1/models", response_model=None)
@@ -110,6 +130,14 @@ def create_app(runtime: Runtime | Callable[[], Runtime], max_body_bytes: int = M
     return app
 
 
+async def engine_answer(client: EngineClient, what: str) -> bytes:
+    """The engine process's answer to a question, or a 503 once it is gone or silent."""
+    try:
+        return await client.query(what)
+    except (RuntimeError, TimeoutError) as e:
+        raise APIError(503, f"the engine did not answer: {e}", code="engine_gone", headers={"Retry-After": "5"}) from e
+
+
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema (the request bodies are the pydantic models), less the 422 it documents for every body:
     Parley answers a bad body with 400 in OpenAI's shape (documented per route). Once the model is loaded, the
@@ -124,7 +152,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         models.pop(name, None)
     st = server_state(app)
-    if st.runtime is None:
+    if st.runtime is None and st.client is None:
         return schema  # not cached: the limits come with the model
     ctx, vocab = st.max_context, st.vocab_size
     for model, fields in (("CompletionRequest", ("max_tokens",)),

@@ -50,7 +50,7 @@ from service.api.protocol import (
 from service.api.reply import ReplyReader
 from service.api.request_start import request_start
 from service.api.state import ServerState, server_state
-from service.api.streaming import SSE_DONE, EngineStream, SSEResponse, sse_event, until_disconnect
+from service.api.streaming import SSE_DONE, DeltaStream, SSEResponse, sse_event, until_disconnect
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolEvent
 from service.api.turn import CHAT_FIELDS, COMPLETION_FIELDS, Conversation, Fields, Turn, TurnRequest, build_turn
 from service.engine.request import Delta
@@ -176,7 +176,7 @@ def serving(request: Request, body: OpenAIRequest) -> ServerState:
 async def answer(endpoint: Endpoint, body: OpenAIRequest, turn: Turn, st: ServerState, request: Request,
                  arrival: float) -> Response:
     """Submit now (so that a refusal is a plain 429 or 400), then stream (SSE) or collect (JSON) the answer."""
-    stream = turn.submit(st, arrival)
+    stream = await turn.submit(st, arrival)
     answer = Answer(endpoint, f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time()), st.model_id,
                     body.include_usage, turn.reader())
     if body.stream:
@@ -215,7 +215,7 @@ class Answer:
         """OpenAI's "tool_calls" for a reply that ended in calls."""
         return "tool_calls" if reason == "stop" and self.reader is not None and self.reader.calls else reason
 
-    def finished(self, d: Delta, stream: EngineStream) -> Delta:
+    def finished(self, d: Delta, stream: DeltaStream) -> Delta:
         """A delta as the answer takes it: a stuttering reply (a call again) is cut there (its generation
         cancelled), and its end is a stop (ReplyReader.repeated)."""
         if self.reader is None or not self.reader.repeated:
@@ -223,7 +223,7 @@ class Answer:
         stream.cancel()
         return d if d.finish_reason is None else replace(d, finish_reason=self.reader.finished(d.finish_reason))
 
-    async def events(self, stream: EngineStream) -> AsyncIterator[bytes]:
+    async def events(self, stream: DeltaStream) -> AsyncIterator[bytes]:
         try:
             if self.endpoint.prologue is not None:
                 yield self.chunk(self.endpoint.prologue)
@@ -253,7 +253,7 @@ class Answer:
                                        "internal").model_dump_json())
             yield SSE_DONE
 
-    async def collect(self, stream: EngineStream, request: Request) -> Completion:
+    async def collect(self, stream: DeltaStream, request: Request) -> Completion:
         """The whole answer. A client that hangs up first cancels the generation."""
 
         async def cancel_on_disconnect() -> None:

@@ -77,5 +77,9 @@ async def grammar_constraint(tokenizer: Tokenizer, eos_ids: frozenset[int], gram
     try:
         return await asyncio.to_thread(grammars(tokenizer, eos_ids).constraint, grammar, opening)
     except GrammarError as e:
-        raise APIError(400, f"{param}: no grammar can be built from it: {e}", param=param,
-                       code="invalid_schema") from e
+        raise grammar_refusal(param, e) from e
+
+
+def grammar_refusal(param: str, e: GrammarError) -> APIError:
+    """The 400 for a grammar that does not compile (here, or in the engine process)."""
+    return APIError(400, f"{param}: no grammar can be built from it: {e}", param=param, code="invalid_schema")

@@ -33,6 +33,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from service.api.auth import KEY_SUBPROTOCOL
 from service.api.chunking import SentenceChunker
+from service.api.engine_client import RemoteSession
 from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
 from service.api.protocol import RealtimeResponseConfig, RealtimeSessionConfig
 from service.api.realtime_events import (
@@ -63,7 +64,7 @@ from service.api.realtime_events import (
 )
 from service.api.reply import ReplyReader
 from service.api.state import ServerState, server_state
-from service.api.streaming import EngineStream
+from service.api.streaming import DeltaStream
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ParsedCall, ToolEvent
 from service.api.truncation import ReplyItem, Truncate
 from service.api.turn import Conversation, Fields, TurnRequest, build_turn, check_schemas
@@ -82,7 +83,7 @@ RESPONSE_FIELDS = Fields("response.input", prefix="response.")
 @dataclass
 class ActiveResponse:
     id: str
-    stream: EngineStream
+    stream: DeltaStream
     new_messages: list[dict[str, Any]] | None
     reader: ReplyReader  # calls and spoken content out of the reply
     task: asyncio.Task[None] | None = None
@@ -127,8 +128,7 @@ def accepted_subprotocol(offered: list[str]) -> str | None:
 class RealtimeConnection:
     def __init__(self, ws: WebSocket, st: ServerState) -> None:
         self.ws, self.st = ws, st
-        self.engine = st.engine
-        self.session: Session = self.engine.new_session()
+        self.session: Session | RemoteSession = st.new_session()
         self.settings = RealtimeSessionConfig()  # session.update changes them; each response.create starts there
         self.conversation: list[dict[str, Any]] = []
         self.active: ActiveResponse | None = None
@@ -164,7 +164,7 @@ class RealtimeConnection:
                 log.exception("realtime session %s failed", self.session.id)
         finally:
             await self._abort_active()
-            self.engine.close_session(self.session)
+            self.st.close_session(self.session)
 
     async def send(self, event: ServerEvent) -> None:
         if self.ws.application_state is not WebSocketState.CONNECTED:
@@ -256,7 +256,7 @@ class RealtimeConnection:
             response_format=settings.response_format))
         rid = cfg.id or f"resp_{uuid.uuid4().hex[:20]}"
         try:
-            stream = turn.submit(self.st, received, session=self.session)
+            stream = await turn.submit(self.st, received, session=self.session)
         except Rejected as r:
             err = from_rejected(r)
             await self.error(err.type, err.code, err.message, event_type="response.create", response_id=rid,
@@ -299,7 +299,7 @@ class RealtimeConnection:
         if cut.text_end > len(reply.text):
             raise APIError(400, f"text_end {cut.text_end} is beyond the {len(reply.text)} characters of the reply",
                            param="text_end", code="text_end_out_of_range")
-        self.engine.truncate(self.session, reply.keep_tokens(cut.text_end))
+        self.st.truncate(self.session, reply.keep_tokens(cut.text_end))
         reply.truncate(cut.text_end)
         if reply.conversation_index is not None:  # its calls (separate items) stay
             self.conversation[reply.conversation_index] = {**self.conversation[reply.conversation_index],

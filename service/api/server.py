@@ -4,13 +4,20 @@ uvicorn on its own closes at once on SIGTERM. Parley instead stops admitting (ne
 shape, /health turns 503 so that the load balancer looks elsewhere), lets every admitted request finish and every
 stream be written to its end, and only then tells uvicorn to exit; the process exits 0. A second signal forces
 the exit.
+
+With `--engine-process` the engine runs in a process of its own (service/engine_process.py), started here before
+uvicorn; the drain goes through it (Drain, then its heartbeat read until nothing runs), and it is stopped last. When
+it dies, every stream ends in an error, /health says why (503) for ENGINE_GONE_GRACE_S, and the server exits 1: an
+orchestrator restarts the whole server. It dies with this process (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
+import subprocess
 import threading
 import time
 from types import FrameType
@@ -19,6 +26,7 @@ import uvicorn
 
 from service.api.app import MAX_BODY_BYTES, create_app
 from service.api.auth import ApiKeyError, ApiKeys, announce, redact_keys_in_logs, reload_on_sighup
+from service.api.engine_client import EngineClient
 from service.api.state import ServerState, server_state
 from service.config import ServeConfig
 from service.runtime import build_engine, settle_process
@@ -29,6 +37,7 @@ log = logging.getLogger("parley")
 # open); only a larger one is refused by the WebSocket layer itself (close 1009, message too big).
 WS_MAX_BYTES = 4 * MAX_BODY_BYTES
 STREAMS_GRACE_S = 10.0  # after the engine drained: time for the last bytes of each stream to go out
+ENGINE_GONE_GRACE_S = 2.0  # the engine process died: /health answers 503 (and why) this long, then the server exits
 
 
 class ParleyServer(uvicorn.Server):
@@ -37,6 +46,7 @@ class ParleyServer(uvicorn.Server):
         self.state = state
         self.drain_timeout_s = drain_timeout_s
         self._drain_thread: threading.Thread | None = None
+        self.engine_gone = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread, between two bytecodes of the event loop: only flip flags and start a thread.
@@ -49,6 +59,9 @@ class ParleyServer(uvicorn.Server):
         self._drain_thread.start()
 
     def _drain(self) -> None:
+        client = self.state.client
+        if client is not None:
+            self._drain_process(client)
         rt = self.state.runtime
         if rt is not None:
             engine = rt.engine
@@ -65,14 +78,49 @@ class ParleyServer(uvicorn.Server):
                 log.warning("drain timed out after %.0f s; exiting with requests in flight", self.drain_timeout_s)
         self.should_exit = True
 
+    def _drain_process(self, client: EngineClient) -> None:
+        """The drain, the engine being in a process of its own: stop it admitting, then read its heartbeat."""
+        client.drain()
+        s = client.status
+        log.info("draining: no new requests; waiting for %d running and %d waiting (at most %.0f s)",
+                 s.running if s else 0, s.waiting if s else 0, self.drain_timeout_s)
+        t0 = time.monotonic()
+        end = t0 + self.drain_timeout_s
+        time.sleep(0.1)  # a heartbeat sent after the Drain: before it, `accepting` may still read true
+        while not client.drained() and time.monotonic() < end:
+            time.sleep(0.01)
+        done = client.drained()
+        self.state.wait_streams(STREAMS_GRACE_S)
+        if done:
+            log.info("drained in %.1f s", time.monotonic() - t0)
+        else:
+            log.warning("drain timed out after %.0f s; exiting with requests in flight", self.drain_timeout_s)
+
+    def on_engine_gone(self, why: str) -> None:
+        """The engine process died (on the event loop): exit after the grace, whatever is still open."""
+        self.engine_gone = True
+
+        def leave() -> None:
+            self.should_exit = True
+
+        asyncio.get_running_loop().call_later(ENGINE_GONE_GRACE_S, leave)
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        rt = self.state.runtime
+        rt, client = self.state.runtime, self.state.client
+        c = self.config
         if self.started and rt is not None:
-            c = self.config
             log.info("Parley listening on http://%s:%d — model %s, backend %s, device %s, %d slots, context %d",
                      c.host, c.port, rt.model_id, rt.backend, rt.device, rt.config.max_batch,
                      self.state.max_context)
+        if self.started and client is not None:
+            gc.collect()
+            gc.freeze()  # what start-up allocated stays out of every later collection's scan
+            i = client.info
+            log.info("Parley listening on http://%s:%d — model %s, backend %s, device %s, %d slots, context %d "
+                     "(engine process %d)", c.host, c.port, i.model_id, i.backend, i.device, i.max_batch,
+                     i.max_context, i.pid)
+        if self.started:
             # uvicorn's "auto" takes uvloop and httptools where installed: 0.3 ms off an idle CPU server's first
             # token, none on the H100 (6.7 ms against 6.5), where its single streams ran a worse tail; not a
             # dependency (bench/NOTES.md). The log says which ran.
@@ -91,6 +139,8 @@ def serve(cfg: ServeConfig) -> int:
     announce(keys, cfg.host, cfg.port)
     reload_on_sighup(keys)
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
+    if cfg.engine_process:
+        return serve_with_engine_process(cfg, keys)
     app = create_app(lambda: settle_process(build_engine(cfg)), api_keys=keys)
     state = server_state(app)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
@@ -101,6 +151,41 @@ def serve(cfg: ServeConfig) -> int:
     if state.runtime is not None:  # the lifespan stops it; a forced exit skips the lifespan
         state.runtime.engine.stop()
     return 0 if server.started else 1
+
+
+def serve_with_engine_process(cfg: ServeConfig, keys: ApiKeys) -> int:
+    """`parley serve --engine-process`: the engine process, started first (it loads and warms while uvicorn waits in
+    its lifespan for Ready), this process the front end; the engine process stopped last, however this ends."""
+    from service import engine_process  # zmq and the process's own imports: only in this mode
+    from service.engine import ipc
+
+    addresses = ipc.Addresses.fresh()
+    proc = engine_process.spawn(cfg, addresses)
+    server: ParleyServer | None = None
+
+    async def connect() -> EngineClient:
+        client = await EngineClient.connect(addresses, exit_code=lambda: exit_status(proc))
+        assert server is not None
+        client.on_dead.append(server.on_engine_gone)
+        return client
+
+    try:
+        app = create_app(api_keys=keys, connect=connect)
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
+                                log_level=cfg.log_level, access_log=cfg.access_log, ws_max_size=WS_MAX_BYTES,
+                                timeout_graceful_shutdown=None)
+        server = ParleyServer(config, server_state(app), cfg.drain_timeout_s)
+        server.run()
+        if server.engine_gone:
+            return 1
+        return 0 if server.started else 1
+    finally:
+        engine_process.stop(proc)
+        addresses.remove()
+
+
+def exit_status(proc: subprocess.Popen[bytes]) -> int | None:
+    return proc.poll()
 
 
 def check_port(host: str, port: int) -> None:

@@ -1,5 +1,6 @@
-"""ServerState: what the handlers share — the runtime once it is built, whether the server drains, and the streams
-still being written (a drain waits for them, not only for the engine). `server_state(app)` finds it."""
+"""ServerState: what the handlers share — the engine once it is ready (the runtime in this process, or with
+`--engine-process` the client of the engine process), whether the server drains, and the streams still being written
+(a drain waits for them, not only for the engine). `server_state(app)` finds it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 
+from service.api.engine_client import EngineClient, RemoteGrammar, RemoteSession, RemoteStream
 from service.api.errors import APIError
 from service.api.streaming import EngineStream
 from service.engine.engine import Engine
@@ -23,7 +25,8 @@ RETRY_AFTER = {"Retry-After": "5"}
 
 @dataclass
 class ServerState:
-    runtime: Runtime | None = None
+    runtime: Runtime | None = None  # the engine in this process (the default)
+    client: EngineClient | None = None  # ...or the engine process's client (--engine-process)
     draining: bool = False
     failed: str | None = None  # why the runtime could not be built
     created: int = field(default_factory=lambda: int(time.time()))
@@ -34,7 +37,12 @@ class ServerState:
     # -- readiness ----------------------------------------------------------------------------------------
     def _unavailable(self) -> tuple[str, str, str] | None:
         """Why no request can be served now, as (error code, error message, /health status); None when ready."""
-        rt = self.runtime
+        rt, client = self.runtime, self.client
+        if client is not None:
+            why = client.unavailable()
+            if why is None and self.draining:
+                return "draining", "the server is shutting down", "draining"
+            return why
         if rt is None:
             return "not_ready", self.failed or "the model is still loading", self.failed or "loading"
         if self.draining or not rt.engine.accepting:
@@ -44,16 +52,16 @@ class ServerState:
                 "engine unhealthy"
         return None
 
-    def ready(self) -> Runtime:
-        """The runtime, or a 503 in OpenAI's shape while loading, draining or wedged."""
+    def ready(self) -> None:
+        """Nothing, or a 503 in OpenAI's shape while loading, draining, wedged or with the engine process gone."""
         why = self._unavailable()
         if why is not None:
             raise APIError(503, why[1], code=why[0], headers=dict(RETRY_AFTER))
-        return self._runtime
 
-    def loaded(self) -> Runtime:
-        """The runtime, also while draining (what it describes stays true); a 503 while loading."""
-        return self.ready() if self.runtime is None else self.runtime
+    def loaded(self) -> None:
+        """Nothing once the engine is up, also while draining (what it describes stays true); a 503 while loading."""
+        if self.runtime is None and self.client is None:
+            self.ready()
 
     def health(self) -> tuple[bool, str]:
         why = self._unavailable()
@@ -72,38 +80,69 @@ class ServerState:
         return self.runtime
 
     @property
-    def engine(self) -> Engine:
-        return self._runtime.engine
+    def engine(self) -> Engine | EngineClient:
+        """What sessions are opened, truncated and closed with, and whose `eos` grammars end on."""
+        return self.client if self.client is not None else self._runtime.engine
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self._runtime.model.tokenizer
+        return self.client.tokenizer if self.client is not None else self._runtime.model.tokenizer
 
     @property
     def model_id(self) -> str:
-        return self._runtime.model_id
+        return self.client.info.model_id if self.client is not None else self._runtime.model_id
 
     @property
     def max_context(self) -> int:
-        rt = self._runtime
-        return min(rt.config.max_context, rt.model.config.max_position_embeddings)
+        return self.client.info.max_context if self.client is not None else self._runtime.max_context
 
     @property
     def vocab_size(self) -> int:
-        return self._runtime.model.config.vocab_size
+        return self.client.info.vocab_size if self.client is not None else self._runtime.model.config.vocab_size
 
     @property
     def sla_tokens(self) -> int:
         """N of the SLA's "token N within --sla-ms"."""
-        return self._runtime.config.sla_tokens
+        return self.client.info.sla_tokens if self.client is not None else self._runtime.config.sla_tokens
+
+    # -- realtime sessions (a conversation's pinned KV slot, in whichever process the engine runs) ---------------
+    def new_session(self) -> Session | RemoteSession:
+        return self.client.new_session() if self.client is not None else self._runtime.engine.new_session()
+
+    def close_session(self, session: Session | RemoteSession) -> None:
+        if isinstance(session, RemoteSession):
+            self._client.close_session(session)
+        else:
+            self._runtime.engine.close_session(session)
+
+    def truncate(self, session: Session | RemoteSession, keep_tokens: int) -> None:
+        if isinstance(session, RemoteSession):
+            self._client.truncate(session, keep_tokens)
+        else:
+            self._runtime.engine.truncate(session, keep_tokens)
+
+    @property
+    def _client(self) -> EngineClient:
+        assert self.client is not None
+        return self.client
 
     # -- streams in flight ----------------------------------------------------------------------------------
-    def open_stream(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
-                    session: Session | None = None) -> EngineStream:
-        """engine.submit, counted as a stream in flight until the stream is closed. What the engine raises
-        propagates: Rejected (429, 503), ValueError for a prompt it cannot take (Turn.submit answers it)."""
-        stream = EngineStream(self.engine, prompt_ids, params, session=session, arrival=arrival,
-                              on_close=self._stream_closed)
+    async def open_stream(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                          session: Session | RemoteSession | None = None,
+                          grammar: RemoteGrammar | None = None) -> EngineStream | RemoteStream:
+        """The engine's submit, counted as a stream in flight until the stream is closed. What the engine raises
+        propagates: Rejected (429, 503), ValueError for a prompt it cannot take, GrammarError for a `grammar` the
+        engine process cannot compile (Turn.submit answers both). In this process the verdict comes at once; from
+        the engine process, a round trip later."""
+        stream: EngineStream | RemoteStream
+        if self.client is not None:
+            assert session is None or isinstance(session, RemoteSession)
+            stream = await self.client.submit(prompt_ids, params, grammar, session=session, arrival=arrival,
+                                              on_close=self._stream_closed)
+        else:
+            assert grammar is None and (session is None or isinstance(session, Session))
+            stream = EngineStream(self._runtime.engine, prompt_ids, params, session=session, arrival=arrival,
+                                  on_close=self._stream_closed)
         with self._streams_changed:
             self._streams += 1
         return stream

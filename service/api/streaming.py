@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import anyio
 from starlette.responses import Response
@@ -19,6 +20,19 @@ from starlette.types import Receive, Scope, Send
 from service.engine.engine import Engine
 from service.engine.kv_slots import Session
 from service.engine.request import Delta, Request, SamplingParams, State
+
+
+class DeltaStream(Protocol):
+    """What a handler reads a request's deltas from: an EngineStream (the engine in this process) or an
+    engine_client.RemoteStream (the engine process)."""
+
+    finished: bool
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class EngineStream:

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.api import prompts
+from service.api.engine_client import RemoteGrammar, RemoteSession, RemoteStream
 from service.api.errors import APIError
 from service.api.protocol import NamedToolChoice, ResponseFormat, SamplingFields, ToolFields
 from service.api.reply import ReplyReader
 from service.api.state import ServerState
 from service.api.streaming import EngineStream
 from service.api.tools import SPEECH_OPENING, ChatTools
-from service.engine.grammar import schema_error
+from service.engine.grammar import GrammarError, schema_error
 from service.engine.kv_slots import Session
 from service.engine.request import SamplingParams
 
@@ -75,15 +76,22 @@ class Turn:
     tools: ChatTools
     spoken: bool
     fields: Fields
+    # --engine-process: the grammar as it travels (compiled in the engine process), and the field it came from
+    grammar: RemoteGrammar | None = None
+    grammar_param: str = ""
 
     def reader(self) -> ReplyReader | None:
         """What reads a spoken reply (calls, content without markup); None for raw text (/v1/completions)."""
         return ReplyReader(self.tools.parser()) if self.spoken else None
 
-    def submit(self, st: ServerState, arrival: float, session: Session | None = None) -> EngineStream:
-        """Engine.submit. Rejected (429, 503) propagates; a prompt the engine refuses is a 400 naming the field."""
+    async def submit(self, st: ServerState, arrival: float, session: Session | RemoteSession | None = None
+                     ) -> EngineStream | RemoteStream:
+        """The engine's submit. Rejected (429, 503) propagates; a prompt the engine refuses is a 400 naming the
+        field, as is a grammar the engine process cannot compile."""
         try:
-            return st.open_stream(self.ids, self.params, arrival, session=session)
+            return await st.open_stream(self.ids, self.params, arrival, session=session, grammar=self.grammar)
+        except GrammarError as e:
+            raise prompts.grammar_refusal(self.grammar_param, e) from e
         except ValueError as e:
             raise self.refusal(str(e), st.max_context, st.vocab_size) from e
 
@@ -127,9 +135,12 @@ async def build_turn(st: ServerState, asked: TurnRequest) -> Turn:
     after_tool = isinstance(asked.prompt, Conversation) and bool(asked.prompt.messages) \
         and asked.prompt.messages[-1]["role"] == "tool"
     grammar = tools.grammar(asked.response_format.output_schema if asked.response_format else None, after_tool)
+    param = f.of("tools" if tools.required else "response_format")
+    if grammar is not None and st.client is not None:  # compiled where it is used: in the engine process
+        return Turn(ids, prompts.sampling_params(asked.sampling, max_tokens), tools, asked.spoken, f,
+                    RemoteGrammar(grammar, grammar == SPEECH_OPENING), param)
     constraint = None if grammar is None else await prompts.grammar_constraint(
-        tok, st.engine.eos, grammar, param=f.of("tools" if tools.required else "response_format"),
-        opening=grammar == SPEECH_OPENING)
+        tok, st.engine.eos, grammar, param=param, opening=grammar == SPEECH_OPENING)
     return Turn(ids, prompts.sampling_params(asked.sampling, max_tokens, constraint), tools, asked.spoken, f)
 
 

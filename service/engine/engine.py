@@ -4,7 +4,8 @@ prompts — runs it on the decoder, and commits the step before it (commit.py): 
 streams as deltas to each request's sink and hands to metrics and admission. On a GPU it runs a step ahead: the next
 step is launched before the last one's tokens are read back, fed the tokens chosen on the device, so that the host's
 work per token hides behind the kernel. Its interface (submit, cancel, sessions, truncate, drain) is all the API layer
-sees.
+sees, in this process or, with `--engine-process`, through service/engine_process.py (which sends an iteration's
+deltas in one message from `on_iteration`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Engine:
                                launch_min_tokens)
         self.admission: Admission = admission or AdmitAll(sla_ms / 1e3)
         self.admission.bind(self.planner)
+        # called on the engine thread after every iteration: the engine process sends the iteration's deltas then
+        self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._live: set[Request] = set()  # admitted, not ended: each gets its final delta, whatever fails
         self._wake = threading.Event()
@@ -223,6 +226,11 @@ class Engine:
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
                 self._fail_all()
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration()
+                except Exception:
+                    log.exception("sending an iteration's output failed")
 
     def _iteration(self) -> None:
         started = time.perf_counter()

@@ -1,0 +1,349 @@
+"""EngineClient: the front end's side of the engine process (`parley serve --engine-process`,
+service/engine_process.py), on the event loop. It sends Submits, cancels and session changes; one reader task takes
+the engine's messages (a StepOutput per engine iteration: one wake-up of the event loop per step, whatever the number
+of streams) and hands each RemoteStream its deltas. A watchdog notices the engine process gone (its exit, or its
+heartbeat silent for HEARTBEAT_TIMEOUT_S): every stream then ends in an error, /health says why, and `on_dead` runs.
+
+RemoteStream reads as streaming.EngineStream does (`async for` deltas, cancel, close), so the handlers do not know
+which engine they talk to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from tokenizers import Tokenizer as HFTokenizer
+
+from service.engine import ipc
+from service.engine.admission import Rejected
+from service.engine.grammar import GrammarError
+from service.engine.messages import (
+    Answer,
+    Cancel,
+    CloseSession,
+    Drain,
+    EngineInfo,
+    Out,
+    Params,
+    Query,
+    Ready,
+    Status,
+    StepOutput,
+    Submit,
+    Truncate,
+    Verdict,
+)
+from service.engine.request import Delta, SamplingParams, Timings, Usage
+from service.model.tokenizer import Tokenizer
+
+log = logging.getLogger("parley.api")
+
+HEARTBEAT_TIMEOUT_S = 10.0  # no Status for this long: the engine process is gone (or frozen), whatever its pid says
+WATCH_EVERY_S = 0.1
+MAX_TOP_K = 2**62  # a top_k past the vocabulary keeps every token, and a message carries 64-bit integers
+
+
+@dataclass(frozen=True)
+class RemoteSession:
+    """A realtime session as the front end knows it: an id; its slot and K/V live in the engine process."""
+
+    id: str = field(default_factory=lambda: f"sess-{uuid.uuid4().hex[:16]}")
+
+
+@dataclass(frozen=True)
+class RemoteGrammar:
+    """A turn's grammar as it travels: Lark text, compiled in the engine process (a GrammarError comes back as the
+    Verdict's 400)."""
+
+    lark: str
+    opening: bool = False
+
+
+def tokenizer_of(info: EngineInfo) -> Tokenizer:
+    tok = Tokenizer(HFTokenizer.from_str(info.tokenizer_json), info.chat_template, info.bos_token, info.eos_token)
+    tok.extra_tokens = list(info.extra_tokens)
+    return tok
+
+
+def delta_of(o: Out) -> Delta:
+    u, t = o.usage, o.timings
+    return Delta(o.text, o.token_ids, o.finish_reason, o.error, None if u is None else Usage(*u),
+                 None if t is None else Timings(*t))
+
+
+class RemoteStream:
+    """One submitted request, its deltas readable with `async for` (the last one carries finish_reason)."""
+
+    def __init__(self, client: EngineClient, rid: int, prompt_tokens: int, arrival: float,
+                 on_close: Callable[[], None] | None) -> None:
+        self.client, self.rid = client, rid
+        self.verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._prompt_tokens = prompt_tokens
+        self._tokens = 0
+        self._arrival = arrival
+        self._first_at: float | None = None  # when its first token reached this process
+        self.finished = False  # its last delta was read
+        self._ended = False  # its last delta is queued
+        self._on_close = on_close
+
+    def put(self, d: Delta) -> None:
+        if self._ended:
+            return  # cancelled here already: the engine's own last delta is never read
+        if d.token_ids and self._first_at is None:
+            self._first_at = time.perf_counter()
+        self._tokens += len(d.token_ids)
+        if d.finish_reason is not None:
+            self._ended = True
+        self._queue.put_nowait(d)
+
+    def fail(self, why: str) -> None:
+        self.put(Delta("", [], finish_reason="error", error=why, usage=self._usage()))
+
+    def _usage(self) -> Usage:
+        cached = self.verdict.result().cached_tokens if self.verdict.done() else 0
+        return Usage(self._prompt_tokens, self._tokens, cached)
+
+    def _timings(self) -> Timings:
+        """A cancel's timings, as this process saw them (the engine's own last delta is not waited for)."""
+        def ms(t: float | None) -> float | None:
+            return None if t is None else round((t - self._arrival) * 1e3, 3)
+
+        return Timings(ttft_ms=ms(self._first_at), e2e_ms=ms(time.perf_counter()),
+                       n=self.client.info.sla_tokens)
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while not self.finished:
+            d = await self._queue.get()
+            if d.finish_reason is not None:
+                self.finished = True
+            yield d
+
+    def cancel(self) -> None:
+        """Free the slot before the engine's next step, and end the stream now (its last delta queued at once, as
+        EngineStream does: a barge-in's response.done does not wait for the engine). Idempotent."""
+        if self._ended:
+            return
+        self.client.cancel(self.rid)
+        self.put(Delta("", [], finish_reason="cancelled", usage=self._usage(), timings=self._timings()))
+
+    def close(self) -> None:
+        self.cancel()
+        self.client.forget(self.rid)
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+class EngineClient:
+    def __init__(self, info: EngineInfo, addresses: ipc.Addresses, ctx: zmq.Context,
+                 inbox: zmq.asyncio.Socket, exit_code: Callable[[], int | None] | None = None) -> None:
+        self.info = info
+        self.tokenizer = tokenizer_of(info)
+        self.eos = frozenset(info.eos_token_ids)
+        self._ctx = ctx
+        self._inbox = inbox
+        self._out = ipc.push(ctx, addresses.engine)
+        self._send_lock = threading.Lock()  # the drain thread sends too
+        self._exit_code = exit_code  # the engine process's exit status (None while it runs)
+        self._rids = itertools.count(1)
+        self._qids = itertools.count(1)
+        self._streams: dict[int, RemoteStream] = {}
+        self._queries: dict[int, asyncio.Future[bytes]] = {}
+        self.status: Status | None = None
+        self._status_at = time.monotonic()
+        self.dead: str | None = None  # why the engine process is gone
+        self.on_dead: list[Callable[[str], None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def connect(cls, addresses: ipc.Addresses,
+                      exit_code: Callable[[], int | None] | None = None) -> EngineClient:
+        """Bind the front end's socket and wait for the engine's Ready (sent once it is loaded, warm and
+        calibrated); a RuntimeError if its process exits first."""
+        ctx = zmq.Context()
+        inbox = zmq.asyncio.Socket.from_socket(ipc.pull(ctx, addresses.front_end(0)))
+        while True:
+            if exit_code is not None and (code := exit_code()) is not None:
+                inbox.close(linger=0)
+                ctx.term()
+                raise RuntimeError(f"the engine process exited with {code} before it was ready")
+            if await inbox.poll(200):
+                message = ipc.TO_FRONT_END.decode(await inbox.recv())
+                if isinstance(message, Ready):
+                    break
+        client = cls(message.info, addresses, ctx, inbox, exit_code)
+        client._tasks = [asyncio.create_task(client._read()), asyncio.create_task(client._watch())]
+        return client
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    def _send(self, message: object) -> None:
+        frame = ipc.ENCODER.encode(message)
+        with self._send_lock:
+            self._out.send(frame, copy=False)
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, grammar: RemoteGrammar | None = None,
+                     session: RemoteSession | None = None, arrival: float | None = None,
+                     on_close: Callable[[], None] | None = None) -> RemoteStream:
+        """Submit and wait for admission's verdict: the stream, or Rejected (429, 503), ValueError (a prompt the
+        engine cannot take), GrammarError (a grammar that does not compile)."""
+        if self.dead is not None:
+            raise Rejected("engine_gone", f"the engine process is gone: {self.dead}", retry_after_s=5.0, status=503)
+        rid = next(self._rids)
+        arrival = arrival if arrival is not None else time.perf_counter()
+        stream = self._streams[rid] = RemoteStream(self, rid, len(prompt_ids), arrival, on_close)
+        p = Params(params.max_tokens, params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), params.seed,
+                   list(params.stop), params.ignore_eos, None if grammar is None else grammar.lark,
+                   grammar is not None and grammar.opening)
+        self._send(Submit(rid, list(prompt_ids), p, arrival, None if session is None else session.id))
+        try:
+            verdict = await stream.verdict
+        except BaseException:  # cancelled while waiting (the client went away): the engine must not run it
+            self._streams.pop(rid, None)
+            self.cancel(rid)
+            raise
+        if verdict.status == 0:
+            return stream
+        self._streams.pop(rid, None)
+        if verdict.reason == "invalid":
+            raise ValueError(verdict.message)
+        if verdict.reason == "grammar":
+            raise GrammarError(verdict.message)
+        raise Rejected(verdict.reason, verdict.message, verdict.retry_after_s, verdict.status)
+
+    def cancel(self, rid: int) -> None:
+        if self.dead is None:
+            self._send(Cancel(rid))
+
+    def forget(self, rid: int) -> None:
+        """A closed stream: what the engine still sends for it is dropped."""
+        self._streams.pop(rid, None)
+
+    def new_session(self) -> RemoteSession:
+        return RemoteSession()
+
+    def close_session(self, session: RemoteSession) -> None:
+        if self.dead is None:
+            self._send(CloseSession(session.id))
+
+    def truncate(self, session: RemoteSession, keep_tokens: int) -> None:
+        if self.dead is None:
+            self._send(Truncate(session.id, keep_tokens))
+
+    async def query(self, what: str, timeout_s: float = 10.0) -> bytes:
+        """The engine's answer to a Query ("metrics", "latency_model")."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine process is gone: {self.dead}")
+        qid = next(self._qids)
+        future = self._queries[qid] = asyncio.get_running_loop().create_future()
+        self._send(Query(qid, what))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._queries.pop(qid, None)
+
+    # -- the engine's state ----------------------------------------------------------------------------------------
+    def unavailable(self) -> tuple[str, str, str] | None:
+        """Why no request can be served now, as (error code, error message, /health status); None when ready."""
+        if self.dead is not None:
+            return "engine_gone", f"the engine process is gone ({self.dead}); this server should be restarted", \
+                f"engine process gone: {self.dead}"
+        s = self.status
+        if s is not None and not s.accepting:
+            return "draining", "the server is shutting down", "draining"
+        if s is not None and not s.healthy:  # wedged: an answer now beats a request that would wait forever
+            return "engine_unhealthy", "the engine is not responding; this server should be restarted", \
+                "engine unhealthy"
+        return None
+
+    def drain(self) -> None:
+        """Tell the engine to stop admitting (any thread)."""
+        if self.dead is None:
+            self._send(Drain())
+
+    def drained(self) -> bool:
+        """The engine has stopped admitting and nothing of it runs or waits (from its last heartbeat)."""
+        s = self.status
+        return self.dead is not None or (s is not None and not s.accepting and s.running == 0 and s.waiting == 0)
+
+    # -- the reader and the watchdog --------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        inbox = self._inbox
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(inbox.underlying)  # the same socket, read without waiting
+        while True:
+            frame = await inbox.recv()
+            while True:  # everything that is there, before the loop runs anything else
+                try:
+                    self._dispatch(ipc.TO_FRONT_END.decode(frame))
+                except Exception:
+                    log.exception("a message from the engine could not be handled")
+                try:
+                    frame = now.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+
+    def _dispatch(self, m: object) -> None:
+        if isinstance(m, StepOutput):
+            streams = self._streams
+            for o in m.outs:
+                stream = streams.get(o.rid)
+                if stream is not None:
+                    stream.put(delta_of(o))
+                    if o.finish_reason is not None:
+                        streams.pop(o.rid, None)
+        elif isinstance(m, Verdict):
+            stream = self._streams.get(m.rid)
+            if stream is not None and not stream.verdict.done():
+                stream.verdict.set_result(m)
+        elif isinstance(m, Status):
+            self.status, self._status_at = m, time.monotonic()
+        elif isinstance(m, Answer):
+            future = self._queries.get(m.qid)
+            if future is not None and not future.done():
+                future.set_result(m.body)
+
+    async def _watch(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(WATCH_EVERY_S)
+            code = self._exit_code() if self._exit_code is not None else None
+            if code is not None:
+                self._gone(f"it exited with {code}" if code >= 0 else f"it was killed by signal {-code}")
+            elif time.monotonic() - self._status_at > HEARTBEAT_TIMEOUT_S:
+                self._gone(f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s")
+
+    def _gone(self, why: str) -> None:
+        """The engine process is gone: every stream ends in an error now, every question and verdict fails."""
+        if self.dead is not None:
+            return
+        self.dead = why
+        log.error("the engine process is gone: %s", why)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            if not stream.verdict.done():
+                stream.verdict.set_result(Verdict(stream.rid, 503, "engine_gone",
+                                                  f"the engine process is gone: {why}", 5.0))
+            stream.fail(f"the engine process is gone: {why}")
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(RuntimeError(f"the engine process is gone: {why}"))
+        for callback in self.on_dead:
+            callback(why)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._inbox.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()

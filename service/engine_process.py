@@ -1,0 +1,325 @@
+"""The engine process (`parley serve --engine-process`): the runtime (runtime.py: warm-up, calibration, the engine
+loop, the planner, admission's forecast and guard, K/V slots and sessions) served to the front end over ipc.py, so
+that the front end's Python (HTTP parsing, pydantic, templates, tokenization, SSE framing) never holds the GIL the
+engine loop needs. Its threads:
+
+- the engine thread (Engine's loop): after every iteration it sends one StepOutput with that iteration's deltas;
+- the input thread (EngineService.serve): takes the front end's messages in order; a Submit is admitted or refused
+  there (Engine.submit: admission runs where the engine is) and its Verdict sent at once; one with a grammar is
+  compiled and admitted on the side pool instead, so that no other verdict waits for a compile;
+- the side pool: grammar compiles, and /metrics and /v1/latency_model rendered off the engine thread;
+- a status thread: a Status every STATUS_EVERY_S, the heartbeat /health and the drain read.
+
+Ready is sent only once build_engine has returned, i.e. after the warm-up ran every step shape (CUDA graphs, Triton
+kernels) and the calibration, in this process: the one that serves. It dies with the process that started it
+(PR_SET_PDEATHSIG) and exits on SIGTERM (sent once the front end has drained).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+
+from service.config import ServeConfig
+from service.engine import ipc
+from service.engine.admission import Rejected
+from service.engine.grammar import GrammarError, grammars
+from service.engine.kv_slots import Session
+from service.engine.messages import (
+    STATUS_EVERY_S,
+    Answer,
+    Cancel,
+    CloseSession,
+    Drain,
+    EngineInfo,
+    Out,
+    Query,
+    Ready,
+    Status,
+    StepOutput,
+    Submit,
+    Truncate,
+    Verdict,
+)
+from service.engine.request import Delta, Request, SamplingParams, State
+from service.runtime import Runtime, build_engine, settle_process
+
+log = logging.getLogger("parley.engine")
+
+SIDE_WORKERS = 2  # threads for what takes milliseconds (a grammar's compile, rendering /metrics)
+SLOW_RENDER_S = 0.02  # a /metrics render this long is logged: it shares the engine thread's GIL
+
+
+class EngineService:
+    """A runtime's engine, served to one front end at `addresses`."""
+
+    def __init__(self, rt: Runtime, addresses: ipc.Addresses) -> None:
+        self.rt = rt
+        self.engine = rt.engine
+        self.ctx = zmq.Context()
+        self.inbox = ipc.pull(self.ctx, addresses.engine)
+        self.out = ipc.push(self.ctx, addresses.front_end(0))
+        self._send_lock = threading.Lock()  # the engine, input, side and status threads share the socket
+        self._outbox: list[Out] = []  # the current iteration's deltas (engine thread only)
+        self._live: dict[int, Request] = {}  # rid → the admitted request, until it ends
+        self._live_lock = threading.Lock()
+        self._compiling: set[int] = set()  # submitted with a grammar, still compiling
+        self._cancel_early: set[int] = set()  # ...and cancelled meanwhile: cancelled once admitted
+        self._side_pool = ThreadPoolExecutor(max_workers=SIDE_WORKERS, thread_name_prefix="parley-side")
+        self._sessions: dict[str, Session] = {}
+        self._stopping = threading.Event()
+        self._status_thread = threading.Thread(target=self._heartbeat, name="parley-status", daemon=True)
+        self.engine.on_iteration = self._flush
+        self.info = engine_info(rt)
+
+    # -- sending ------------------------------------------------------------------------------------------------
+    def _send(self, message: object) -> None:
+        frame = ipc.ENCODER.encode(message)
+        with self._send_lock:
+            self.out.send(frame, copy=False)
+
+    def _sink(self, rid: int, d: Delta) -> None:
+        """One request's sink (engine thread): into this iteration's outbox, sent by _flush."""
+        if d.finish_reason is None:
+            self._outbox.append(Out(rid, d.text, d.token_ids))
+            return
+        with self._live_lock:
+            self._live.pop(rid, None)
+        u, t = d.usage, d.timings
+        self._outbox.append(Out(
+            rid, d.text, d.token_ids, d.finish_reason, d.error,
+            None if u is None else (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            None if t is None else (t.queue_ms, t.prefill_ms, t.ttft_ms, t.ttfn_ms, t.e2e_ms, t.n)))
+
+    def _flush(self) -> None:
+        """After an iteration (engine thread): its deltas, in one message."""
+        if self._outbox:
+            box, self._outbox = self._outbox, []
+            self._send(StepOutput(box))
+
+    # -- the input thread ---------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Take the front end's messages until stop() (SIGTERM)."""
+        self._send(Ready(self.info))
+        self._status_thread.start()
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            message = ipc.TO_ENGINE.decode(self.inbox.recv(copy=False).buffer)
+            try:
+                self._handle(message)
+            except Exception:  # one bad message must not stop the engine
+                log.exception("handling %s failed", type(message).__name__)
+
+    def _handle(self, m: object) -> None:
+        if isinstance(m, Submit):
+            session = None
+            if m.session is not None:  # here, in the order of the front end's messages (before a later close)
+                session = self._sessions.get(m.session)
+                if session is None:
+                    session = self._sessions[m.session] = self.engine.new_session()
+            if m.params.grammar is None:
+                self._submit(m, session)
+            else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
+                with self._live_lock:
+                    self._compiling.add(m.rid)
+                self._side_pool.submit(self._submit, m, session)
+        elif isinstance(m, Cancel):
+            with self._live_lock:
+                req = self._live.get(m.rid)
+                if req is None and m.rid in self._compiling:
+                    self._cancel_early.add(m.rid)
+            if req is not None:
+                self.engine.cancel(req)
+        elif isinstance(m, Truncate):
+            session = self._sessions.get(m.session)
+            if session is not None:
+                self.engine.truncate(session, m.keep_tokens)
+        elif isinstance(m, CloseSession):
+            session = self._sessions.pop(m.session, None)
+            if session is not None:
+                self.engine.close_session(session)
+        elif isinstance(m, Query):
+            self._side_pool.submit(self._reply, m)
+        elif isinstance(m, Drain):
+            self.engine.accepting = False
+
+    def _submit(self, m: Submit, session: Session | None) -> None:
+        """Admit or refuse (the input thread; with a grammar, the side pool): a Verdict, always."""
+        try:
+            verdict, req = self._admit(m, session)
+        except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
+            log.exception("submitting rid %d failed", m.rid)
+            verdict, req = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0), None
+        with self._live_lock:
+            self._compiling.discard(m.rid)
+            early = m.rid in self._cancel_early
+            self._cancel_early.discard(m.rid)
+            if req is not None and req.state is not State.FINISHED:  # else it ended already (its delta is coming)
+                self._live[m.rid] = req
+        if req is not None and early:
+            self.engine.cancel(req)
+        self._send(verdict)
+
+    def _admit(self, m: Submit, session: Session | None) -> tuple[Verdict, Request | None]:
+        p = m.params
+        try:
+            constraint = None if p.grammar is None else \
+                grammars(self.engine.tokenizer, self.engine.eos).constraint(p.grammar, p.opening)
+        except Exception as e:  # GrammarError, or a tokenizer the grammar engine cannot take: the request's 400
+            return Verdict(m.rid, 400, "grammar", str(e) if isinstance(e, GrammarError) else
+                           f"constrained decoding is unavailable for this model: {e}"), None
+        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
+        try:
+            req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.rid), session=session,
+                                     arrival=m.arrival)
+        except Rejected as r:
+            return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
+        except ValueError as e:
+            return Verdict(m.rid, 400, "invalid", str(e)), None
+        return Verdict(m.rid, cached_tokens=req.cached_tokens), req
+
+    def _reply(self, m: Query) -> None:
+        t0 = time.perf_counter()
+        try:
+            body = self._answer(m.what)
+        except Exception:
+            log.exception("answering %r failed", m.what)
+            body = b""
+        took = time.perf_counter() - t0
+        if took > SLOW_RENDER_S:
+            log.info("answering %r took %.1f ms", m.what, took * 1e3)
+        self._send(Answer(m.qid, body))
+
+    def _answer(self, what: str) -> bytes:
+        if what == "metrics":
+            return self.engine.metrics.render()
+        if what == "latency_model":
+            return json.dumps(self.rt.latency_model()).encode()
+        return b""
+
+    def _heartbeat(self) -> None:
+        while not self._stopping.wait(STATUS_EVERY_S):
+            e = self.engine
+            s = e.stats
+            self._send(Status(s.running, s.waiting, e.accepting, e.healthy()))
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def close(self) -> None:
+        """After serve(): every thread that sends stopped first, then the sockets closed."""
+        self._stopping.set()
+        self._side_pool.shutdown(wait=True, cancel_futures=True)
+        self.engine.stop()
+        if self._status_thread.is_alive():
+            self._status_thread.join(timeout=5)
+        for s in (self.inbox, self.out):
+            s.close(linger=0)
+        self.ctx.term()
+
+
+def engine_info(rt: Runtime) -> EngineInfo:
+    tok = rt.model.tokenizer
+    return EngineInfo(
+        model_id=rt.model_id, backend=rt.backend, device=rt.device, pid=os.getpid(), max_context=rt.max_context,
+        vocab_size=rt.model.config.vocab_size, sla_tokens=rt.config.sla_tokens, max_batch=rt.config.max_batch,
+        eos_token_ids=sorted(rt.engine.eos), tokenizer_json=tok.to_json(), chat_template=tok.chat_template,
+        bos_token=tok.bos_token, eos_token=tok.eos_token, extra_tokens=list(tok.extra_tokens))
+
+
+def warn_of_late_compiles() -> None:
+    """From Ready on, a Triton kernel compiled (or loaded from the disk cache) in this process is a shape the warm-up
+    missed: the old engine-process branch's 7.6-10.5 s decode iterations on the H100 were such compiles. Each is
+    logged with its kernel and specialization, so a sweep's stall has a name. (Where Triton has no such hook: none.)"""
+    try:
+        from triton import knobs  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return
+    before = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs: object) -> object:
+        log.warning("a Triton kernel was compiled after start-up (a shape the warm-up missed): %s",
+                    str(kwargs.get("repr", "?"))[:300])
+        return before(**kwargs) if before is not None else None
+
+    try:
+        knobs.runtime.jit_post_compile_hook = hook
+    except AttributeError:
+        pass
+
+
+# -- the process ----------------------------------------------------------------------------------------------------
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 15.0  # after SIGTERM: the engine thread's last step, then SIGKILL
+
+
+def spawn(cfg: ServeConfig, addresses: ipc.Addresses) -> subprocess.Popen[bytes]:
+    """Start the engine process (from the main thread: PR_SET_PDEATHSIG follows the thread that started it). Its
+    output goes where this process's goes."""
+    cmd = [sys.executable, "-m", "service.engine_process", cfg.model_dump_json(), addresses.root, str(os.getpid())]
+    return subprocess.Popen(cmd)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+    """SIGTERM, then SIGKILL after `timeout_s`; its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not stop within %.0f s: killed", timeout_s)
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL when the process that started this one dies, however it dies (Linux): no engine outlives its server.
+    (Set here, in the child, then checked: the parent may have died before it was set.)"""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: `parley serve`'s SIGTERM (or SIGKILL) still ends this
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m service.engine_process CONFIG_JSON IPC_ROOT PARENT_PID`"""
+    config_json, root, parent = argv[0], argv[1], int(argv[2])
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the front end drains first
+    cfg = ServeConfig.model_validate_json(config_json)
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    t0 = time.perf_counter()
+    rt = settle_process(build_engine(cfg))  # warm-up and every step shape: here, before Ready
+    service = EngineService(rt, ipc.Addresses(root))
+    warn_of_late_compiles()
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    log.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - t0)
+    try:
+        service.serve()
+    finally:
+        service.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
