@@ -17,13 +17,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer as HFTokenizer
 
+from service.api.streaming import QueuedDeltas
 from service.engine import ipc
 from service.engine.admission import Rejected
 from service.engine.grammar import GrammarError
@@ -81,19 +82,18 @@ def delta_of(o: Out) -> Delta:
                  None if t is None else Timings(*t))
 
 
-class RemoteStream:
-    """One submitted request, its deltas readable with `async for` (the last one carries finish_reason)."""
+class RemoteStream(QueuedDeltas):
+    """One request submitted to the engine process."""
 
     def __init__(self, client: EngineClient, rid: int, prompt_tokens: int, arrival: float,
                  on_close: Callable[[], None] | None) -> None:
+        super().__init__()
         self.client, self.rid = client, rid
         self.verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
-        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._prompt_tokens = prompt_tokens
         self._tokens = 0
         self._arrival = arrival
         self._first_at: float | None = None  # when its first token reached this process
-        self.finished = False  # its last delta was read
         self._ended = False  # its last delta is queued
         self._on_close = on_close
 
@@ -121,13 +121,6 @@ class RemoteStream:
 
         return Timings(ttft_ms=ms(self._first_at), e2e_ms=ms(time.perf_counter()),
                        n=self.client.info.sla_tokens)
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        while not self.finished:
-            d = await self._queue.get()
-            if d.finish_reason is not None:
-                self.finished = True
-            yield d
 
     def cancel(self) -> None:
         """Free the slot before the engine's next step, and end the stream now (its last delta queued at once, as

@@ -35,16 +35,30 @@ class DeltaStream(Protocol):
     def close(self) -> None: ...
 
 
-class EngineStream:
-    """One submitted request, its deltas readable with `async for` (the last one carries finish_reason)."""
+class QueuedDeltas:
+    """A request's deltas queued for the event loop, read with `async for` until the last one (finish_reason)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.finished = False  # its last delta was read
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while not self.finished:
+            delta = await self._queue.get()
+            if delta.finish_reason is not None:
+                self.finished = True
+            yield delta
+
+
+class EngineStream(QueuedDeltas):
+    """One request submitted to the engine in this process."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
                  session: Session | None = None, arrival: float | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
+        super().__init__()
         self.engine = engine
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.finished = False
         self._cancelled = False
         self._on_close = on_close
         # Raises Rejected (refused) or ValueError (bad input) before anything is queued.
@@ -57,13 +71,6 @@ class EngineStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
         except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
             pass
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        while not self.finished:
-            delta = await self._queue.get()
-            if delta.finish_reason is not None:
-                self.finished = True
-            yield delta
 
     def cancel(self) -> None:
         """Free the slot before the next step, and end the stream now: its last delta (cancelled) is queued at once,
