@@ -7,6 +7,8 @@
 #   e.g. bench/kernel_sweep.sh "$OUT" "acq early" -- --models llama-3.2-1b --weights bf16 --batches 1 16 \
 #        --wide-batches 64 --contexts 128 --no-peers --no-library-peer --timeline default --timeline-rows 1 16 --tag s1
 # Writes what bench decode writes (OUT/decode-<device>-<tag>.{json,md}) and OUT/sweep.log.
+# PARLEY_BASE=DIR: another tree (e.g. `git archive main | tar -x -C .base`) whose default is warmed beside the
+# variants and timed with the same arguments after them, into OUT/base/: a baseline from the same call and machine.
 set -uo pipefail
 OUT=$1
 VARIANTS=$2
@@ -22,10 +24,20 @@ for v in default $VARIANTS; do
   if [ "$v" = default ]; then extra=(); else extra=(--variants "$v" --timeline); fi
   python3 -m bench decode "$@" "${extra[@]}" --reps 3 --out /tmp/warm --tag "warm-$v" >"/tmp/warm-$v.log" 2>&1 &
 done
+BASE=${PARLEY_BASE:-}
+if [ -n "$BASE" ]; then
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
+  (cd "$BASE" && PYTHONPATH="$BASE:${PYTHONPATH:-}" python3 -m bench decode "$@" --reps 3 --out /tmp/warm --tag warm-base >/tmp/warm-base.log 2>&1) &
+fi
 wait
 echo "warm: ${SECONDS} s" | tee -a "$OUT/sweep.log"
 grep -h "failed\|Error\|WRONG" /tmp/warm-*.log | head -n 20 | tee -a "$OUT/sweep.log"
 # shellcheck disable=SC2086
 python3 -m bench decode "$@" --variants $VARIANTS --out "$OUT" 2>&1 | tee -a "$OUT/sweep.log" \
   | grep -vE "^\| [a-z]|^\| ---" | tail -n 60
+if [ -n "$BASE" ]; then
+  OUT_ABS=$(cd "$OUT" && pwd)
+  (cd "$BASE" && PYTHONPATH="$BASE:${PYTHONPATH:-}" python3 -m bench decode "$@" --out "$OUT_ABS/base") 2>&1 | tee -a "$OUT/sweep.log" \
+    | grep -vE "^\| [a-z]|^\| ---" | tail -n 30
+fi
 echo "kernel_sweep.sh: ${SECONDS} s" | tee -a "$OUT/sweep.log"

@@ -123,6 +123,15 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # timing only, its logits WRONG by design: no task waits for its inputs, so the step costs what its tasks cost
     # streamed back to back; against the default, what the dependency waits and phase boundaries cost
     "no-wait": lambda w: KernelConfig(skip_waits=True),
+    # up to 16 rows: QKV's 96 tiles (Llama-3.2-1B) cut into 2 or 4 parts of K, so its tasks cover every program
+    # (96 of 132 streamed, at ~20 GB/s each); the last part to arrive finishes the tile
+    "qkv-k2": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV,), k_splits=2)),
+    "qkv-k4": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV,), k_splits=4)),
+    # up to 16 rows: the LM head in 128-row tiles of 128 columns, two k slices (half the tile ends, each epilogue's
+    # logits and (max, argmax) over twice the columns; the same bytes a pipeline stage)
+    "lm128": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=2)),
+    "lm128-ks1": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=1)),
+    "lm256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=256, k_chunk=64, k_slices=1)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -39,7 +39,12 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     dot) of 256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's
     64-row tiles of 256 columns through the tensor-memory accelerator (its long stream ran at 72% of the bandwidth
     with pointer loads, 99% with TMA). With FP8 weights each k chunk doubles, so a pipeline stage holds as many
-    weight bytes (the LM head's TMA box stays at 256 columns, its limit).
+    weight bytes (the LM head's TMA box stays at 256 columns, its limit), over 3 stages instead of 4 (0.5-2.5%
+    faster at 1, 8 and 16 rows in four runs; bf16 slower with 3). FP8 with 16 sampled rows: the LM head in 128-row
+    tiles of 128 columns and one k slice (the same bytes a stage, half as many tile ends, each an epilogue over 16
+    rows' logits and their (max, argmax), and no sum over slices): 3-6% faster a step at 16 rows, even at 8, 4-13%
+    slower at 1. bf16 with 8 or more sampled rows: the same tiles over two k slices, 2-3% faster at 8 rows in three
+    runs, even at 16, 5% slower at 1 (bench/NOTES.md "The step at the floor, second session").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
@@ -54,16 +59,24 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
-            return {op: int8_slices(t._replace(k_chunk=256)) for op, t in default_tiles(True, rows).items()}
+            # FP8's narrow tiles at bf16's k chunks and 4 stages, the LM head's in 64-row tiles (what was measured)
+            narrow = default_tiles(True, 1) | {Op.LMHEAD: MatvecTile(rows=64, tma=True)}
+            return {op: int8_slices(t._replace(k_chunk=256, stages=4)) for op, t in narrow.items()}
         wide = {op: MatvecTile(k_chunk=INT8_BLOCK, k_slices=1) for op in (Op.QKV, Op.OPROJ)}
         wide[Op.GATEUP] = MatvecTile(rows=32, k_chunk=INT8_BLOCK, k_slices=1)
         wide[Op.DOWN] = MatvecTile(k_chunk=INT8_BLOCK, k_slices=1, k_halves=True)
         return wide | {Op.LMHEAD: int8_slices(lm_wide._replace(k_chunk=INT8_BLOCK))}
     k = 2 if fp8 else 1
     if rows <= 16:
-        tiles = {op: MatvecTile(k_chunk=256 * k) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
-        tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True)
-        tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True)
+        stages = 3 if fp8 else 4
+        tiles = {op: MatvecTile(k_chunk=256 * k, stages=stages) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
+        tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True, stages=stages)
+        if rows >= 16 and fp8:
+            tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=1, tma=True, stages=stages)
+        elif rows >= 8 and not fp8:
+            tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=2, tma=True)
+        else:
+            tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=stages)
         return tiles
     # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
     wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)

@@ -35,6 +35,8 @@ CASES = {
     "llama-fp8-ksplit": (False, True, 256, 3, 64, 1, "fp8"),
     # the weights as the dot's wide side (swapped operands), with and without K split
     "llama-swap-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
+    # attention chunks of 16 positions: up to 10 splits, merged in three groups of four
+    "llama-chunk16": (False, True, 256, 3, 64, 1, "bf16"),
     "qwen-int8-row-swap": (True, False, 200, 2, 32, 4, "int8-row"),
 }
 
@@ -283,7 +285,8 @@ def _check(case: str) -> dict:
     if weight_format == "int8" and k_chunk // 4 > 32:  # a k slice within one int8 block
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
     mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
-                           kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles),
+                           kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles,
+                                                      chunk=16 if case.endswith("-chunk16") else 64),
                            weight_format=weight_format)
     # bucket 4 (batch 3) splits the cached positions; bucket 1 keeps one split
     mk.kernel.attn_splits = {4: splits, 1: 1}
