@@ -6,7 +6,9 @@
                            [--variants tma w-narrow ...] [--timeline default ...] [--timeline-rows 64] [--hf]
                            [--budget-s 400] [--tag NAME]
 
-Times, per (model, weights, rows, context): the megakernel (median of CUDA-graph replays; each variant named);
+Times, per (model, weights, rows, context): the megakernel (median of CUDA-graph replays; each variant named, the
+variants timed in turns, five rounds in a rotating order: identical kernels timed one after another read up to 2%
+apart, bench/cuda_timing.time_in_turns);
 the peers measured in the same run: the PyTorch reference decoder's step captured in a CUDA graph, the gpt-fast
 recipe (the same arithmetic over a static cache of the context the step needs, compiled by Inductor in its
 default mode and captured in a CUDA graph: the strongest peer an hour buys; --compiled-models/-batches), and with
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_timing import events_ms, graph_of, time_graph
+from bench.cuda_timing import events_ms, graph_of, time_graph, time_in_turns
 from bench.library_peer import BACKEND as LIBRARY_PEER
 from bench.library_peer import library_peer
 from bench.variants import VARIANTS
@@ -76,8 +78,10 @@ def add(records: list[dict], common: dict, backend: str, res: dict, **extra: obj
     rec = {"backend": backend, **common, **res, **extra}
     rec["floor_over_step"] = rec["floor_ms"] / rec["step_ms"]
     records.append(rec)
+    rounds = rec.get("round_medians_ms")
+    spread = f", rounds {min(rounds):.4f}-{max(rounds):.4f}" if rounds else ""
     print(f"{rec['model']:24s} B={rec['batch']:2d} ctx={rec['context']:5d} {backend:22s} {rec['step_ms']:.4f} ms "
-          f"(floor {rec['floor_ms']:.4f}, {100 * rec['floor_over_step']:.0f}%)", flush=True)
+          f"(floor {rec['floor_ms']:.4f}, {100 * rec['floor_over_step']:.0f}%{spread})", flush=True)
 
 
 def kv_bytes(c: ModelConfig, batch: int, context: int) -> int:
@@ -390,6 +394,7 @@ def main() -> None:
                     tokens = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
                     want, exact = check_logits(base, tokens, context, f32, sampled)
                     ref_err = rel_err(want, exact)  # how far two correct bf16 computations may stray
+                    checked: dict[str, tuple[MegakernelDecoder, float, float]] = {}
                     for v, dec in decoders.items():
                         k = dec.kernel
                         k.tokens[:batch] = tokens
@@ -405,12 +410,15 @@ def main() -> None:
                         # before timing: as close to the float32 answer as the bf16 reference decoder is (a broken
                         # variant is no result)
                         got = k.logits[:sampled]
-                        err, err32 = rel_err(got, want), rel_err(got, exact)
-                        res = time_graph(dec._graphs[batch], args.reps)
+                        checked[v] = (dec, rel_err(got, want), rel_err(got, exact))
+                    # every variant that ran, timed in turns (position and drift fall on each alike)
+                    timed = time_in_turns({v: c[0]._graphs[batch].replay for v, c in checked.items()}, args.reps)
+                    for v, (dec, err, err32) in checked.items():
+                        k = dec.kernel
                         dec.check_errors()
                         name = "megakernel" if v == "default" else f"megakernel[{v}]"
-                        add(records, common, name, res, schedule=k.schedule(batch).describe(), rel_err_vs_reference=err,
-                            rel_err_vs_fp32=err32, reference_rel_err_vs_fp32=ref_err)
+                        add(records, common, name, timed[v], schedule=k.schedule(batch).describe(),
+                            rel_err_vs_reference=err, rel_err_vs_fp32=err32, reference_rel_err_vs_fp32=ref_err)
                         if err32 > max(0.05, 1.5 * ref_err):
                             print(f"   {name}: logits {err32:.3f} away from the float32 answer, the bf16 reference "
                                   f"{ref_err:.3f}: WRONG", flush=True)
