@@ -132,6 +132,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "lm128": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=2)),
     "lm128-ks1": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=1)),
     "lm256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=256, k_chunk=64, k_slices=1)),
+    # attention's row and QKV's rows (positions, slots) read before the task's wait, not after its acquire
+    "preload-rows": lambda w: KernelConfig(preload_rows=True),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

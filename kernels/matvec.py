@@ -134,7 +134,10 @@ def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl
     KV: tl.constexpr = KVH * D
     HALF: tl.constexpr = D // 2
     live = rb < B
-    pos = tl.load(out.positions + rb, mask=live, other=0)
+    if out.positions.dtype.is_ptr():
+        pos = tl.load(out.positions + rb, mask=live, other=0)
+    else:  # read before the task's wait (KernelConfig.preload_rows)
+        pos = out.positions
     lo = lo.to(dt).to(tl.float32)  # the linear's output, rounded where the reference rounds it
     hi = hi.to(dt).to(tl.float32)
     first = tl.min(rows, axis=0)
@@ -150,7 +153,10 @@ def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl
     else:
         cache = out.cache
         ctx = cache.context
-        slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
+        if out.slots.dtype.is_ptr():
+            slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
+        else:
+            slot = out.slots.to(tl.int64)
         base = (layer * cache.slots + slot[:, None]) * KVH * ctx * D + pos[:, None].to(tl.int64) * D
         r1, r2 = (rows - Q) % KV, (rows2 - Q) % KV
         o1 = base + ((r1 // D) * ctx * D + r1 % D)[None, :]

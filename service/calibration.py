@@ -461,7 +461,8 @@ def calibrated(decoder: Decoder, key: dict[str, Any], directory: Path | None, ma
             return cached
         log.warning("the cached latency calibration says a one-row step takes %.2f ms, it takes %.2f ms now: "
                     "measuring again", cached.step_s[1] * 1e3, now * 1e3)
-    cal = no_slower_than_seen(measure(decoder, max_rows, max_batch, deadline_s, clock), seen or {})
+    cal = no_launch_slower_than_riding(no_slower_than_seen(measure(decoder, max_rows, max_batch, deadline_s, clock),
+                                                           seen or {}))
     if directory is not None:
         write_cache(directory, key, cal)
     return cal
@@ -488,6 +489,33 @@ def no_slower_than_seen(cal: Calibration, seen: dict[int, float]) -> Calibration
                 "kept at %s ms", {r: round(s * 1e3, 1) for r, s in cal.step_s.items()},
                 {r: round(s * 1e3, 1) for r, s in step_s.items()})
     return dataclasses.replace(cal, step_s=step_s)
+
+
+LAUNCH_STALL_FACTOR = 4.0  # a prefill launch this many times slower than riding its tokens in full steps: a stall
+
+
+def no_launch_slower_than_riding(cal: Calibration) -> Calibration:
+    """The calibration with no prefill launch over LAUNCH_STALL_FACTOR times what its new tokens cost riding in full
+    steps (ceil(n / max_rows) steps of max_rows rows over the same K/V, at the calibration's own step times, stalls
+    capped already): such a point is a stall, kept at that bound. A genuine launch is at most ~2.5x that (the H100:
+    16 tokens 3.2 ms against a 16-row step's 1.3 ms; from a few steps' worth of tokens on, far less than riding; the
+    CPU's prefill about a quarter of riding). On two cores shared with other jobs one calibration timed a 16-token
+    launch at 276 ms beside 2 ms steps: its server forecast every idle prompt that launches at 0.8-1.7 s, past even
+    a probe's room, and refused them all."""
+    lat = cal.latency_model()
+
+    def riding(n: int, kv: int = 0) -> float:
+        steps = -(-n // cal.max_rows)
+        return LAUNCH_STALL_FACTOR * steps * lat.step(cal.max_rows, cal.max_rows * kv)
+
+    prefill_s = {n: min(s, riding(n)) for n, s in cal.prefill_s.items()}
+    continued_s = {(n, kv): min(s, riding(n, kv)) for (n, kv), s in cal.continued_s.items()}
+    if prefill_s == cal.prefill_s and continued_s == cal.continued_s:
+        return cal
+    log.warning("the latency calibration timed prefill launches far slower than riding their tokens in steps (a "
+                "stalled try): %s ms, kept at %s ms", {n: round(s * 1e3, 1) for n, s in cal.prefill_s.items()},
+                {n: round(s * 1e3, 1) for n, s in prefill_s.items()})
+    return dataclasses.replace(cal, prefill_s=prefill_s, continued_s=continued_s)
 
 
 def sanity_step(decoder: Decoder, max_batch: int, tries: int = 2,

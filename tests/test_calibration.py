@@ -206,6 +206,31 @@ def test_no_step_is_kept_far_slower_than_the_warm_up_ran_one_of_as_many_rows():
     assert no_slower_than_seen(cal, near) is cal
 
 
+def test_no_prefill_launch_is_kept_far_slower_than_riding_its_tokens_in_steps():
+    """Every prefill launch of a calibration stalls (a 16-token launch timed at 276 ms beside 2 ms steps, on two cores
+    shared with other jobs): its server forecast every idle prompt that launches past four SLAs and refused them
+    all, never admitting one that would have shown otherwise. A launch is kept at most 4x what riding its new tokens
+    in full steps over the same K/V costs; one as fast as the stand-in's (a fraction of riding) is left as timed."""
+    from service.calibration import LAUNCH_STALL_FACTOR, no_launch_slower_than_riding
+
+    fair = measure(StandIn(), max_rows=16, max_batch=8, deadline_s=60, clock=CLOCK)
+    assert no_launch_slower_than_riding(fair) is fair
+    dec = StandIn(stall=lambda call: 0.3 if dec.calls[-1][0] == "prefill" else 0.0)
+    cal = measure(dec, max_rows=16, max_batch=8, deadline_s=600, clock=dec.clock)
+    assert cal.prefill_s and cal.continued_s and min(cal.prefill_s.values()) > 0.3
+    capped = no_launch_slower_than_riding(cal)
+    lat = capped.latency_model()
+    for n, s in capped.prefill_s.items():  # a long launch's stall may stay within the bound: left as timed
+        assert s == pytest.approx(min(cal.prefill_s[n], LAUNCH_STALL_FACTOR * -(-n // 16) * lat.step(16)))
+    for (n, kv), s in capped.continued_s.items():
+        riding = -(-n // 16) * lat.step(16, 16 * kv)
+        assert s == pytest.approx(min(cal.continued_s[n, kv], LAUNCH_STALL_FACTOR * riding))
+    assert capped.prefill_s[64] < cal.prefill_s[64] / 5
+    assert capped.step_s == cal.step_s and capped.measured == cal.measured
+    # an idle prompt that launches is forecast near its riding time again, not at seconds
+    assert lat.prefill(64) < 0.1 < cal.latency_model().prefill(64)
+
+
 def test_gpu_graph_buckets_time_every_pair_a_prefill_replays():
     """With graph buckets every (new tokens, K/V length) pair a prefill can replay is a point, run at a shape that
     replays that pair's graph (something cached; ending before the context's last position)."""
