@@ -42,9 +42,10 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     weight bytes (the LM head's TMA box stays at 256 columns, its limit), over 3 stages instead of 4 (0.5-2.5%
     faster at 1, 8 and 16 rows in four runs; bf16 slower with 3). FP8 with 16 sampled rows: the LM head in 128-row
     tiles of 128 columns and one k slice (the same bytes a stage, half as many tile ends, each an epilogue over 16
-    rows' logits and their (max, argmax), and no sum over slices): 3-6% faster a step at 16 rows, even at 8, 4-13%
-    slower at 1. bf16 with 8 or more sampled rows: the same tiles over two k slices, 2-3% faster at 8 rows in three
-    runs, even at 16, 5% slower at 1 (bench/NOTES.md "The step at the floor, second session").
+    rows' logits and their (max, argmax), and no sum over slices): 6.5% faster a step at 16 rows (8.4% with the 3
+    stages, against main's kernel in the same call), even at 8, 4-13% slower at 1. bf16 with 8 or more sampled
+    rows: the same tiles over two k slices, 2-3% faster at 8 rows in three runs, even at 16, 5% slower at 1
+    (bench/NOTES.md "The step at the floor, second session").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
