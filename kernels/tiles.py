@@ -60,9 +60,9 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
-            # FP8's narrow tiles at bf16's k chunks and 4 stages, the LM head's in 64-row tiles (what was measured)
-            narrow = default_tiles(True, 1) | {Op.LMHEAD: MatvecTile(rows=64, tma=True)}
-            return {op: int8_slices(t._replace(k_chunk=256, stages=4)) for op, t in narrow.items()}
+            narrow = {op: MatvecTile(k_chunk=256, k_halves=op is Op.DOWN) for op in (Op.QKV, Op.OPROJ, Op.GATEUP,
+                                                                                       Op.DOWN)}
+            return {op: int8_slices(t) for op, t in (narrow | {Op.LMHEAD: MatvecTile(rows=64, tma=True)}).items()}
         wide = {op: MatvecTile(k_chunk=INT8_BLOCK, k_slices=1) for op in (Op.QKV, Op.OPROJ)}
         wide[Op.GATEUP] = MatvecTile(rows=32, k_chunk=INT8_BLOCK, k_slices=1)
         wide[Op.DOWN] = MatvecTile(k_chunk=INT8_BLOCK, k_slices=1, k_halves=True)

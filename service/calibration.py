@@ -458,7 +458,7 @@ def calibrated(decoder: Decoder, key: dict[str, Any], directory: Path | None, ma
         if now * SANITY >= cached.step_s[1]:
             log.info("latency calibration read from %s (a one-row step: %.2f ms cached, %.2f ms now)",
                      cache_path(directory, key), cached.step_s[1] * 1e3, now * 1e3)
-            return cached
+            return no_launch_slower_than_riding(cached)  # a cache written before launches were bounded
         log.warning("the cached latency calibration says a one-row step takes %.2f ms, it takes %.2f ms now: "
                     "measuring again", cached.step_s[1] * 1e3, now * 1e3)
     cal = no_launch_slower_than_riding(no_slower_than_seen(measure(decoder, max_rows, max_batch, deadline_s, clock),
