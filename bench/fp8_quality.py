@@ -18,15 +18,18 @@ present), about a minute a variant at the defaults. Writes bench/results/fp8-qua
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from service.backends import reference
 from service.backends.reference import ReferenceDecoder
 from service.model import fp8, int8
 from service.model.loader import load_model
@@ -61,6 +64,37 @@ FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "int8-row": lambda w: int8.quantize(w, None).dequantize(torch.float32),  # the "int8-row" weight format
     "int8-b32": lambda w: int8.quantize(w).dequantize(torch.float32),  # the "int8" weight format (Q8_0)
 }
+# W8A8 (the megakernel's MatvecTile.w8a8): today's fp8 weights, and the activations of some products quantized to
+# e4m3 per row and k chunk of 256 columns (the W8A8 tiles' chunk): name -> which products
+W8A8 = {
+    "a8-gateup": ("w_gate", "w_up"),  # the megakernel's default from 16 rows (kernels/tiles.py)
+    "a8-gateup-lm": ("w_gate", "w_up", "lm_head"),
+    "a8-all": ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"),
+}
+W8A8_CHUNK = 256
+
+
+@contextlib.contextmanager
+def w8a8_products(group: int, weights: Callable[[torch.Tensor], bool] = lambda w: True) -> Iterator[None]:
+    """While inside, the reference decoder's products whose weight `weights` picks quantize their activations as a
+    W8A8 tile does (fp8.activations_e4m3 over runs of `group` columns): the oracle of a W8A8 step."""
+    plain = reference.linear
+
+    def quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return plain(fp8.activations_e4m3(x, group) if weights(weight) else x, weight, bias)
+
+    with mock.patch.object(reference, "linear", quantized):
+        yield
+
+
+def w8a8_of(weights: ModelWeights, names: tuple[str, ...]) -> Callable[[torch.Tensor], bool]:
+    """Picks the weight tensors of `weights` named in `names` (LAYER_MATRICES' names and "lm_head"), by identity."""
+    ids = {id(getattr(lw, n)) for lw in weights.layers for n in names if n != "lm_head"}
+    if "lm_head" in names:
+        ids.add(id(weights.lm_head))
+    return lambda w: id(w) in ids
+
+
 # what else is quantized beside the layers' matrices: nothing, the LM head (as served), the LM head and the embedding
 HEADS = ("bf16", "quantized", "embed-too")
 
@@ -123,29 +157,38 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS),
                     help="embed-too runs only for the int8 formats and today's fp8 (it is the lookup's values)")
+    ap.add_argument("--w8a8", nargs="*", default=list(W8A8), choices=list(W8A8),
+                    help="W8A8 rows: today's fp8 weights (LM head quantized) with these products' activations in e4m3")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(device=device, dtype=torch.float32)
     windows = text_windows(model.tokenizer, args.windows, args.window)
     ctx = max(args.window, 256) + args.new_tokens
-    variants: dict[str, tuple[str, str, Callable[[], ModelWeights]]] = {
-        "float32": ("float32", "-", lambda: model.weights),
-        "bf16": ("bf16", "-", lambda: model.weights.to(device, torch.bfloat16)),
+    variants: dict[str, tuple[str, str, Callable[[], ModelWeights], tuple[str, ...]]] = {
+        "float32": ("float32", "-", lambda: model.weights, ()),
+        "bf16": ("bf16", "-", lambda: model.weights.to(device, torch.bfloat16), ()),
     }
     for f in args.formats:
         for h in args.heads:
             if h == "embed-too" and f not in ("int8-row", "int8-b32", "e4m3-row-pow2"):
                 continue
-            variants[f"{f}/{h}"] = (f, h, lambda f=f, h=h: variant(model.weights, FORMATS[f], h))
+            variants[f"{f}/{h}"] = (f, h, lambda f=f, h=h: variant(model.weights, FORMATS[f], h), ())
+    for a8 in args.w8a8:
+        variants[f"e4m3-row-pow2+{a8}/quantized"] = (
+            f"e4m3-row-pow2+{a8}", "quantized", lambda: variant(model.weights, FORMATS["e4m3-row-pow2"], "quantized"),
+            W8A8[a8])
     prompts = [model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
     rows, texts = {}, {}
-    for name, (fmt, heads, build) in variants.items():
+    for name, (fmt, heads, build, a8_products) in variants.items():
         t0 = time.perf_counter()
         dt = torch.float32 if name == "float32" else torch.bfloat16
-        dec = ReferenceDecoder(model.config, build(), 1, ctx, device, dt)
-        rows[name] = {"format": fmt, "heads": heads, "perplexity": perplexity(dec, windows)}
-        texts[name] = [greedy(dec, p, args.new_tokens) for p in prompts]
+        weights = build()
+        dec = ReferenceDecoder(model.config, weights, 1, ctx, device, dt)
+        a8 = w8a8_products(W8A8_CHUNK, w8a8_of(dec.weights, a8_products)) if a8_products else contextlib.nullcontext()
+        with a8:
+            rows[name] = {"format": fmt, "heads": heads, "perplexity": perplexity(dec, windows)}
+            texts[name] = [greedy(dec, p, args.new_tokens) for p in prompts]
         del dec
         print(f"{name}: perplexity {rows[name]['perplexity']:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     base = rows["bf16"]["perplexity"]
@@ -174,7 +217,10 @@ def main() -> None:
         "the reference.", "",
         "Formats: e4m3-row-pow2 = today's `fp8` (a power-of-two scale per output row); e4m3-row / -g128 / -g32 = a "
         "float scale per row / per 128 / per 32 columns along K; int8-row = a float scale per row, the `int8-row` "
-        "weight format; int8-b32 = GGUF's Q8_0 (a float16 scale per 32 columns along K), the `int8` weight format. "
+        "weight format; int8-b32 = GGUF's Q8_0 (a float16 scale per 32 columns along K), the `int8` weight format; "
+        f"+a8-…: W8A8, today's fp8 weights with the activations of gate/up (a8-gateup), of gate/up and the LM head "
+        f"(a8-gateup-lm) or of "
+        f"every product (a8-all) in e4m3, a scale per row and {W8A8_CHUNK} columns (the megakernel's W8A8 tiles). "
         "Head: bf16 = LM head and embedding in bf16; quantized = the LM head quantized, the embedding lookup bf16 "
         "(as served); embed-too = both quantized.", "",
         "| format | head | perplexity | vs bf16 | greedy identical | shared prefix |",

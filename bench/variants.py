@@ -17,7 +17,7 @@ def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **cha
     """The default tiles of each launch's rows, with `change` applied to `ops` in launches of at least min_rows
     (with int8 weights, then cut into one k slice per block: int8_slices)."""
     def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = default_tiles(weights != "bf16", rows, weights == "int8")
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
         if rows < min_rows:
             return tiles
         changed = {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
@@ -47,7 +47,7 @@ def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[
     shape = {Op.QKV: qkv, Op.OPROJ: o, Op.GATEUP: gateup, Op.DOWN: down}
 
     def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = default_tiles(weights != "bf16", rows, weights == "int8")
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
         if rows < min_rows:
             return tiles
         k = k_chunk * (2 if weights == "fp8" and k_chunk < 256 else 1)
@@ -56,6 +56,28 @@ def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[
         return {op: int8_slices(t) for op, t in out.items()} if weights == "int8" else out
 
     return table
+def _w8a8(weights: str, ops: tuple[Op, ...] = (Op.GATEUP, Op.LMHEAD), min_rows: int = 16, stages: int = 3,
+          gateup_rows: int = 64, k_chunk: int = 256, lm_stages: int | None = None
+          ) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 W8A8 (issue 35): `ops` in swapped tiles whose activations are quantized to e4m3 per row and k chunk, so the
+    dot runs e4m3 x e4m3 on wgmma, in launches of at least min_rows rows (the others, and other formats, keep the
+    default tiles). wgmma wants 64-row weight tiles: gate/up (N = 8,192, 128 tiles) and the LM head (128-row tiles
+    through TMA) have rows to spare; QKV (runs of half a head), O and down (N = 2,048: 32 tiles for 132 programs) keep
+    their tiles unless named."""
+    shape = {Op.QKV: MatvecTile(rows=32), Op.OPROJ: MatvecTile(rows=64), Op.DOWN: MatvecTile(rows=64),
+             Op.GATEUP: MatvecTile(rows=gateup_rows), Op.LMHEAD: MatvecTile(rows=128, tma=True)}
+
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
+        if weights != "fp8" or rows < min_rows:
+            return tiles
+        return tiles | {op: shape[op]._replace(k_chunk=k_chunk, k_slices=1, swap=True, w8a8=True,
+                                               stages=lm_stages if op is Op.LMHEAD and lm_stages else stages)
+                        for op in ops}
+
+    return table
+
+
 BK2X = {"bf16": 512, "fp8": 1024, "int8": 512}  # twice the default k chunk of the 16-row buckets
 
 # Kernel variants the bench can time beside the default (--variants NAME ...): each a function of the weights' format
@@ -134,6 +156,24 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "lm256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=256, k_chunk=64, k_slices=1)),
     # attention's row and QKV's rows (positions, slots) read before the task's wait, not after its acquire
     "preload-rows": lambda w: KernelConfig(preload_rows=True),
+    # FP8 weight-only everywhere: the default before gate/up ran W8A8 from 16 rows
+    "weight-only": lambda w: KernelConfig(tiles=lambda rows: default_tiles(w != "bf16", rows, w == "int8")),
+    # FP8 W8A8 from 16 rows (_w8a8): gate/up (the default now) and the LM head; each alone; four stages; 128-row
+    # gate/up tiles; at every row count (rows padded to 16); O and down too (64-row tiles: 32 tasks each)
+    "a8": lambda w: KernelConfig(tiles=_w8a8(w)),
+    "a8-gu": lambda w: KernelConfig(tiles=_w8a8(w, (Op.GATEUP,))),
+    "a8-lm": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,))),
+    "a8-st4": lambda w: KernelConfig(tiles=_w8a8(w, stages=4)),
+    "a8-gu128": lambda w: KernelConfig(tiles=_w8a8(w, gateup_rows=128)),
+    "a8-all": lambda w: KernelConfig(min_rows=16 if w == "fp8" else 1, tiles=_w8a8(w, min_rows=1)),
+    "a8-od": lambda w: KernelConfig(tiles=_w8a8(w, (Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD))),
+    # the same over k chunks of 128 columns (a scale per 128: within 1% of weight-only FP8's perplexity with the LM
+    # head too, bench/fp8_quality.py), four stages; gate/up in 128-row tiles over two stages
+    "a8-gu-k128": lambda w: KernelConfig(tiles=_w8a8(w, (Op.GATEUP,), k_chunk=128, stages=4)),
+    "a8-lm-k128": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,), k_chunk=128, stages=4)),
+    "a8-k128": lambda w: KernelConfig(tiles=_w8a8(w, k_chunk=128, stages=4)),
+    "a8-gu-k128-lm6": lambda w: KernelConfig(tiles=_w8a8(w, k_chunk=128, stages=4, lm_stages=6)),
+    "a8-gu128-st2": lambda w: KernelConfig(tiles=_w8a8(w, (Op.GATEUP,), gateup_rows=128, stages=2)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -13,7 +13,8 @@ a consumer's matvec streams a ready operand, and computes rstd from x itself (no
 Weights are bf16; or FP8 (e4m3) with one float32 scale per output row, converted in registers after the load and
 scaled in the epilogue; or int8, converted by bit manipulation, with one float32 scale per output row (scaled in the
 epilogue) or one float16 scale per block of 32 columns (GGUF's Q8_0; scaled per k slice of the dot: _weight_dot):
-the same tensor-core dot streams half the bytes.
+the same tensor-core dot streams half the bytes. FP8 weights in swapped tiles may also run W8A8 (MatvecTile.w8a8):
+each k chunk's activations quantized to e4m3 per row, the dot e4m3 x e4m3 with no weight conversion at all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kernels.kernel_args import INT8_BLOCK
 from kernels.sync import ld_act, prefetch_l2
 
 I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
+E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 
 
 @triton.jit
@@ -288,7 +290,8 @@ def _finish_tile(OP: tl.constexpr, rows, rows2, sums, sums2, rstd, best_v, best_
 def _swapped_tile(w_ptr, desc, drow, rows, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, DOT_T: tl.constexpr,
                   W_INT8: tl.constexpr):
-    """The weight tile [BN, BK] of `rows` and columns [k0, k0 + BK), in the dot's type (8-bit converted)."""
+    """The weight tile [BN, BK] of `rows` and columns [k0, k0 + BK), in the dot's type (8-bit converted; e4m3 stays
+    e4m3 where the dot's type is e4m3: W8A8)."""
     if TMA:
         w = desc.load([(drow + tl.min(rows, axis=0)).to(tl.int32), k0.to(tl.int32)])
     else:
@@ -304,14 +307,28 @@ def _swapped_tile(w_ptr, desc, drow, rows, k0, N: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
+def _act_e4m3(a):
+    """W8A8's activations: a [BK, BPAD] (float32, a k chunk of each row) as e4m3 and each row's scale (the chunk's
+    absmax maps to 448, e4m3's largest; a row of zeros, the padding, keeps zeros and scale 0)."""
+    amax = tl.max(tl.abs(a), axis=0)
+    live = amax > 0
+    q = (a * tl.where(live, E4M3_MAX / amax, 1.0)[None, :]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return q, tl.where(live, amax / E4M3_MAX, 0.0)
+
+
+@triton.jit
 def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, rstd_out, best_v,
                     best_i, ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                     TILE: tl.constexpr, BPAD: tl.constexpr, KB: tl.constexpr, DOT_T: tl.constexpr,
                     PRE_NORM: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
     """matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
     W [BN, BK] @ a^T [BK, BPAD], so the weight tile is the dot's wide side and each activation chunk feeds all BN
-    weight rows; one k slice, the rows padded to a tensor-core side (BPAD >= 16)."""
+    weight rows; one k slice, the rows padded to a tensor-core side (BPAD >= 16). With TILE.w8a8 (FP8 weights) each
+    chunk's activations are quantized per row (_act_e4m3) and the e4m3 x e4m3 dot's chunk is scaled by them as it is
+    added up; the weights' row scales wait for the epilogue as ever."""
     BN: tl.constexpr = TILE.rows
+    A8: tl.constexpr = TILE.w8a8
+    W_T: tl.constexpr = tl.float8e4nv if A8 else DOT_T
     BK: tl.constexpr = TILE.k_chunk
     ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
     TR: tl.constexpr = 2 * BN if OP == I.QKV else BN
@@ -333,12 +350,21 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             a = ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
         if PRE_NORM:
             a = a.to(tl.float32) * rstd[None, :]
-        a = a.to(DOT_T)
-        w = _swapped_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, EVEN, TILE.tma, DOT_T, W_INT8)
-        acc = tl.dot(w, a, acc)
+        if A8:
+            a, a_scale = _act_e4m3(a.to(tl.float32))
+        else:
+            a = a.to(DOT_T)
+        w = _swapped_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, EVEN, TILE.tma, W_T, W_INT8)
+        if A8:
+            acc += tl.dot(w, a) * a_scale[None, :]
+        else:
+            acc = tl.dot(w, a, acc)
         if ROWS2:
-            w2 = _swapped_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, EVEN, TILE.tma, DOT_T, W_INT8)
-            acc2 = tl.dot(w2, a, acc2)
+            w2 = _swapped_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, EVEN, TILE.tma, W_T, W_INT8)
+            if A8:
+                acc2 += tl.dot(w2, a) * a_scale[None, :]
+            else:
+                acc2 = tl.dot(w2, a, acc2)
         if kb == KB - 1:
             best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd_out, best_v, best_i,
                                           B, layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN, CG)

@@ -267,7 +267,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 4  # the launch's default, for loops that set none of their own
     programs_per_sm: int = 1
-    tiles: TileChoice | None = None  # None: default_tiles(fp8, rows) for each launch's rows
+    tiles: TileChoice | None = None  # None: default_tiles for each launch's rows and the weights' format
     chunk: int = 64  # attention positions per inner step
     max_splits: int = 16  # attention splits per (row, kv head) at most
     split_min_chunks: int = 4  # a split reads at least this many chunks (shorter contexts use fewer splits)
@@ -380,7 +380,7 @@ class Megakernel:
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
         if t is None:
-            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks)
+            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks, e4m3=self.w.fp8)
         return t(rows) if callable(t) else t
 
     def tiles(self, batch: int) -> TileTable:
@@ -394,9 +394,12 @@ class Megakernel:
             if t.k_splits > 1 and (chunks % t.k_splits or op is Op.LMHEAD):
                 raise ValueError(f"{op.name}: {t.k_splits} parts of K do not divide its {chunks} k chunks "
                                  f"(or the LM head, whose K is never split)")
-            if t.swap and (self.w.int8_blocks or self.rows_of(batch) < 16 and not INTERPRET):
-                raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows) and no "
-                                 "int8 block scales")
+            rows = self.lm_rows_of(batch) if op is Op.LMHEAD else self.rows_of(batch)
+            if t.swap and (self.w.int8_blocks or rows < 16 and not INTERPRET):
+                raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows; the LM "
+                                 "head's: max_sampled) and no int8 block scales")
+            if t.w8a8 and not (t.swap and self.w.fp8):
+                raise ValueError(f"{op.name}: W8A8 tiles need FP8 weights and swapped operands")
             if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
                 raise ValueError(f"int8 weights: {op.name}'s k slices of {t.k_chunk // t.k_slices} columns cross "
                                  f"blocks of {INT8_BLOCK} (int8_slices makes a tile's slices fit)")

@@ -26,14 +26,19 @@ class MatvecTile(NamedTuple):
     k_halves: bool = False
     k_splits: int = 1  # parts of K, each a task of one tile (the last to arrive adds them up: instructions.py)
     swap: bool = False  # the weights as the dot's wide side (M), the step's rows (padded to 16) as N; one k slice
+    # W8A8 (FP8 weights, swapped tiles): each k chunk's activations quantized to e4m3 with a scale per row (its
+    # absmax over the chunk to 448), so the dot runs e4m3 x e4m3 on the tensor cores (wgmma, from 64-row tiles)
+    w8a8: bool = False
 
 
 MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
 TileTable = dict[Op, MatvecTile]
 
 
-def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileTable:
+def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bool = False) -> TileTable:
     """The tiles of a launch whose matvecs have `rows` rows (its bucket; the LM head's own rows for the LM head).
+    fp8: 8-bit weights (e4m3, or int8 with row scales, which stream alike); int8: int8 with block scales; e4m3: the
+    weights are e4m3 (W8A8 possible).
 
     Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core
     dot) of 256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's
@@ -56,7 +61,13 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     int8 weights: a k slice per block of 32 columns (int8_slices: the dot's slices are scaled one by one), over
     bf16's chunk widths (256 columns, 8 slices; at FP8's 512 the 16 slices' accumulators spilled at 1 row), and at
     32+ rows over one-block chunks (4 slices of 128 columns spilled 3 KB a thread at 64 rows, one block
-    0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100."""
+    0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100.
+
+    e4m3 weights from 16 rows: gate/up runs W8A8 (MatvecTile.w8a8: its activations in e4m3, a scale per row and 256
+    columns; wgmma e4m3 x e4m3 in swapped 64-row tiles, 3 stages): 2.1-2.6% faster a step at 16 rows and 3.6-3.9% at
+    64 in three runs (bench/NOTES.md "W8A8"), +0.5% perplexity over weight-only FP8 on the real SmolLM2 weights
+    (bench/fp8_quality.py). The LM head in W8A8 tiles streams 35% faster itself but slows the layers' phases more
+    (the whole kernel's registers), so it stays weight-only."""
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
@@ -74,6 +85,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
         tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True, stages=stages)
         if rows >= 16 and fp8:
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=1, tma=True, stages=stages)
+            if e4m3:
+                tiles[Op.GATEUP] = W8A8_GATEUP
         elif rows >= 8 and not fp8:
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=2, tma=True)
         else:
@@ -82,8 +95,13 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False) -> TileT
     # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
     wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
             for op in (Op.QKV, Op.OPROJ, Op.DOWN)}
-    wide[Op.GATEUP] = MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
+    wide[Op.GATEUP] = W8A8_GATEUP if e4m3 else \
+        MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
     return wide | {Op.LMHEAD: lm_wide}
+
+
+# e4m3 weights from 16 rows: gate/up W8A8 (default_tiles)
+W8A8_GATEUP = MatvecTile(rows=64, k_chunk=256, k_slices=1, stages=3, swap=True, w8a8=True)
 
 
 def int8_slices(t: MatvecTile) -> MatvecTile:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.backends import make_decoder
-from service.model.fp8 import E4M3_MAX, from_checkpoint, quantize, quantize_model
+from service.model.fp8 import E4M3_MAX, activations_e4m3, from_checkpoint, quantize, quantize_model
 from service.model.loader import load_model
 from service.model.synthetic import load_synthetic
 
@@ -45,6 +45,56 @@ def test_a_zero_row_quantizes_to_zeros() -> None:
     q = quantize(torch.zeros(3, 8))
     assert torch.equal(q.dequantize(torch.float32), torch.zeros(3, 8))
     assert torch.equal(q.scale, torch.ones(3))
+
+
+def test_w8a8_activations_round_each_run_of_columns_on_its_own_scale() -> None:
+    """W8A8's activations (what the kernel's W8A8 tiles compute, dequantized): each run of columns on its own scale,
+    its largest value kept, every value within its normal range at most half an e4m3 step off (3 mantissa
+    bits: 1/16 of the value), zero runs zero, and a run's values independent of the other runs' (a huge value in
+    one run costs its neighbours nothing)."""
+    x = _fresh(8, 300)
+    x[3, 256:] = 0.0  # the ragged last run of row 3: zeros
+    x[5, :10] *= 1e6  # one huge run
+    q = activations_e4m3(x, 128)
+    assert q.shape == x.shape and q.dtype == x.dtype
+    for r in range(x.shape[0]):
+        for c0 in range(0, 300, 128):
+            run, qrun = x[r, c0:c0 + 128], q[r, c0:c0 + 128]
+            # the run's absmax maps to 448 exactly (scaled back to within float32's rounding)
+            torch.testing.assert_close(qrun.abs().max(), run.abs().max(), rtol=1e-6, atol=0)
+            normal = run.abs() >= run.abs().max() * 2.0 ** -6  # e4m3's normal range below its largest
+            assert ((qrun - run).abs()[normal] <= run.abs()[normal] / 16).all(), (r, c0)
+    assert (q[3, 256:] == 0).all()
+    assert torch.equal(q[5, 128:], activations_e4m3(x[5:6, 128:], 128)[0])
+
+
+def test_w8a8_where_the_default_tiles_say() -> None:
+    """e4m3 weights run gate/up W8A8 in launches of 16 rows and more (kernels/tiles.py); fewer rows, bf16 and int8
+    with row scales never; W8A8 tiles over weights that are not e4m3 are refused."""
+    from kernels.instructions import Op
+    from kernels.megakernel import KernelConfig
+    from kernels.tiles import MATVECS, MatvecTile, default_tiles
+    from service.backends.megakernel import MegakernelDecoder
+
+    for rows in (1, 8, 16, 32, 64):
+        tiles = default_tiles(True, rows, e4m3=True)
+        assert tiles[Op.GATEUP].w8a8 == (rows >= 16) and (tiles[Op.GATEUP].swap or rows < 16)
+        assert not any(t.w8a8 for op, t in tiles.items() if op is not Op.GATEUP)
+        assert not any(t.w8a8 for t in default_tiles(True, rows).values())  # int8 with row scales
+        assert not any(t.w8a8 for t in default_tiles(False, rows).values())
+    config, w, _ = load_synthetic("tiny")
+
+    def decoder(fmt: str, cfg: KernelConfig | None = None) -> MegakernelDecoder:
+        return MegakernelDecoder(config, w, max_slots=16, max_context=64, device="cpu", dtype=torch.float32,
+                                 weight_format=fmt, kernel_config=cfg, use_cuda_graphs=False)
+
+    fp8 = decoder("fp8").kernel
+    assert fp8.tiles(16)[Op.GATEUP].w8a8 and fp8.tiles(64)[Op.GATEUP].w8a8 and not fp8.tiles(8)[Op.GATEUP].w8a8
+    assert not any(t.w8a8 for t in decoder("int8-row").kernel.tiles(16).values())
+    a8 = MatvecTile(rows=16, k_chunk=16, k_slices=1, swap=True, w8a8=True)
+    bf16 = decoder("bf16", KernelConfig(tiles={op: a8 for op in MATVECS})).kernel
+    with pytest.raises(ValueError, match="W8A8 tiles need FP8 weights"):
+        bf16.tiles(16)
 
 
 def test_checkpoint_scales_per_tensor_and_per_row() -> None:

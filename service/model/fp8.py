@@ -19,8 +19,8 @@ from service.model.quantized import LAYER_MATRICES, QuantizedModel, quantize_wit
 # Fp8Matrix lives with the weights that hold it (weights.py); it is imported from here too (hf_checkpoint.py).
 from service.model.weights import Fp8Matrix, ModelWeights
 
-__all__ = ["E4M3_MAX", "LAYER_MATRICES", "Fp8Matrix", "QuantizedModel", "from_checkpoint", "quantize",
-           "quantize_model"]
+__all__ = ["E4M3_MAX", "LAYER_MATRICES", "Fp8Matrix", "QuantizedModel", "activations_e4m3", "from_checkpoint",
+           "quantize", "quantize_model"]
 
 E4M3_MAX = 448.0
 
@@ -32,6 +32,19 @@ def quantize(w: torch.Tensor) -> Fp8Matrix:
     scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))), torch.ones_like(amax))
     data = (wf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return Fp8Matrix(data, scale)
+
+
+def activations_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
+    """W8A8's activations as the megakernel's W8A8 tiles quantize them (MatvecTile.w8a8), dequantized: each row's
+    runs of `group` columns (the tile's k chunk) scaled so that their absmax maps to 448, rounded to e4m3 (to nearest)
+    and scaled back; a run of zeros stays zeros. What an oracle multiplies by the weights to match the kernel."""
+    xf = x.float()
+    cols = xf.shape[-1]
+    g = torch.nn.functional.pad(xf, (0, -cols % group)).unflatten(-1, (-1, group))
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (g / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.flatten(-2)[..., :cols].to(x.dtype)
 
 
 def from_checkpoint(data: torch.Tensor, weight_scale: torch.Tensor) -> Fp8Matrix:
