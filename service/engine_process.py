@@ -106,7 +106,7 @@ class EngineService:
         """After an iteration (engine thread): its deltas, in one message."""
         if self._outbox:
             box, self._outbox = self._outbox, []
-            self._send(StepOutput(box))
+            self._send(StepOutput(box, time.perf_counter()))
 
     # -- the input thread ---------------------------------------------------------------------------------------
     def serve(self) -> None:

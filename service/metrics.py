@@ -190,9 +190,9 @@ TRANSPORTS = ("http", "websocket")
 
 
 class FrontEndMetrics:
-    """What the HTTP front end counts itself, before a request reaches the engine: callers refused for their API key
-    (service/api/auth.py). A registry of its own, rendered after the engine's on /metrics, so that the count stays
-    the front end's wherever the engine runs."""
+    """What the HTTP front end counts itself: callers refused for their API key (service/api/auth.py), before a
+    request reaches the engine; and how late the engine's tokens reach its event loop. A registry of its own,
+    rendered after the engine's on /metrics, so that these stay the front end's wherever the engine runs."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -203,6 +203,10 @@ class FrontEndMetrics:
         for reason in API_KEY_REFUSAL_REASONS:  # so that rate() has a series from the start
             for transport in TRANSPORTS:
                 self.api_key_refusals.labels(reason=reason, transport=transport)
+        self.token_delivery = Histogram(
+            "parley_token_delivery_seconds", "From the engine publishing a request's tokens (its step committed) to "
+            "the front end's event loop reading them for the SSE or WebSocket reply: a busy event loop, a GIL held "
+            "elsewhere or the hop between processes, seen per delta", buckets=LOOP_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,23 @@ def test_sdk_streaming_completion(client: openai.OpenAI, model_id: str) -> None:
     assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
 
 
+def test_how_late_tokens_reach_the_front_end_is_measured(shared_server: Server, client: openai.OpenAI,
+                                                           model_id: str) -> None:
+    """parley_token_delivery_seconds: every delta of tokens the engine publishes is timed from then until the front
+    end's event loop reads it for the reply; an idle server's stream adds a few, each well under a step."""
+    name = "parley_token_delivery_seconds"
+    wait_idle(shared_server.base)
+    before = scrape_metrics(shared_server.base)
+    stream = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert sum(len(c.choices[0].text) > 0 for c in stream if c.choices) >= 1
+    after = wait_idle(shared_server.base)
+    deltas = after[f"{name}_count"] - before[f"{name}_count"]
+    waited = after[f"{name}_sum"] - before[f"{name}_sum"]
+    assert 1 <= deltas <= 8, deltas  # each delta carries one token or more
+    assert 0 <= waited / deltas < 0.1, waited / deltas
+
+
 def test_sdk_streaming_chat(client: openai.OpenAI, model_id: str) -> None:
     stream = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True})

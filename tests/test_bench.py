@@ -214,5 +214,6 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert figures["host_us_p50"] == 100.0  # the 50th of 100 sits at the first bucket's top
     assert figures["host_us_p99"] == 200.0  # the 99th: the second bucket's last
     assert figures["gpu_idle_us_p50"] is None and figures["gpu_idle_us_p99"] is None
+    assert figures["delivery_us_p50"] is None  # a server before parley_token_delivery_seconds: None, not 0
     assert loop_metrics.figures(tmp_path, "never-scraped") == {}
     assert loop_metrics.quantile({0.001: 0, float("inf"): 4}, 0.5) == 0.001  # past the last bound: that bound

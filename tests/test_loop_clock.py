@@ -246,3 +246,28 @@ def test_the_budget_gone_before_the_verdict_is_measured_admitted_or_refused(tiny
     assert samples[("parley_admission_verdict_seconds_bucket", "0.003")] == 0  # neither before 3 ms
     assert samples[("parley_admission_verdict_seconds_bucket", "0.02")] == 1  # the refused one, 4 ms in
     assert 0.044 <= samples[("parley_admission_verdict_seconds_sum", None)] < 0.5
+
+
+def test_a_delta_read_late_by_the_event_loop_is_timed_from_its_publication() -> None:
+    """QueuedDeltas (the front end's queue of a request's deltas): a delta of tokens is timed from when the engine
+    published it to when the reply reads it, however long the event loop was busy in between; deltas made in the
+    front end (a cancel's) and deltas without tokens are not."""
+    import asyncio
+
+    from service.api.streaming import QueuedDeltas
+    from service.engine.request import Delta
+
+    waits: list[float] = []
+
+    async def read() -> list[Delta]:
+        q = QueuedDeltas(waits.append)
+        published = time.perf_counter()
+        q._queue.put_nowait((Delta("a", [1]), published))
+        time.sleep(0.03)  # the event loop busy elsewhere (this coroutine holds it) before the reply reads
+        q._queue.put_nowait((Delta("", []), time.perf_counter()))
+        q._queue.put_nowait((Delta("b", [2], finish_reason="cancelled"), None))
+        return [d async for d in q]
+
+    got = asyncio.run(read())
+    assert [d.text for d in got] == ["a", "", "b"]
+    assert len(waits) == 1 and 0.03 <= waits[0] < 1.0, waits

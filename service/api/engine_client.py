@@ -86,8 +86,8 @@ class RemoteStream(QueuedDeltas):
     """One request submitted to the engine process."""
 
     def __init__(self, client: EngineClient, rid: int, prompt_tokens: int, arrival: float,
-                 on_close: Callable[[], None] | None) -> None:
-        super().__init__()
+                 on_close: Callable[[], None] | None, on_delivered: Callable[[float], None] | None = None) -> None:
+        super().__init__(on_delivered)
         self.client, self.rid = client, rid
         self.verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self._prompt_tokens = prompt_tokens
@@ -97,7 +97,8 @@ class RemoteStream(QueuedDeltas):
         self._ended = False  # its last delta is queued
         self._on_close = on_close
 
-    def put(self, d: Delta) -> None:
+    def put(self, d: Delta, published: float | None = None) -> None:
+        """The engine's delta (`published`: when the engine process sent it), or one made here (None)."""
         if self._ended:
             return  # cancelled here already: the engine's own last delta is never read
         if d.token_ids and self._first_at is None:
@@ -105,7 +106,7 @@ class RemoteStream(QueuedDeltas):
         self._tokens += len(d.token_ids)
         if d.finish_reason is not None:
             self._ended = True
-        self._queue.put_nowait(d)
+        self._queue.put_nowait((d, published))
 
     def fail(self, why: str) -> None:
         self.put(Delta("", [], finish_reason="error", error=why, usage=self._usage()))
@@ -187,14 +188,15 @@ class EngineClient:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, grammar: RemoteGrammar | None = None,
                      session: RemoteSession | None = None, arrival: float | None = None,
-                     on_close: Callable[[], None] | None = None) -> RemoteStream:
+                     on_close: Callable[[], None] | None = None,
+                     on_delivered: Callable[[float], None] | None = None) -> RemoteStream:
         """Submit and wait for admission's verdict: the stream, or Rejected (429, 503), ValueError (a prompt the
         engine cannot take), GrammarError (a grammar that does not compile)."""
         if self.dead is not None:
             raise Rejected("engine_gone", f"the engine process is gone: {self.dead}", retry_after_s=5.0, status=503)
         rid = next(self._rids)
         arrival = arrival if arrival is not None else time.perf_counter()
-        stream = self._streams[rid] = RemoteStream(self, rid, len(prompt_ids), arrival, on_close)
+        stream = self._streams[rid] = RemoteStream(self, rid, len(prompt_ids), arrival, on_close, on_delivered)
         p = Params(params.max_tokens, params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), params.seed,
                    list(params.stop), params.ignore_eos, None if grammar is None else grammar.lark,
                    grammar is not None and grammar.opening)
@@ -291,7 +293,7 @@ class EngineClient:
             for o in m.outs:
                 stream = streams.get(o.rid)
                 if stream is not None:
-                    stream.put(delta_of(o))
+                    stream.put(delta_of(o), m.sent)
                     if o.finish_reason is not None:
                         streams.pop(o.rid, None)
         elif isinstance(m, Verdict):

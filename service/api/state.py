@@ -138,11 +138,12 @@ class ServerState:
         if self.client is not None:
             assert session is None or isinstance(session, RemoteSession)
             stream = await self.client.submit(prompt_ids, params, grammar, session=session, arrival=arrival,
-                                              on_close=self._stream_closed)
+                                              on_close=self._stream_closed,
+                                              on_delivered=self.metrics.token_delivery.observe)
         else:
             assert grammar is None and (session is None or isinstance(session, Session))
             stream = EngineStream(self._runtime.engine, prompt_ids, params, session=session, arrival=arrival,
-                                  on_close=self._stream_closed)
+                                  on_close=self._stream_closed, on_delivered=self.metrics.token_delivery.observe)
         with self._streams_changed:
             self._streams += 1
         return stream

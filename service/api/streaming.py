@@ -36,15 +36,20 @@ class DeltaStream(Protocol):
 
 
 class QueuedDeltas:
-    """A request's deltas queued for the event loop, read with `async for` until the last one (finish_reason)."""
+    """A request's deltas queued for the event loop, read with `async for` until the last one (finish_reason). Each
+    comes with when the engine published it (time.perf_counter(), monotonic across the host's processes; None for
+    one made here, a cancel's), and `on_delivered` hears how long it waited to be read."""
 
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+    def __init__(self, on_delivered: Callable[[float], None] | None = None) -> None:
+        self._queue: asyncio.Queue[tuple[Delta, float | None]] = asyncio.Queue()
         self.finished = False  # its last delta was read
+        self._on_delivered = on_delivered
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         while not self.finished:
-            delta = await self._queue.get()
+            delta, published = await self._queue.get()
+            if published is not None and self._on_delivered is not None and delta.token_ids:
+                self._on_delivered(time.perf_counter() - published)
             if delta.finish_reason is not None:
                 self.finished = True
             yield delta
@@ -55,8 +60,9 @@ class EngineStream(QueuedDeltas):
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
                  session: Session | None = None, arrival: float | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
-        super().__init__()
+                 on_close: Callable[[], None] | None = None,
+                 on_delivered: Callable[[float], None] | None = None) -> None:
+        super().__init__(on_delivered)
         self.engine = engine
         self._loop = asyncio.get_running_loop()
         self._cancelled = False
@@ -68,7 +74,7 @@ class EngineStream(QueuedDeltas):
     def _sink(self, delta: Delta) -> None:
         """Called on the engine thread; must never raise there (that would fail the whole batch)."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (delta, time.perf_counter()))
         except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
             pass
 
@@ -82,8 +88,8 @@ class EngineStream(QueuedDeltas):
             return
         self._cancelled = True
         self.engine.cancel(req)
-        self._queue.put_nowait(Delta("", [], finish_reason="cancelled", usage=req.usage(),
-                                     timings=req.timings(time.perf_counter())))
+        self._queue.put_nowait((Delta("", [], finish_reason="cancelled", usage=req.usage(),
+                                      timings=req.timings(time.perf_counter())), None))
 
     def close(self) -> None:
         """Done with it: cancelled if it still runs, and `on_close` called (once; idempotent)."""

@@ -118,6 +118,7 @@ class Out(msgspec.Struct, array_like=True):
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True):
     outs: list[Out]
+    sent: float | None = None  # time.perf_counter() in the engine process when sent (monotonic across the host)
 
 
 class Status(msgspec.Struct, tag=True, array_like=True):
