@@ -109,14 +109,16 @@ E2E_RUNS = (
 )
 
 
-ENGINES = {"thread": (), "process": ("--engine-process",)}  # `engine=`: how each run's server runs its engine
-ENGINE_SUFFIX = {"thread": "", "process": ".proc"}  # ...and what its label gets
+# `engine=`: how each run's server runs its engine (`default`: as `parley serve` does, in a process of its own on a
+# GPU and a thread on the CPU), and what its label gets
+ENGINES = {"default": (), "thread": ("--no-engine-process",), "process": ("--engine-process",)}
+ENGINE_SUFFIX = {"default": "", "thread": ".thread", "process": ".proc"}
 
 
 def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests: int = 0,
         sweep_start: float = 10.0, sweep_max_rate: float = 1024.0, sweep_bisect: int = 3, sweep_s: float = 8.0,
         sweep_workers: int = 1, extra_body: str = "", capacity: bool = True, sweep_warmup: int = 80,
-        engine: str = "thread") -> Benchmark:
+        engine: str = "default") -> Benchmark:
     """End to end: one server per run of E2E_RUNS (`only`: some of their labels, comma-separated), each measured
     one stream at a time (32- and 1,000-token prompts, 64-token replies) and, where the run says, by the goodput
     sweep: Poisson arrivals from `sweep_start` requests/s, doubled until fewer than 99% of all requests meet the
@@ -129,15 +131,16 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
     serving replica's, not a cold one's first seconds (a rate whose first second refuses 2 of 80 fails the sweep).
     `serve_args`: flags replacing or added to every run's (`--model synthetic:tiny` for a CPU check);
     `single_requests`: instead of each run's own; `extra_body`: JSON merged into every request
-    (`{"temperature": 0}`; none: the server's defaults, as the openai SDK sends). `engine`: `thread` (the default
-    server), `process` (`--engine-process`, labels ending `.proc`), or `both`, comma-separated: each run measured
-    with each engine in the same call, one server after the other on the same GPU, so that they compare."""
+    (`{"temperature": 0}`; none: the server's defaults, as the openai SDK sends). `engine`: `default` (as `parley
+    serve` runs it: in a process of its own on a GPU, a thread on the CPU), `process` (`--engine-process`, labels
+    ending `.proc`), `thread` (`--no-engine-process`, `.thread`), or `both` (thread and process), comma-separated:
+    each run measured with each engine in the same call, one server after the other on the same GPU."""
     runs = [r for r in E2E_RUNS if not only or r.label in _names(only)]
     if only and len(runs) != len(_names(only)):
         raise ValueError(f"only: not a run of {[r.label for r in E2E_RUNS]}: {only}")
-    engines = list(ENGINES) if engine == "both" else _names(engine)
+    engines = ["thread", "process"] if engine == "both" else _names(engine)
     if not engines or any(e not in ENGINES for e in engines):
-        raise ValueError(f"engine: thread, process or both, not {engine!r}")
+        raise ValueError(f"engine: default, thread, process or both, not {engine!r}")
     runs = [replace(r, label=r.label + ENGINE_SUFFIX[e], serve=(*r.serve, *ENGINES[e])) for r in runs
             for e in engines]
     body = ("--extra-body", extra_body) if extra_body else ()

@@ -81,9 +81,11 @@ class ServeConfig(BaseSettings):
     drain_timeout_s: float = Field(30.0, description="on SIGTERM, how long in-flight requests may take")
     wedge_timeout_s: float = Field(30.0, description="a decode step or prefill hung this long turns /health "
                                    "503 (and new requests get 503) so that an orchestrator restarts the server")
-    engine_process: bool = Field(False, description="run the engine (warm-up, admission, the step loop) in a "
-                                 "process of its own beside the HTTP front end, so that the front end's Python never "
-                                 "holds the GIL the engine loop needs (issue 37; off: the engine is a thread)")
+    engine_process: bool | None = Field(None, description="run the engine (warm-up, admission, the step loop) in a "
+                                        "process of its own beside the HTTP front end, so that the front end's "
+                                        "Python never holds the GIL the engine loop needs (off: the engine is a "
+                                        "thread of this process); unset: on where the device is a GPU, off on the "
+                                        "CPU")
     step_delay_ms: float = Field(0.0, description="testing: slow every decode step down by this much")
     fail_step: int = Field(0, description="testing: the decode step (1-based, of users' requests) that "
                            "raises, once; 0: never")
@@ -107,6 +109,17 @@ class ServeConfig(BaseSettings):
         if max_rows is not None and max_batch is not None and max_rows < max_batch:
             raise ValueError(f"must be at least --max-batch ({max_batch}): every request decoding has a row a step")
         return max_rows
+
+
+def engine_in_own_process(cfg: ServeConfig) -> bool:
+    """--engine-process, or where unset: on a GPU, where the H100 measured the thread engine's goodput at 2.5-3.8
+    req/s against 12.5 (bf16) and 35 (FP8) with the engine in its own process, in the same call (bench/NOTES.md);
+    off on the CPU, where one process is all `parley serve` needs."""
+    if cfg.engine_process is not None:
+        return cfg.engine_process
+    import torch
+
+    return (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], ServeConfig]:

@@ -64,15 +64,19 @@ def test_e2e_plan_is_issue_21s_and_36s() -> None:
 
 
 def test_e2e_compares_the_thread_and_the_process_engine_in_one_call() -> None:
-    """engine=both: each run twice, the second server with --engine-process and a label of its own (its loadtests'
-    files and the report's rows apart), the same loadtests, and both within one GPU call."""
+    """engine=both: each run twice, with --no-engine-process and with --engine-process, each with a label of its own
+    (its loadtests' files and the report's rows apart), the same loadtests, and both within one GPU call; by default
+    the server runs its engine as `parley serve` does (no flag: in a process of its own on a GPU)."""
     plan = e2e(only="megakernel.bf16", capacity=False, engine="both", sweep_s=6)
     thread, proc = plan.servers
-    assert (thread.label, proc.label) == ("megakernel.bf16", "megakernel.bf16.proc")
-    assert "--engine-process" not in thread.serve and proc.serve == (*thread.serve[:-4], "--engine-process",
-                                                                     *thread.serve[-4:])
-    assert [t.name.split("-", 1) for t in proc.loadtests] == [["megakernel.bf16.proc", t.name.split("-", 1)[1]]
-                                                              for t in thread.loadtests]
+    assert (thread.label, proc.label) == ("megakernel.bf16.thread", "megakernel.bf16.proc")
+    flags = ("--engine-process", "--no-engine-process")
+    assert thread.serve == (*thread.serve[:-5], "--no-engine-process", *thread.serve[-4:])
+    assert proc.serve == (*thread.serve[:-5], "--engine-process", *thread.serve[-4:])
+    (default,) = e2e(only="megakernel.bf16", capacity=False).servers
+    assert default.label == "megakernel.bf16" and not set(flags) & set(default.serve)
+    assert [t.name.split("-", 1)[1] for t in proc.loadtests] == [t.name.split("-", 1)[1] for t in thread.loadtests]
+    assert {t.name.split("-", 1)[0] for t in proc.loadtests} == {"megakernel.bf16.proc"}
     assert [t.args for t in proc.loadtests] == [t.args for t in thread.loadtests]
     assert plan.estimate_s() < 300
     assert [s.label for s in e2e(only="megakernel.bf16", engine="process").servers] == \

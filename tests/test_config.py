@@ -132,3 +132,16 @@ def test_the_readme_flag_table_is_true() -> None:
             want = shown(fields[f[2:].replace("-", "_")].default)
             if want is not None:
                 assert defaults[i if len(defaults) > 1 else 0].strip("`") == want, (f, defaults)
+
+
+def test_the_engine_runs_in_its_own_process_on_a_gpu_unless_told() -> None:
+    """Unset, the engine runs in a process of its own where the device is a GPU and as a thread on the CPU (one
+    process is all a CPU server needs); --engine-process and --no-engine-process decide either way."""
+    from service.config import engine_in_own_process
+
+    assert parse(["serve"]).engine_process is None
+    assert engine_in_own_process(parse(["serve", "--device", "cuda"]))
+    assert engine_in_own_process(parse(["serve", "--device", "cuda:1"]))
+    assert not engine_in_own_process(parse(["serve", "--device", "cpu"]))
+    assert not engine_in_own_process(parse(["serve", "--device", "cuda", "--no-engine-process"]))
+    assert engine_in_own_process(parse(["serve", "--device", "cpu", "--engine-process"]))

@@ -28,7 +28,7 @@ from service.api.app import MAX_BODY_BYTES, create_app
 from service.api.auth import ApiKeyError, ApiKeys, announce, redact_keys_in_logs, reload_on_sighup
 from service.api.engine_client import EngineClient
 from service.api.state import ServerState, server_state
-from service.config import ServeConfig
+from service.config import ServeConfig, engine_in_own_process
 from service.runtime import build_engine, settle_process
 
 log = logging.getLogger("parley")
@@ -139,7 +139,7 @@ def serve(cfg: ServeConfig) -> int:
     announce(keys, cfg.host, cfg.port)
     reload_on_sighup(keys)
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
-    if cfg.engine_process:
+    if engine_in_own_process(cfg):
         return serve_with_engine_process(cfg, keys)
     app = create_app(lambda: settle_process(build_engine(cfg)), api_keys=keys)
     state = server_state(app)
