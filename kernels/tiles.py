@@ -64,8 +64,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     0.8 KB, FP8's tiles 1 KB: bench/sm90_compile.py). Not yet measured on the H100.
 
     e4m3 weights from 16 rows: gate/up runs W8A8 (MatvecTile.w8a8: its activations in e4m3, a scale per row and 256
-    columns; wgmma e4m3 x e4m3 in swapped 64-row tiles, 3 stages): 2.1-2.6% faster a step at 16 rows and 3.6-3.9% at
-    64 in three runs (bench/NOTES.md "W8A8"), +0.5% perplexity over weight-only FP8 on the real SmolLM2 weights
+    columns; wgmma e4m3 x e4m3 in swapped 64-row tiles, 3 stages): 2.1-2.6% faster a step at 16 rows (four runs) and
+    3.4-3.9% at 64 (three) (bench/NOTES.md "W8A8"), +0.5% perplexity over weight-only FP8 on the real SmolLM2 weights
     (bench/fp8_quality.py). The LM head in W8A8 tiles streams 35% faster itself but slows the layers' phases more
     (the whole kernel's registers), so it stays weight-only."""
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
