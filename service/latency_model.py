@@ -107,11 +107,16 @@ class LatencyModel:
     def observe_step(self, rows: int, seconds: float, kv_positions: int = 0) -> None:
         """One step of the engine's cadence. A one-off pause (the H100 run saw one step of 100+ ms among 3,500 of
         1.2) must not make an idle server look slow: a lone outlier teaches nothing, and a real slowdown still moves
-        the average within a few dozen steps (a millisecond each)."""
+        the average within a few dozen steps (a millisecond each). A step whose K/V term is most of its own time
+        teaches the short-context time nothing: where the calibration's per-position cost runs high (a 2-core CPU
+        serving long realtime sessions), the remainder fell to zero, an idle server was predicted to keep the SLA,
+        began enforcing it, and then refused every request whose forecast counted its context."""
         with self._lock:
             self.observed_steps += 1
             point = self._point_of(max(1, rows))
             extra = self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * rows)
+            if extra > 0.5 * seconds:
+                return
             learned = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
             self._step[point] = min(learned, LEARN_CEILING * _interpolate(self._calibrated, point))
             self._step = dict(sorted(self._step.items()))

@@ -142,6 +142,20 @@ def test_online_correction_follows_the_backend():
     assert lat.prefill(256) == pytest.approx(0.100, rel=0.05)
 
 
+def test_long_context_steps_never_teach_a_short_step_to_cost_nothing():
+    """Steps whose K/V term is most of their time leave the short-context time as it was; the same steps at a short
+    context still teach it. (On a 2-core CPU serving long realtime sessions a high per-position cost took
+    the one-row step to ~0, an idle server then enforced the SLA and refused every request for good.)"""
+    lat = LatencyModel({1: 0.040, 4: 0.060}, {16: 0.050, 256: 0.400}, max_rows=64, step_kv_s=0.000040)
+    for kv in (2000, 600):  # the K/V term alone predicts 78 ms, then 21.4: the steps take 40
+        for _ in range(200):
+            lat.observe_step(1, 0.040, kv_positions=kv)
+        assert lat.step(1) == pytest.approx(0.040)
+    for _ in range(200):  # short contexts: learned as ever
+        lat.observe_step(1, 0.030, kv_positions=32)
+    assert lat.step(1) == pytest.approx(0.030, rel=0.01)
+
+
 def test_an_idle_cpu_server_says_it_serves_best_effort_and_strict_refuses(caplog):
     slow = LatencyModel({1: 0.050}, {16: 0.2, 128: 0.5}, max_rows=64)
     lenient = AdmissionController(slow, 0.1, 64, 4)
