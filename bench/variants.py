@@ -154,8 +154,6 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "lm128": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=2)),
     "lm128-ks1": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=1)),
     "lm256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=256, k_chunk=64, k_slices=1)),
-    # attention's row and QKV's rows (positions, slots) read before the task's wait, not after its acquire
-    "preload-rows": lambda w: KernelConfig(preload_rows=True),
     # FP8 weight-only everywhere: the default before gate/up ran W8A8 from 16 rows
     "weight-only": lambda w: KernelConfig(tiles=lambda rows: default_tiles(w != "bf16", rows, w == "int8")),
     # FP8 W8A8 from 16 rows (_w8a8): gate/up (the default now) and the LM head; each alone; four stages; 128-row

@@ -22,25 +22,12 @@ def _splits(n_pos, ATT: tl.constexpr):
 
 
 @triton.jit
-def row_inputs(inputs, b, live=None):
-    """Row b's position and slot (0, 0 where not live): step inputs, never written during the step, so a task may
-    read them before its wait."""
-    if live is None:
-        pos, slot = tl.load(inputs.positions + b), tl.load(inputs.slots + b)
-    else:
-        pos, slot = tl.load(inputs.positions + b, mask=live, other=0), tl.load(inputs.slots + b, mask=live, other=0)
-    return pos, slot.to(tl.int64)
-
-
-@triton.jit
 def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr, sm_scale,
-               MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr, row=None):
+               MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
     """Flash-decoding for (row b, KV head g) over positions [0, pos] of its slot (this step's k and v of every row
     are in the cache already: QKV put them there). The positions are cut into splits (_splits); this task, one of
     S for (b, g), takes splits s, s + S, ...; the last task to arrive merges the splits' partials in split order.
-    row: the row's (position, slot) as row_inputs read them before the wait, or None to read them here (after the
-    wait, whose acquire has dropped L1: an L2 round trip ahead of every other load). Returns 1 if this task finished
-    (b, g)."""
+    Returns 1 if this task finished (b, g)."""
     KVH: tl.constexpr = MODEL.kv_heads
     D: tl.constexpr = MODEL.head_dim
     G: tl.constexpr = MODEL.heads // KVH
@@ -51,10 +38,8 @@ def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch,
     dt = cache.k.dtype.element_ty
     LOG2E: tl.constexpr = 1.4426950408889634
     qk_scale = sm_scale * LOG2E
-    if row is None:
-        row = row_inputs(inputs, b)
-    n_pos = row[0] + 1
-    slot = row[1]
+    n_pos = tl.load(inputs.positions + b) + 1
+    slot = tl.load(inputs.slots + b).to(tl.int64)
     rg = tl.arange(0, GPAD)
     rd = tl.arange(0, D)
     out_ptrs = attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :]
@@ -119,19 +104,19 @@ def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch,
 
 
 @triton.jit
-def prefetch_kv(r, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr, row=None):
+def prefetch_kv(r, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
     """An attention task's cached keys and values (the positions before this step's) into L2 while it waits for
     QKV: they do not depend on this step. The task's first split only; one bulk prefetch each, from threads 0, 1.
-    r: the task's record (megakernel._record); row: its row's (position, slot) where read already (row_inputs)."""
+    r: the task's record (megakernel._record)."""
     D: tl.constexpr = MODEL.head_dim
     b = r[I.ATTN_ROW]
     s = r[I.ATTN_SPLIT]
-    pos = tl.load(inputs.positions + b) if row is None else row[0]
+    pos = tl.load(inputs.positions + b)
     n_split, span = _splits(pos + 1, ATT)
     start = s * span
     n = tl.minimum(start + span, pos) - start
     if (s < n_split) & (n > 0):
-        slot = tl.load(inputs.slots + b).to(tl.int64) if row is None else row[1]
+        slot = tl.load(inputs.slots + b).to(tl.int64)
         head = (r[I.F_LAYER] * cache.slots + slot) * MODEL.kv_heads + r[I.ATTN_KV_HEAD]
         off = (head * cache.context + start) * D
         lane = tl.arange(0, 2)

@@ -210,8 +210,7 @@ class MatvecWeights(NamedTuple):
 
 
 class QkvOut(NamedTuple):
-    """Where QKV's epilogue puts q, k and v, and what RoPE reads. slots and positions: the step's input pointers, or
-    the rows' values read before the task's wait (KernelConfig.preload_rows)."""
+    """Where QKV's epilogue puts q, k and v, and what RoPE reads."""
 
     q: Any
     cache: Any

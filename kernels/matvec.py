@@ -136,10 +136,7 @@ def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl
     KV: tl.constexpr = KVH * D
     HALF: tl.constexpr = D // 2
     live = rb < B
-    if out.positions.dtype.is_ptr():
-        pos = tl.load(out.positions + rb, mask=live, other=0)
-    else:  # read before the task's wait (KernelConfig.preload_rows)
-        pos = out.positions
+    pos = tl.load(out.positions + rb, mask=live, other=0)
     lo = lo.to(dt).to(tl.float32)  # the linear's output, rounded where the reference rounds it
     hi = hi.to(dt).to(tl.float32)
     first = tl.min(rows, axis=0)
@@ -155,10 +152,7 @@ def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl
     else:
         cache = out.cache
         ctx = cache.context
-        if out.slots.dtype.is_ptr():
-            slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
-        else:
-            slot = out.slots.to(tl.int64)
+        slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
         base = (layer * cache.slots + slot[:, None]) * KVH * ctx * D + pos[:, None].to(tl.int64) * D
         r1, r2 = (rows - Q) % KV, (rows2 - Q) % KV
         o1 = base + ((r1 // D) * ctx * D + r1 % D)[None, :]

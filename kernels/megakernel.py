@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import instructions as I
-from kernels.attention import attention, prefetch_kv, row_inputs
+from kernels.attention import attention, prefetch_kv
 from kernels.instructions import Op
 from kernels.kernel_args import (
     INT8_BLOCK,
@@ -131,7 +131,6 @@ def megakernel(
     DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
     PROFILE: tl.constexpr,
     SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): no task waits for its inputs
-    PRELOAD_ROWS: tl.constexpr,  # KernelConfig.preload_rows
 ):
     NF: tl.constexpr = I.RECORD_LEN
     H: tl.constexpr = MODEL.hidden
@@ -172,14 +171,9 @@ def megakernel(
             prefetch_regions(r[I.F_PF0], r[I.F_PF0_BYTES], r[I.F_PF1], r[I.F_PF1_BYTES])
         op = r[I.F_OP]
         layer = r[I.F_LAYER]
-        is_attn = op == I.ATTN
-        if PRELOAD_ROWS:  # attention's row and QKV's rows (position, slot), read before the wait (KernelConfig)
-            a_row = row_inputs(inputs, tl.where(is_attn, r[I.ATTN_ROW], 0), is_attn)
-            rb = tl.arange(0, BPAD)
-            q_rows = row_inputs(inputs, rb, (rb < batch) & (op == I.QKV))
         if PF_KV:
-            if is_attn:
-                prefetch_kv(r, inputs, cache, MODEL, ATT, a_row if PRELOAD_ROWS else None)
+            if op == I.ATTN:
+                prefetch_kv(r, inputs, cache, MODEL, ATT)
         if not SKIP_WAITS:
             wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
         if PROFILE:
@@ -190,16 +184,12 @@ def megakernel(
             wl = w.wqkv + layer * QKVR * H
             sc = scales.qkv + layer * QKVR if FP8 else None
             bias = w.bqkv + layer * QKVR if w.bqkv is not None else None
-            if PRELOAD_ROWS:
-                qkv_out = QkvOut(acts.q, cache, cos, sin, q_rows[1], q_rows[0])
-            else:
-                qkv_out = QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions)
             matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
-                    xn_ptr, ssq, qkv_out, eps, dt, MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(r, sched))
+                    xn_ptr, ssq, QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions), eps, dt,
+                    MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(r, sched))
         elif op == I.ATTN:
             inc = attention(layer, r[I.ATTN_ROW], r[I.ATTN_KV_HEAD], r[I.ATTN_SPLIT], attn_splits, r[I.ATTN_ARRIVE],
-                             sched.counters, inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG,
-                             a_row if PRELOAD_ROWS else None)
+                             sched.counters, inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG)
         elif op == I.OPROJ:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sc = scales.o + layer * H if FP8 else None
@@ -285,11 +275,6 @@ class KernelConfig:
     # Timing only: every task starts without waiting for its inputs (the results are wrong). The step's cost less its
     # dependency latency: what the same tasks cost streamed back to back (bench variant `no-wait`).
     skip_waits: bool = False
-    # Where a task reads the step's row inputs (positions, slots): attention's row and QKV's rows before the task's
-    # wait (its acquire drops L1, so read after it each is an L2 round trip on the critical path: ncu put attention's
-    # stalls on its position's load), or after it as ever (off; not yet timed on the GPU: bench variant
-    # `preload-rows`)
-    preload_rows: bool = False
 
 
 @dataclass
@@ -510,6 +495,6 @@ class Megakernel:
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
             POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
-            SKIP_WAITS=c.skip_waits, PRELOAD_ROWS=c.preload_rows,
+            SKIP_WAITS=c.skip_waits,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )

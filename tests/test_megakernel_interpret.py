@@ -37,9 +37,6 @@ CASES = {
     "llama-swap-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
     # attention chunks of 16 positions: up to 10 splits, merged in three groups of four
     "llama-chunk16": (False, True, 256, 3, 64, 1, "bf16"),
-    # the rows' positions and slots read before each task's wait (KernelConfig.preload_rows), with and without bias
-    "llama-preload": (False, True, 256, 3, 64, 1, "bf16"),
-    "qwen-preload": (True, False, 200, 2, 32, 4, "bf16"),
     "qwen-int8-row-swap": (True, False, 200, 2, 32, 4, "int8-row"),
     # FP8 W8A8: every matvec, the LM head included, in swapped tiles with e4m3 activations (a scale per row and k
     # chunk: llama's 16 columns, several chunks a row; qwen's one), against the reference quantizing them alike
@@ -305,8 +302,7 @@ def _check(case: str) -> dict:
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
     mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
                            kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles,
-                                                      chunk=16 if case.endswith("-chunk16") else 64,
-                                                      preload_rows=case.endswith("-preload")),
+                                                      chunk=16 if case.endswith("-chunk16") else 64),
                            weight_format=weight_format)
     # bucket 4 (batch 3) splits the cached positions; bucket 1 keeps one split
     mk.kernel.attn_splits = {4: splits, 1: 1}
