@@ -28,6 +28,12 @@ from kernels.sync import ld_act, prefetch_l2
 
 I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+# A norm's operand (x * norm weight, before rstd) times this on its way into a float16 dot (8-bit weights), rstd and
+# its inverse waiting for the epilogue: float16 overflows at 65,504, the residual stream's outliers stay far below
+# 2^20. A constant (not rstd itself) so the multiply stays in the dot operand's layout, read straight from shared
+# memory; a row-wise rstd there sent every activation chunk of a swapped tile through registers and shared memory
+# again (QKV at 64 rows: 56 us a layer against bf16's 19).
+F16_SCALE = tl.constexpr(1.0 / 16)
 
 
 @triton.jit
@@ -220,17 +226,17 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
 
 
 @triton.jit
-def _operand(a_ptr, rb, rk, B, rstd, K: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.constexpr, PRE_NORM: tl.constexpr,
+def _operand(a_ptr, rb, rk, B, K: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.constexpr, PRE_NORM: tl.constexpr,
              CG: tl.constexpr):
-    """The activation tile [KS, BPAD, BK/KS] at columns rk, as the dot takes it (scaled by rstd first where the
-    dot runs in float16: FP8 weights)."""
+    """The activation tile [KS, BPAD, BK/KS] at columns rk, as the dot takes it (scaled by F16_SCALE first where
+    the dot runs in float16: 8-bit weights)."""
     a_ptrs = a_ptr + rb[None, :, None] * K + rk[:, None, :]
     if EVEN:
         a = ld_act(a_ptrs, rb[None, :, None] < B, CG)
     else:
         a = ld_act(a_ptrs, (rb[None, :, None] < B) & (rk[:, None, :] < K), CG)
     if PRE_NORM:
-        a = a.to(tl.float32) * rstd[None, :, None]
+        a = a.to(tl.float32) * F16_SCALE
     return a.to(DOT_T)
 
 
@@ -311,8 +317,8 @@ def _act_e4m3(a):
 
 
 @triton.jit
-def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, rstd_out, best_v,
-                    best_i, ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, best_v, best_i,
+                    ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                     TILE: tl.constexpr, BPAD: tl.constexpr, KB: tl.constexpr, DOT_T: tl.constexpr,
                     PRE_NORM: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
     """matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
@@ -343,7 +349,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
         else:
             a = ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
         if PRE_NORM:
-            a = a.to(tl.float32) * rstd[None, :]
+            a = a.to(tl.float32) * F16_SCALE
         if A8:
             a, a_scale = _act_e4m3(a.to(tl.float32))
         else:
@@ -360,7 +366,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             else:
                 acc2 = tl.dot(w2, a, acc2)
         if kb == KB - 1:
-            best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd_out, best_v, best_i,
+            best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd, best_v, best_i,
                                           B, layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN, CG)
             acc = tl.zeros([BN, BPAD], tl.float32)
             acc2 = tl.zeros([BN, BPAD], tl.float32)
@@ -377,7 +383,7 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
     (see _tile_rows), or with TILE.k_halves the second half of K. Ops that follow a norm stream a = x * norm_weight
     and scale by rstd (from the partial sums of squares at ssq_ptr, SSQ_STRIDE rows apart); OPROJ and DOWN leave
     theirs at ssq_ptr. With 8-bit weights (ws.scale set) the dot runs in float16 (e4m3 converts to it in one
-    instruction per pair, int8 by bits: _int8_f16; the activations, scaled by rstd first, fit its range).
+    instruction per pair, int8 by bits: _int8_f16; a norm's operand scaled by F16_SCALE fits its range).
     With TILE.k_splits > 1 the task streams one tile over its part of K (ks: KSplit) and the last part to arrive
     finishes the tile (_k_merge). ws: MatvecWeights. Returns the LM head's running (max, argmax) per row."""
     BN: tl.constexpr = TILE.rows
@@ -405,12 +411,13 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
         rstd = _rstd(ssq_ptr, B, eps, K, BPAD, SSQ_STRIDE, CG)
     else:
         rstd = tl.full([BPAD], 1.0, tl.float32)
-    rstd_out = tl.full([BPAD], 1.0, tl.float32) if PRE_NORM else rstd  # what the epilogue still scales by
+    if PRE_NORM:  # the epilogue's scale: the operand streamed times F16_SCALE
+        rstd = rstd * (1.0 / F16_SCALE)
     best_v = tl.full([BPAD], float("-inf"), tl.float32)
     best_i = tl.full([BPAD], N, tl.int32)
     if TILE.swap:
-        return _matvec_swapped(OP, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, rstd_out, best_v,
-                               best_i, ks, dt, MODEL, K, N, TILE, BPAD, KB, DOT_T, PRE_NORM, W_INT8, CG)
+        return _matvec_swapped(OP, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, best_v, best_i,
+                               ks, dt, MODEL, K, N, TILE, BPAD, KB, DOT_T, PRE_NORM, W_INT8, CG)
     # KS independent accumulators (a batched dot over KS slices of each k chunk): no serial chain of
     # tensor-core ops through one accumulator, and every warp has its own slice
     BKS: tl.constexpr = BK // KS
@@ -434,14 +441,14 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
         rows, rows2 = _tile_rows(OP, n0, MODEL, BN)
         k0 = (kc0 + kb) * BK
         rk = k0 + koff  # [KS, BKS]
-        a = _operand(a_ptr, rb, rk, B, rstd, K, EVEN, DOT_T, PRE_NORM, CG)
+        a = _operand(a_ptr, rb, rk, B, K, EVEN, DOT_T, PRE_NORM, CG)
         w = _load_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, KS, EVEN, TILE.tma)
         acc = _weight_dot(a, w, acc, ws.scale, rows, k0, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if ROWS2:
             w2 = _load_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, KS, EVEN, TILE.tma)
             acc2 = _weight_dot(a, w2, acc2, ws.scale2, rows2, k0, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if K_HALVES:  # the same rows' second half of K
-            a2 = _operand(a_ptr, rb, rk + KB1 * BK, B, rstd, K, EVEN, DOT_T, PRE_NORM, CG)
+            a2 = _operand(a_ptr, rb, rk + KB1 * BK, B, K, EVEN, DOT_T, PRE_NORM, CG)
             w2 = _load_tile(ws.w, ws.desc, ws.drow, rows, (kb + KB1) * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
             acc2 = _weight_dot(a2, w2, acc2, ws.scale, rows, (kb + KB1) * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if kb == KB1 - 1:
@@ -449,7 +456,7 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
                 sums, sums2 = tl.sum(acc, axis=0) + tl.sum(acc2, axis=0), tl.zeros([BPAD, BN], tl.float32)
             else:
                 sums, sums2 = tl.sum(acc, axis=0), tl.sum(acc2, axis=0)
-            best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd_out, best_v, best_i, B, layer, ws, out,
+            best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out,
                                           ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG)
             acc = tl.zeros([KS, BPAD, BN], tl.float32)
             acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
