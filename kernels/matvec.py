@@ -397,7 +397,7 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
     W8: tl.constexpr = ws.scale is not None  # FP8 or int8
     W_INT8: tl.constexpr = ws.w.dtype.element_ty == tl.int8
     SB: tl.constexpr = N if OP == I.LMHEAD else MODEL.layers * N  # int8: one block's scales, layer-stacked
-    PRE_NORM: tl.constexpr = NORM and W8
+    PRE_NORM: tl.constexpr = NORM and W8  # the operand enters the float16 dot times F16_SCALE; rstd undoes it
     DOT_T: tl.constexpr = tl.float16 if W8 else dt
     KB: tl.constexpr = (K + BK - 1) // BK // PARTS  # chunks per task (the host checks that parts divide them)
     KB1: tl.constexpr = (KB + 1) // 2 if K_HALVES else KB  # chunks per stream

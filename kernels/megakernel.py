@@ -338,7 +338,14 @@ class Megakernel:
         self.draw = z(4, bp, dtype=torch.int32)
         self.masks = z(sp, (d.vocab + 31) // 32, dtype=torch.int32)  # rows flagged in draw[3]: grammar masks
         self.x, self.xn, self.q = z(bp, d.hidden), z(bp, d.hidden), z(bp, d.q_size)
-        self.attn, self.ffn = z(bp, d.q_size), z(bp, d.ffn)
+        # O's and down's inputs: with 8-bit weights their dots run in float16, so attention and gate/up's epilogue
+        # store them as float16 (the same values the dots read before: each rounded to the activations' type first),
+        # and O and down stream them into the dot unconverted (at 64 rows four times the weights' elements a tile:
+        # 2.26 -> 2.13 ms a step). The norms' operand stays in the activations' type: stored as float16 (times
+        # F16_SCALE) it made the 64-row step 6% faster still but the LM head of 16 sampled rows 35 us slower
+        # (bench/NOTES.md, "FP8 at 64 rows")
+        mid = torch.float16 if weights.scales is not None else dt
+        self.attn, self.ffn = z(bp, d.q_size, dtype=mid), z(bp, d.ffn, dtype=mid)
         self.logits = z(sp, d.vocab, dtype=torch.float32)
         self.argmax = z(sp, dtype=torch.int64)
         self.sampled = z(sp, dtype=torch.int64)  # the drawn token (the greedy one for rows that do not sample)
