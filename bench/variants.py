@@ -172,6 +172,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "a8-k128": lambda w: KernelConfig(tiles=_w8a8(w, k_chunk=128, stages=4)),
     "a8-gu-k128-lm6": lambda w: KernelConfig(tiles=_w8a8(w, k_chunk=128, stages=4, lm_stages=6)),
     "a8-gu128-st2": lambda w: KernelConfig(tiles=_w8a8(w, (Op.GATEUP,), gateup_rows=128, stages=2)),
+    # 8-bit weights: the norms' operand stored as float16, the LM head's apart (KernelConfig.f16_norm_operand)
+    "xn16": lambda w: KernelConfig(f16_norm_operand=True),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -155,6 +155,7 @@ class Activations(NamedTuple):
     attn: torch.Tensor  # [rows, q]
     ffn: torch.Tensor  # [rows, F]
     logits: torch.Tensor  # float32 [lm rows, V]
+    xn_final: torch.Tensor | None  # [rows, H] the final norm's operand, the LM head's input, where not xn
 
 
 class AttnScratch(NamedTuple):
@@ -229,8 +230,10 @@ class LmOut(NamedTuple):
 
 
 class ResidualOut(NamedTuple):
-    """Where OPROJ's and DOWN's epilogue adds to the residual stream, and the next norm's weight."""
+    """Where OPROJ's and DOWN's epilogue adds to the residual stream, and the next norm's weight; DOWN's of the last
+    layer writes the final norm's operand to xn_final (None: OPROJ)."""
 
     x: Any
     xn: Any
     norm_weight: Any
+    xn_final: Any = None

@@ -52,11 +52,16 @@ def _rstd(ssq_ptr, B, eps, H: tl.constexpr, R: tl.constexpr, STRIDE: tl.constexp
 def norm_operand(y, m, rb, n0, xn_ptr, nw_ptr, ssq_ptr, dt: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr,
                   BN: tl.constexpr):
     """For the columns [n0, n0 + BN) of x this task wrote (y): the next norm's operand x * norm_weight (rounded to
-    dt), and their sums of squares, one partial per 16 columns and row, at ssq_ptr."""
+    dt), and their sums of squares, one partial per 16 columns and row, at ssq_ptr. An operand buffer of another type
+    than dt is the float16 operand of 8-bit weights' dots (KernelConfig.f16_norm_operand): the operand times
+    F16_SCALE, as those dots take it."""
     rn = n0 + tl.arange(0, BN)
     yf = y.to(tl.float32)
     nw = tl.load(nw_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(xn_ptr + rb[:, None] * N + rn[None, :], (yf * nw[None, :]).to(dt), mask=m)
+    xn = (yf * nw[None, :]).to(dt)
+    if xn_ptr.dtype.element_ty != dt:
+        xn = xn.to(tl.float32) * F16_SCALE
+    tl.store(xn_ptr + rb[:, None] * N + rn[None, :], xn.to(xn_ptr.dtype.element_ty), mask=m)
     NPT: tl.constexpr = BN // I.SSQ_COLS
     sq = tl.reshape(tl.where(m, yf * yf, 0.0), [BPAD, NPT, I.SSQ_COLS])
     rp = n0 // I.SSQ_COLS + tl.arange(0, NPT)
@@ -221,12 +226,18 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
         ptrs = out.x + rb[:, None] * N + rows[None, :]
         y = (ld_act(ptrs, m, CG).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
         tl.store(ptrs, y, mask=m)
-        norm_operand(y, m, rb, tl.min(rows, axis=0), out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
+        n0 = tl.min(rows, axis=0)
+        if out.xn_final is None:
+            norm_operand(y, m, rb, n0, out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
+        elif layer == MODEL.layers - 1:  # the final norm's operand: the LM head's
+            norm_operand(y, m, rb, n0, out.xn_final, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
+        else:
+            norm_operand(y, m, rb, n0, out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
     return best_v, best_i
 
 
 @triton.jit
-def _operand(a_ptr, rb, rk, B, K: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.constexpr, PRE_NORM: tl.constexpr,
+def _operand(a_ptr, rb, rk, B, K: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.constexpr, SCALE_IN: tl.constexpr,
              CG: tl.constexpr):
     """The activation tile [KS, BPAD, BK/KS] at columns rk, as the dot takes it (scaled by F16_SCALE first where
     the dot runs in float16: 8-bit weights)."""
@@ -235,7 +246,7 @@ def _operand(a_ptr, rb, rk, B, K: tl.constexpr, EVEN: tl.constexpr, DOT_T: tl.co
         a = ld_act(a_ptrs, rb[None, :, None] < B, CG)
     else:
         a = ld_act(a_ptrs, (rb[None, :, None] < B) & (rk[:, None, :] < K), CG)
-    if PRE_NORM:
+    if SCALE_IN:
         a = a.to(tl.float32) * F16_SCALE
     return a.to(DOT_T)
 
@@ -320,7 +331,7 @@ def _act_e4m3(a):
 def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, best_v, best_i,
                     ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                     TILE: tl.constexpr, BPAD: tl.constexpr, KB: tl.constexpr, DOT_T: tl.constexpr,
-                    PRE_NORM: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
+                    SCALE_IN: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
     """matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
     W [BN, BK] @ a^T [BK, BPAD], so the weight tile is the dot's wide side and each activation chunk feeds all BN
     weight rows; one k slice, the rows padded to a tensor-core side (BPAD >= 16). With TILE.w8a8 (FP8 weights) each
@@ -348,7 +359,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             a = ld_act(a_ptrs, rb[None, :] < B, CG)
         else:
             a = ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
-        if PRE_NORM:
+        if SCALE_IN:
             a = a.to(tl.float32) * F16_SCALE
         if A8:
             a, a_scale = _act_e4m3(a.to(tl.float32))
@@ -397,7 +408,8 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
     W8: tl.constexpr = ws.scale is not None  # FP8 or int8
     W_INT8: tl.constexpr = ws.w.dtype.element_ty == tl.int8
     SB: tl.constexpr = N if OP == I.LMHEAD else MODEL.layers * N  # int8: one block's scales, layer-stacked
-    PRE_NORM: tl.constexpr = NORM and W8  # the operand enters the float16 dot times F16_SCALE; rstd undoes it
+    PRE_NORM: tl.constexpr = NORM and W8  # the operand enters the float16 dot times F16_SCALE: rstd undoes it...
+    SCALE_IN: tl.constexpr = PRE_NORM and a_ptr.dtype.element_ty == dt  # ...scaled here, unless its writer did
     DOT_T: tl.constexpr = tl.float16 if W8 else dt
     KB: tl.constexpr = (K + BK - 1) // BK // PARTS  # chunks per task (the host checks that parts divide them)
     KB1: tl.constexpr = (KB + 1) // 2 if K_HALVES else KB  # chunks per stream
@@ -417,7 +429,7 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
     best_i = tl.full([BPAD], N, tl.int32)
     if TILE.swap:
         return _matvec_swapped(OP, row0, tiles, kc0, B, layer, ws, a_ptr, ssq_ptr, out, rstd, best_v, best_i,
-                               ks, dt, MODEL, K, N, TILE, BPAD, KB, DOT_T, PRE_NORM, W_INT8, CG)
+                               ks, dt, MODEL, K, N, TILE, BPAD, KB, DOT_T, SCALE_IN, W_INT8, CG)
     # KS independent accumulators (a batched dot over KS slices of each k chunk): no serial chain of
     # tensor-core ops through one accumulator, and every warp has its own slice
     BKS: tl.constexpr = BK // KS
@@ -441,14 +453,14 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
         rows, rows2 = _tile_rows(OP, n0, MODEL, BN)
         k0 = (kc0 + kb) * BK
         rk = k0 + koff  # [KS, BKS]
-        a = _operand(a_ptr, rb, rk, B, K, EVEN, DOT_T, PRE_NORM, CG)
+        a = _operand(a_ptr, rb, rk, B, K, EVEN, DOT_T, SCALE_IN, CG)
         w = _load_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, KS, EVEN, TILE.tma)
         acc = _weight_dot(a, w, acc, ws.scale, rows, k0, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if ROWS2:
             w2 = _load_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, KS, EVEN, TILE.tma)
             acc2 = _weight_dot(a, w2, acc2, ws.scale2, rows2, k0, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if K_HALVES:  # the same rows' second half of K
-            a2 = _operand(a_ptr, rb, rk + KB1 * BK, B, K, EVEN, DOT_T, PRE_NORM, CG)
+            a2 = _operand(a_ptr, rb, rk + KB1 * BK, B, K, EVEN, DOT_T, SCALE_IN, CG)
             w2 = _load_tile(ws.w, ws.desc, ws.drow, rows, (kb + KB1) * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
             acc2 = _weight_dot(a2, w2, acc2, ws.scale, rows, (kb + KB1) * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8)
         if kb == KB1 - 1:

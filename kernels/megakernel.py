@@ -212,14 +212,15 @@ def megakernel(
             sc = scales.down + layer * H if FP8 else None
             matvec(I.DOWN, row0, tiles, batch, layer,
                     MatvecWeights(w.w_down + layer * H * F, None, sc, None, None, d_d, None, layer * H),
-                    acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw), eps, dt, MODEL, F, H, T_DOWN, BPAD, BPAD, CG,
-                    _k_split(r, sched))
+                    acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw, acts.xn_final), eps, dt, MODEL, F, H, T_DOWN,
+                    BPAD, BPAD, CG, _k_split(r, sched))
         elif op == I.LMHEAD:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             # the first lm_rows rows only (BS of them in the tiles), reading the final norm's sums BPAD rows apart
             sc = scales.lm_head if FP8 else None
             best_v, best_i = matvec(I.LMHEAD, row0, tiles, lm_rows, layer,
-                                     MatvecWeights(w.lm_head, None, sc, None, None, d_lm, None, 0), xn_ptr, ssq,
+                                     MatvecWeights(w.lm_head, None, sc, None, None, d_lm, None, 0),
+                                     xn_ptr if acts.xn_final is None else acts.xn_final, ssq,
                                      LmOut(acts.logits, inputs.masks, inputs.draw + 3 * DSTRIDE), eps, dt,
                                      MODEL, H, V, T_LMHEAD, BS, BPAD, CG)
             lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), r[I.MV_PART], best_v,
@@ -275,6 +276,10 @@ class KernelConfig:
     # Timing only: every task starts without waiting for its inputs (the results are wrong). The step's cost less its
     # dependency latency: what the same tasks cost streamed back to back (bench variant `no-wait`).
     skip_waits: bool = False
+    # 8-bit weights: the norms' operand stored as float16 (times F16_SCALE: matvec.norm_operand), so QKV and gate/up
+    # convert nothing either, and the final norm's operand, the LM head's input, in the activations' type apart (stored
+    # as float16 the LM head of 16 sampled rows ran 35 us slower). Not yet timed (bench variant `xn16`)
+    f16_norm_operand: bool = False
 
 
 @dataclass
@@ -338,6 +343,9 @@ class Megakernel:
         self.draw = z(4, bp, dtype=torch.int32)
         self.masks = z(sp, (d.vocab + 31) // 32, dtype=torch.int32)  # rows flagged in draw[3]: grammar masks
         self.x, self.xn, self.q = z(bp, d.hidden), z(bp, d.hidden), z(bp, d.q_size)
+        self.xn_final: torch.Tensor | None = None  # the LM head reads xn
+        if weights.scales is not None and self.cfg.f16_norm_operand:
+            self.xn, self.xn_final = z(bp, d.hidden, dtype=torch.float16), self.xn
         # O's and down's inputs: with 8-bit weights their dots run in float16, so attention and gate/up's epilogue
         # store them as float16 (the same values the dots read before: each rounded to the activations' type first),
         # and O and down stream them into the dot unconverted (at 64 rows four times the weights' elements a tile:
@@ -491,7 +499,7 @@ class Megakernel:
                     w.final_norm, w.lm_head),
             self._scales, *launch.descriptors, self.cos, self.sin,
             Cache(self.k_cache, self.v_cache, self.slots_total, self.max_context),
-            Activations(self.x, self.xn, self.q, self.attn, self.ffn, self.logits), launch.ssq,
+            Activations(self.x, self.xn, self.q, self.attn, self.ffn, self.logits, self.xn_final), launch.ssq,
             AttnScratch(self.pm, self.pl, self.pacc), launch.lm, StepOutputs(self.argmax, self.sampled),
             d.rms_eps, d.head_dim ** -0.5,
             MODEL=ModelShape(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.ffn, d.vocab, d.num_layers),

@@ -42,6 +42,10 @@ CASES = {
     # chunk: llama's 16 columns, several chunks a row; qwen's one), against the reference quantizing them alike
     "llama-fp8-w8a8": (False, True, 256, 3, 64, 1, "fp8"),
     "qwen-fp8-w8a8": (True, False, 200, 2, 32, 4, "fp8"),
+    # 8-bit weights with the norms' operand stored as float16 (KernelConfig.f16_norm_operand), the LM head's apart;
+    # qwen's in swapped tiles
+    "llama-fp8-xn16": (False, True, 256, 3, 64, 1, "fp8"),
+    "qwen-int8-row-xn16-swap": (True, False, 200, 2, 32, 4, "int8-row"),
 }
 
 
@@ -302,7 +306,8 @@ def _check(case: str) -> dict:
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
     mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
                            kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles,
-                                                      chunk=16 if case.endswith("-chunk16") else 64),
+                                                      chunk=16 if case.endswith("-chunk16") else 64,
+                                                      f16_norm_operand="-xn16" in case),
                            weight_format=weight_format)
     # bucket 4 (batch 3) splits the cached positions; bucket 1 keeps one split
     mk.kernel.attn_splits = {4: splits, 1: 1}
