@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sweep-s", type=float, default=10.0, help="seconds of arrivals per rate")
     g.add_argument("--sweep-rates", default="", help="fixed rates for the replica instead of the search (the "
                                                      "router gets N times each)")
-    g.add_argument("--sweep-workers", type=int, default=1, help="client processes")
+    g.add_argument("--sweep-workers", type=int, default=2, help="client processes (as bench e2e's sweep)")
     g = p.add_argument_group("voice")
     g.add_argument("--voice-rates", default="2,8,16", help="session arrivals per second")
     g.add_argument("--voice-s", type=float, default=30.0, help="seconds of arrivals per rate")
