@@ -349,7 +349,7 @@ class Megakernel:
         # O's and down's inputs: with 8-bit weights their dots run in float16, so attention and gate/up's epilogue
         # store them as float16 (the same values the dots read before: each rounded to the activations' type first),
         # and O and down stream them into the dot unconverted (at 64 rows four times the weights' elements a tile:
-        # 2.26 -> 2.13 ms a step). The norms' operand stays in the activations' type: stored as float16 (times
+        # 2.26 -> 2.17 ms a step). The norms' operand stays in the activations' type: stored as float16 (times
         # F16_SCALE) it made the 64-row step 6% faster still but the LM head of 16 sampled rows 35 us slower
         # (bench/NOTES.md, "FP8 at 64 rows")
         mid = torch.float16 if weights.scales is not None else dt
