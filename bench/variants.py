@@ -174,6 +174,14 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "a8-gu128-st2": lambda w: KernelConfig(tiles=_w8a8(w, (Op.GATEUP,), gateup_rows=128, stages=2)),
     # 8-bit weights: the norms' operand stored as float16, the LM head's apart (KernelConfig.f16_norm_operand)
     "xn16": lambda w: KernelConfig(f16_norm_operand=True),
+    "a8-xn16": lambda w: KernelConfig(f16_norm_operand=True, tiles=_w8a8(w)),
+    # up to 16 rows: the LM head's one long stream with more bytes in flight (its TMA ring deeper; or its next row
+    # tiles on their way into L2 beyond the ring: nothing else runs beside the last phase)
+    "lm-st5": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=5)),
+    "lm-st3": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=3)),  # the LM head before 5 stages
+    "lm-st7": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=7)),
+    "lm-pf1": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), prefetch_tiles=1)),
+    "lm-pf2": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), prefetch_tiles=2)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -359,11 +359,11 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             a = ld_act(a_ptrs, rb[None, :] < B, CG)
         else:
             a = ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
-        if SCALE_IN:
-            a = a.to(tl.float32) * F16_SCALE
-        if A8:
+        if A8:  # scale-invariant: an operand not yet times F16_SCALE enters as it is (matvec leaves rstd alone)
             a, a_scale = _act_e4m3(a.to(tl.float32))
-        else:
+        elif SCALE_IN:
+            a = a.to(tl.float32) * F16_SCALE
+        if not A8:
             a = a.to(DOT_T)
         w = _swapped_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, EVEN, TILE.tma, W_T, W_INT8)
         if A8:
@@ -423,8 +423,8 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
         rstd = _rstd(ssq_ptr, B, eps, K, BPAD, SSQ_STRIDE, CG)
     else:
         rstd = tl.full([BPAD], 1.0, tl.float32)
-    if PRE_NORM:  # the epilogue's scale: the operand streamed times F16_SCALE
-        rstd = rstd * (1.0 / F16_SCALE)
+    if PRE_NORM and not (SCALE_IN and TILE.swap and TILE.w8a8):  # the epilogue's scale: the operand streamed
+        rstd = rstd * (1.0 / F16_SCALE)  # times F16_SCALE (W8A8 quantizes an unscaled operand as it is)
     best_v = tl.full([BPAD], float("-inf"), tl.float32)
     best_i = tl.full([BPAD], N, tl.int32)
     if TILE.swap:
