@@ -65,34 +65,44 @@ FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "int8-b32": lambda w: int8.quantize(w).dequantize(torch.float32),  # the "int8" weight format (Q8_0)
 }
 # W8A8 (the megakernel's MatvecTile.w8a8): today's fp8 weights, and the activations of some products quantized to
-# e4m3 per row and k chunk of 256 columns (the W8A8 tiles' chunk): name -> which products
-W8A8 = {
-    "a8-gateup": ("w_gate", "w_up"),  # the megakernel's default from 16 rows (kernels/tiles.py)
+# e4m3 per row and k chunk (the W8A8 tiles' chunk: 256 columns, or the product's own): name -> which products
+W8A8: dict[str, tuple[str, ...]] = {
+    "a8-gateup": ("w_gate", "w_up"),
     "a8-gateup-lm": ("w_gate", "w_up", "lm_head"),
+    "a8-gateup-lm128": ("w_gate", "w_up", "lm_head:128"),  # the LM head's over 128 columns, or 64:
+    "a8-gateup-lm64": ("w_gate", "w_up", "lm_head:64"),  # the megakernel's default from 16 rows (kernels/tiles.py)
     "a8-all": ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"),
 }
 W8A8_CHUNK = 256
 
 
 @contextlib.contextmanager
-def w8a8_products(group: int, weights: Callable[[torch.Tensor], bool] = lambda w: True) -> Iterator[None]:
+def w8a8_products(group: int, weights: Callable[[torch.Tensor], bool | int] = lambda w: True) -> Iterator[None]:
     """While inside, the reference decoder's products whose weight `weights` picks quantize their activations as a
-    W8A8 tile does (fp8.activations_e4m3 over runs of `group` columns): the oracle of a W8A8 step."""
+    W8A8 tile does (fp8.activations_e4m3 over runs of `group` columns, or of the columns `weights` names for that
+    weight): the oracle of a W8A8 step."""
     plain = reference.linear
 
     def quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return plain(fp8.activations_e4m3(x, group) if weights(weight) else x, weight, bias)
+        pick = weights(weight)
+        if pick is False:
+            return plain(x, weight, bias)
+        return plain(fp8.activations_e4m3(x, group if pick is True else pick), weight, bias)
 
     with mock.patch.object(reference, "linear", quantized):
         yield
 
 
-def w8a8_of(weights: ModelWeights, names: tuple[str, ...]) -> Callable[[torch.Tensor], bool]:
-    """Picks the weight tensors of `weights` named in `names` (LAYER_MATRICES' names and "lm_head"), by identity."""
-    ids = {id(getattr(lw, n)) for lw in weights.layers for n in names if n != "lm_head"}
-    if "lm_head" in names:
-        ids.add(id(weights.lm_head))
-    return lambda w: id(w) in ids
+def w8a8_of(weights: ModelWeights, names: tuple[str, ...]) -> Callable[[torch.Tensor], bool | int]:
+    """Picks the weight tensors of `weights` named in `names` (LAYER_MATRICES' names and "lm_head", each with its own
+    chunk where it reads "name:columns"), by identity: True (the common chunk), a chunk, or False."""
+    chunks: dict[int, bool | int] = {}
+    for entry in names:
+        n, _, cols = entry.partition(":")
+        pick: bool | int = int(cols) if cols else True
+        tensors = [weights.lm_head] if n == "lm_head" else [getattr(lw, n) for lw in weights.layers]
+        chunks |= {id(t): pick for t in tensors}
+    return lambda w: chunks.get(id(w), False)
 
 
 # what else is quantized beside the layers' matrices: nothing, the LM head (as served), the LM head and the embedding
@@ -219,7 +229,8 @@ def main() -> None:
         "float scale per row / per 128 / per 32 columns along K; int8-row = a float scale per row, the `int8-row` "
         "weight format; int8-b32 = GGUF's Q8_0 (a float16 scale per 32 columns along K), the `int8` weight format; "
         f"+a8-…: W8A8, today's fp8 weights with the activations of gate/up (a8-gateup), of gate/up and the LM head "
-        f"(a8-gateup-lm) or of "
+        f"(a8-gateup-lm; a8-gateup-lm128 / -lm64: the LM head's over 128 / 64 columns, -lm64 the megakernel's "
+        f"default from 16 rows) or of "
         f"every product (a8-all) in e4m3, a scale per row and {W8A8_CHUNK} columns (the megakernel's W8A8 tiles). "
         "Head: bf16 = LM head and embedding in bf16; quantized = the LM head quantized, the embedding lookup bf16 "
         "(as served); embed-too = both quantized.", "",

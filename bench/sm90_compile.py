@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 
-def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
-    """The (kernel, args, kwargs) that Megakernel.step would launch for this model and batch bucket."""
+def capture_launch(model: str, batch: int, weights: str, variant: str) -> list[tuple]:
+    """The (kernel, args, kwargs) of each launch Megakernel.step would make for this model and batch bucket (two where
+    the LM head has a launch of its own)."""
     from bench.variants import VARIANTS
     from kernels import megakernel as mk
     from service.backends.megakernel import MegakernelDecoder
@@ -30,7 +31,7 @@ def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
 
     config, w, _ = load_synthetic(model, dtype=torch.bfloat16, num_layers=2)
     cfg = VARIANTS[variant](weights)
-    captured = {}
+    captured: list[tuple] = []
 
     class Launcher:
         def __init__(self, fn: object) -> None:
@@ -38,7 +39,7 @@ def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
 
         def __getitem__(self, grid: object):  # noqa: ANN204
             def launch(*args: object, **kwargs: object) -> None:
-                captured["call"] = (self.fn, args, kwargs)
+                captured.append((self.fn, args, kwargs))
             return launch
 
     real = mk.megakernel
@@ -50,7 +51,7 @@ def capture_launch(model: str, batch: int, weights: str, variant: str) -> tuple:
         dec.kernel.step(dec.bucket(batch))
     finally:
         mk.megakernel = real
-    return captured["call"]
+    return captured
 
 
 def compile_sm90(fn, args: tuple, kwargs: dict):  # noqa: ANN001, ANN201
@@ -135,9 +136,12 @@ def main() -> None:
     ap.add_argument("--variant", default="default")
     ap.add_argument("--dump", type=Path)
     a = ap.parse_args()
-    fn, args, kwargs = capture_launch(a.model, a.batch, a.weights, a.variant)
-    compiled = compile_sm90(fn, args, dict(kwargs))
-    print(a.model, f"B={a.batch}", a.weights, a.variant, report(compiled, a.dump))
+    launches = capture_launch(a.model, a.batch, a.weights, a.variant)
+    for i, (fn, args, kwargs) in enumerate(launches):
+        compiled = compile_sm90(fn, args, dict(kwargs))
+        dump = a.dump / f"part{i}" if a.dump is not None and len(launches) > 1 else a.dump
+        part = f" launch {i + 1}/{len(launches)}" if len(launches) > 1 else ""
+        print(a.model, f"B={a.batch}", a.weights, a.variant + part, report(compiled, dump))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[
 
     return table
 def _w8a8(weights: str, ops: tuple[Op, ...] = (Op.GATEUP, Op.LMHEAD), min_rows: int = 16, stages: int = 3,
-          gateup_rows: int = 64, k_chunk: int = 256, lm_stages: int | None = None
+          gateup_rows: int = 64, k_chunk: int = 256, lm_stages: int | None = None, lm_rows: int = 128
           ) -> Callable[[int], dict[Op, MatvecTile]]:
     """FP8 W8A8 (issue 35): `ops` in swapped tiles whose activations are quantized to e4m3 per row and k chunk, so the
     dot runs e4m3 x e4m3 on wgmma, in launches of at least min_rows rows (the others, and other formats, keep the
@@ -65,7 +65,7 @@ def _w8a8(weights: str, ops: tuple[Op, ...] = (Op.GATEUP, Op.LMHEAD), min_rows: 
     through TMA) have rows to spare; QKV (runs of half a head), O and down (N = 2,048: 32 tiles for 132 programs) keep
     their tiles unless named."""
     shape = {Op.QKV: MatvecTile(rows=32), Op.OPROJ: MatvecTile(rows=64), Op.DOWN: MatvecTile(rows=64),
-             Op.GATEUP: MatvecTile(rows=gateup_rows), Op.LMHEAD: MatvecTile(rows=128, tma=True)}
+             Op.GATEUP: MatvecTile(rows=gateup_rows), Op.LMHEAD: MatvecTile(rows=lm_rows, tma=True)}
 
     def table(rows: int) -> dict[Op, MatvecTile]:
         tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
@@ -74,6 +74,17 @@ def _w8a8(weights: str, ops: tuple[Op, ...] = (Op.GATEUP, Op.LMHEAD), min_rows: 
         return tiles | {op: shape[op]._replace(k_chunk=k_chunk, k_slices=1, swap=True, w8a8=True,
                                                stages=lm_stages if op is Op.LMHEAD and lm_stages else stages)
                         for op in ops}
+
+    return table
+
+
+def _lm_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with FP8's W8A8 LM head (16+ sampled rows) weight-only, as before it ran W8A8."""
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(rows)
+        if tiles[Op.LMHEAD].w8a8:
+            tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=1, tma=True, stages=3)
+        return tiles
 
     return table
 
@@ -175,6 +186,17 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # 8-bit weights: the norms' operand stored as float16, the LM head's apart (KernelConfig.f16_norm_operand)
     "xn16": lambda w: KernelConfig(f16_norm_operand=True),
     "a8-xn16": lambda w: KernelConfig(f16_norm_operand=True, tiles=_w8a8(w)),
+    # the whole step in one launch, the LM head's tail included (the default before KernelConfig.lm_launch)
+    "one-launch": lambda w: KernelConfig(lm_launch=False),
+    # FP8 from 16 sampled rows: the LM head weight-only (before it ran W8A8 over 128-column chunks)
+    "lm-weight-only": lambda w: KernelConfig(tiles=_lm_weight_only(w)),
+    # the LM head's W8A8 over 64-column chunks (a scale per 64: within 1% of weight-only FP8's perplexity, 128 is
+    # not), in tiles of 128 or 256 rows, over 4 to 12 stages
+    "lm-a8-k64": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,), k_chunk=64, stages=8)),
+    "lm-a8-k64-s4": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,), k_chunk=64, stages=4)),
+    "lm-a8-k64-s12": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,), k_chunk=64, stages=12)),
+    "lm-a8-k64-r256": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,), k_chunk=64, stages=4, lm_rows=256)),
+    "lm-a8-k64-r256-s6": lambda w: KernelConfig(tiles=_w8a8(w, (Op.LMHEAD,), k_chunk=64, stages=6, lm_rows=256)),
     # up to 16 rows: the LM head's one long stream with more bytes in flight (its TMA ring deeper; or its next row
     # tiles on their way into L2 beyond the ring: nothing else runs beside the last phase)
     "lm-st5": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=5)),

@@ -105,6 +105,7 @@ class Sched(NamedTuple):
     err: torch.Tensor  # int32 [1]: a wait timed out
     prof: torch.Tensor | None  # int64 [tasks, 4] (start, ready, end, SM) where profiling
     k_sums: torch.Tensor  # float32 partial sums of split-K tiles (KSplit.sums)
+    lm_starts: torch.Tensor  # int32 [programs]: each program's first LM-head (or Argmax) task, where its tail begins
 
 
 class StepInputs(NamedTuple):

@@ -131,6 +131,7 @@ def megakernel(
     DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
     PROFILE: tl.constexpr,
     SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): no task waits for its inputs
+    PART: tl.constexpr = 0,  # which tasks this launch runs: 0 the whole step, 1 the layers, 2 the LM head's tail
 ):
     NF: tl.constexpr = I.RECORD_LEN
     H: tl.constexpr = MODEL.hidden
@@ -144,8 +145,11 @@ def megakernel(
     x_ptr, xn_ptr = acts.x, acts.xn
     dt = w.embed.dtype.element_ty  # activations
     pid = tl.program_id(0)
-    t_begin = tl.load(sched.starts + pid)
-    t_end = tl.load(sched.starts + pid + 1)
+    t_all = tl.load(sched.starts + pid + 1)  # where the program's tasks end in the whole step
+    t_begin = tl.load(sched.lm_starts + pid) if PART == 2 else tl.load(sched.starts + pid)
+    t_end = tl.load(sched.lm_starts + pid) if PART == 1 else t_all
+    LAYERS: tl.constexpr = PART != 2  # the instructions compiled into this launch
+    TAIL: tl.constexpr = PART != 1
     if PF_AHEAD > 0:
         for i in tl.static_range(PF_AHEAD):
             if t_begin + i < t_end:
@@ -164,14 +168,14 @@ def megakernel(
         if CG:
             if t + 2 < t_end:
                 prefetch_record(rec + 2 * NF)
-        if PF_AHEAD > 0:
-            if t + PF_AHEAD < t_end:
+        if PF_AHEAD > 0:  # (the layers' launch prefetches the LM head's first weights too)
+            if t + PF_AHEAD < t_all:
                 prefetch(sched.tasks + (t + PF_AHEAD) * NF)
         if PF_OWN:  # this task's first weights travel into L2 while it waits for its inputs
             prefetch_regions(r[I.F_PF0], r[I.F_PF0_BYTES], r[I.F_PF1], r[I.F_PF1_BYTES])
         op = r[I.F_OP]
         layer = r[I.F_LAYER]
-        if PF_KV:
+        if PF_KV and LAYERS:
             if op == I.ATTN:
                 prefetch_kv(r, inputs, cache, MODEL, ATT)
         if not SKIP_WAITS:
@@ -179,7 +183,7 @@ def megakernel(
         if PROFILE:
             tl.store(sched.prof + t * 4 + 1, tl.extra.cuda.globaltimer())
         inc = tl.full([], 1, tl.int32)
-        if op == I.QKV:
+        if (op == I.QKV) and LAYERS:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             wl = w.wqkv + layer * QKVR * H
             sc = scales.qkv + layer * QKVR if FP8 else None
@@ -187,17 +191,17 @@ def megakernel(
             matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
                     xn_ptr, ssq, QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions), eps, dt,
                     MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(r, sched))
-        elif op == I.ATTN:
+        elif (op == I.ATTN) and LAYERS:
             inc = attention(layer, r[I.ATTN_ROW], r[I.ATTN_KV_HEAD], r[I.ATTN_SPLIT], attn_splits, r[I.ATTN_ARRIVE],
                              sched.counters, inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG)
-        elif op == I.OPROJ:
+        elif (op == I.OPROJ) and LAYERS:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sc = scales.o + layer * H if FP8 else None
             matvec(I.OPROJ, row0, tiles, batch, layer,
                     MatvecWeights(w.wo + layer * H * Q, None, sc, None, None, d_o, None, layer * H),
                     acts.attn, ssq, ResidualOut(x_ptr, xn_ptr, w.mlp_norm + layer * H), eps, dt, MODEL, Q, H,
                     T_OPROJ, BPAD, BPAD, CG, _k_split(r, sched))
-        elif op == I.GATEUP:
+        elif (op == I.GATEUP) and LAYERS:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sg = scales.gate + layer * F if FP8 else None
             su = scales.up + layer * F if FP8 else None
@@ -205,7 +209,7 @@ def megakernel(
                     MatvecWeights(w.w_gate + layer * F * H, w.w_up + layer * F * H, sg, su, None, d_g, d_u,
                                   layer * F),
                     xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG, _k_split(r, sched))
-        elif op == I.DOWN:
+        elif (op == I.DOWN) and LAYERS:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             # x += ffn @ Wdown^T, and the next layer's attention-norm operand (the final norm's after the last)
             nw = tl.where(layer == MODEL.layers - 1, w.final_norm, w.attn_norm + (layer + 1) * H)
@@ -214,7 +218,7 @@ def megakernel(
                     MatvecWeights(w.w_down + layer * H * F, None, sc, None, None, d_d, None, layer * H),
                     acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw, acts.xn_final), eps, dt, MODEL, F, H, T_DOWN,
                     BPAD, BPAD, CG, _k_split(r, sched))
-        elif op == I.LMHEAD:
+        elif (op == I.LMHEAD) and TAIL:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             # the first lm_rows rows only (BS of them in the tiles), reading the final norm's sums BPAD rows apart
             sc = scales.lm_head if FP8 else None
@@ -225,10 +229,10 @@ def megakernel(
                                      MODEL, H, V, T_LMHEAD, BS, BPAD, CG)
             lm_partials(row0, tl.minimum(row0 + tiles * T_LMHEAD.rows, V), r[I.MV_PART], best_v,
                          best_i, lm_rows, lm, acts.logits, inputs.draw, inputs.positions, V, BS, DSTRIDE, CG)
-        elif op == I.EMBED:
+        elif (op == I.EMBED) and LAYERS:
             _embed(r[I.EMBED_COL0], r[I.EMBED_TILES], batch, inputs.tokens, w.embed, x_ptr, xn_ptr, w.attn_norm,
                    ssq_ptr + r[I.EMBED_SSQ] * SSQ, H, BPAD, I.EMBED_COLS)
-        elif op == I.ARGMAX:
+        elif (op == I.ARGMAX) and TAIL:
             argmax(lm_rows, r[I.ARGMAX_PARTS], r[I.ARGMAX_COUNTERS], lm, outs, inputs.draw, inputs.positions,
                     sched.counters, V, BS, CG, DSTRIDE)
             inc = tl.full([], 0, tl.int32)
@@ -280,6 +284,11 @@ class KernelConfig:
     # convert nothing either, and the final norm's operand, the LM head's input, in the activations' type apart (stored
     # as float16 the LM head of 16 sampled rows ran 35 us slower). Not yet timed (bench variant `xn16`)
     f16_norm_operand: bool = False
+    # The LM head, the sampling and the argmax in a launch of their own right after the layers' (the same kernel with
+    # only those instructions compiled in; both in the step's CUDA graph): each launch's registers and shared memory
+    # are then what its own phases need, not the most any phase of the step needs. On the H100 the 16-row step 4.7%
+    # (FP8) and 5.7% (bf16) faster, 64 rows 6%, one row even (bench/NOTES.md "The LM head in a launch of its own")
+    lm_launch: bool = True
 
 
 @dataclass
@@ -433,7 +442,7 @@ class Megakernel:
                 sched=Sched(s.tasks.to(self.device), s.starts.to(self.device),
                             torch.zeros(s.layout.counters, device=self.device, dtype=torch.int32), self.err, None,
                             torch.zeros(max(1, self._k_sums(tiles, rows)), device=self.device,
-                                        dtype=torch.float32)),
+                                        dtype=torch.float32), _lm_starts(s).to(self.device)),
                 lm=LmPartials(partials(torch.float32), partials(torch.int32), partials(torch.float32),
                               partials(torch.int32)),
                 ssq=torch.zeros(s.layout.ssq_slots, self.dims.hidden // I.SSQ_COLS, rows, device=self.device,
@@ -484,13 +493,20 @@ class Megakernel:
     def step(self, batch: int) -> None:
         """One step for rows [0, batch) of tokens/slots/positions (batch must be a bucket size); the LM head, the
         sampling and the argmax for the first min(batch, max_sampled) of them."""
-        d, c, w = self.dims, self.cfg, self.w
+        c = self.cfg
         s = self.schedule(batch)
         launch = self._launches[batch]
         extra = {}
         if not INTERPRET and self.device.type == "cuda" and c.cooperative:
             extra["launch_cooperative_grid"] = True
         pf = not INTERPRET  # the interpreter runs no inline PTX
+        for part in (1, 2) if c.lm_launch else (0,):
+            self._launch(part, batch, s, launch, pf, extra)
+
+    def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object]
+                ) -> None:
+        """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2)."""
+        d, c, w = self.dims, self.cfg, self.w
         megakernel[(self.num_programs,)](
             launch.sched._replace(prof=self.prof_buffer(s)),
             StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks),
@@ -510,6 +526,19 @@ class Megakernel:
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
             POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
-            SKIP_WAITS=c.skip_waits,
+            SKIP_WAITS=c.skip_waits, PART=part,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )
+
+
+def _lm_starts(s: I.Schedule) -> torch.Tensor:
+    """Each program's first LM-head or Argmax task (its list's end where it has none): the last phases, so every
+    task from there on is one of theirs."""
+    ops = s.tasks[:, I.F_OP].tolist()
+    starts = s.starts.tolist()
+    out = []
+    for p in range(s.num_programs):
+        t = next((t for t in range(starts[p], starts[p + 1]) if ops[t] in (I.LMHEAD, I.ARGMAX)), starts[p + 1])
+        assert all(ops[u] in (I.LMHEAD, I.ARGMAX) for u in range(t, starts[p + 1]))
+        out.append(t)
+    return torch.tensor(out, dtype=torch.int32)

@@ -69,8 +69,12 @@ next row tile prefetched into L2 are slower (bench/NOTES.md "The LM head's strea
     e4m3 weights from 16 rows: gate/up runs W8A8 (MatvecTile.w8a8: its activations in e4m3, a scale per row and 256
     columns; wgmma e4m3 x e4m3 in swapped 64-row tiles, 3 stages): 2.1-2.6% faster a step at 16 rows (four runs) and
     3.4-3.9% at 64 (three) (bench/NOTES.md "W8A8"), +0.5% perplexity over weight-only FP8 on the real SmolLM2 weights
-    (bench/fp8_quality.py). The LM head in W8A8 tiles streams 35% faster itself but slows the layers' phases more
-    (the whole kernel's registers), so it stays weight-only."""
+    (bench/fp8_quality.py). From 16 sampled rows the LM head runs W8A8 too, over 64-column chunks (a scale per row and
+    64 columns: +0.88% perplexity over weight-only FP8 with gate/up's, where 128 columns cost +1.06% and 256 +1.13%) in
+    256-row tiles through TMA, 6 stages: in its launch of its own (KernelConfig.lm_launch) the 16-row step 1.100 ->
+    1.042 ms against the LM head weight-only, as fast as 128-column chunks in 128-row tiles (64-column chunks in
+    128-row tiles: 1.088). In the layers' launch a W8A8 LM head slowed their phases more than it gained (bench/NOTES.md
+    "The LM head in a launch of its own")."""
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
@@ -90,6 +94,7 @@ next row tile prefetched into L2 are slower (bench/NOTES.md "The LM head's strea
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=1, tma=True, stages=stages)
             if e4m3:
                 tiles[Op.GATEUP] = W8A8_GATEUP
+                tiles[Op.LMHEAD] = W8A8_LMHEAD
         elif rows >= 8 and not fp8:
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=2, tma=True)
         else:  # 8-bit: the one long stream's TMA ring two stages deeper (more bytes in flight)
@@ -103,8 +108,9 @@ next row tile prefetched into L2 are slower (bench/NOTES.md "The LM head's strea
     return wide | {Op.LMHEAD: lm_wide}
 
 
-# e4m3 weights from 16 rows: gate/up W8A8 (default_tiles)
+# e4m3 weights from 16 rows: gate/up W8A8, and from 16 sampled rows the LM head (default_tiles)
 W8A8_GATEUP = MatvecTile(rows=64, k_chunk=256, k_slices=1, stages=3, swap=True, w8a8=True)
+W8A8_LMHEAD = MatvecTile(rows=256, k_chunk=64, k_slices=1, stages=6, tma=True, swap=True, w8a8=True)
 
 
 def int8_slices(t: MatvecTile) -> MatvecTile:
