@@ -37,7 +37,10 @@ def split(load: Load, n: int, w: int) -> Load:
 
 async def _work(target: Target, make_sessions: MakeSessions, load: Load, warmup: int, w: int, n: int,
                 sync: Any, start: Any, out: Any) -> tuple[list[RequestRecord], list[float]]:
-    # Every nth session of those one process would send: of the warm-up ones, then of the measured ones.
+    # Every nth session of those one process would send: of the warm-up ones, then of the measured ones. A load with
+    # no warm-up of its own (a sweep's later points) still sends one a process: a fresh process's first request pays
+    # its imports and connection (100-150 ms on the H100 host), and would land on the point's first arrivals.
+    warmup = warmup or n
     warm = itertools.islice(make_sessions()[0], w, warmup, n)
     end = warmup + load.num_sessions if load.num_sessions is not None else None
     sessions = itertools.islice(make_sessions()[0], warmup + w, end, n)
