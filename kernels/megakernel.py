@@ -1,6 +1,7 @@
-"""The megakernel: one persistent Triton launch runs a whole decode step by executing the schedule that
-kernels/instructions.py builds. The kernel only interprets task records; every decision of who does what is on
-the host, once per model and row bucket. This file holds the kernel's entry, which dispatches each task (Embed's
+"""The megakernel: one persistent Triton kernel runs a whole decode step by executing the schedule that
+kernels/instructions.py builds, in two launches back to back (the layers, then the LM head's tail:
+KernelConfig.lm_launch). The kernel only interprets task records; every decision of who does what is on the host,
+once per model and row bucket. This file holds the kernel's entry, which dispatches each task (Embed's
 body is here; the other instructions' are in matvec.py, attention.py and lm_head.py, the waits and prefetches in
 sync.py), and the host side that launches it (Megakernel; its arguments are in kernel_args.py, its tiles in tiles.py).
 
@@ -282,7 +283,8 @@ class KernelConfig:
     skip_waits: bool = False
     # 8-bit weights: the norms' operand stored as float16 (times F16_SCALE: matvec.norm_operand), so QKV and gate/up
     # convert nothing either, and the final norm's operand, the LM head's input, in the activations' type apart (stored
-    # as float16 the LM head of 16 sampled rows ran 35 us slower). Not yet timed (bench variant `xn16`)
+    # as float16 the LM head of 16 sampled rows ran 35 us slower). Timed (bench variant `xn16`): 64 rows -3.3%, 1 row
+    # -0.9%, 16 rows +1.8% (the server's bucket), so off
     f16_norm_operand: bool = False
     # The LM head, the sampling and the argmax in a launch of their own right after the layers' (the same kernel with
     # only those instructions compiled in; both in the step's CUDA graph): each launch's registers and shared memory
