@@ -51,9 +51,9 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     stages, against main's kernel in the same call), even at 8, 4-13% slower at 1. bf16 with 8 or more sampled
     rows: the same tiles over two k slices, 2-3% faster at 8 rows in three runs, even at 16, 5% slower at 1
     (bench/NOTES.md "The step at the floor, second session"). 8-bit weights at 1 and 2 rows: the LM head's 64-row
-tiles over 5 stages (its one long stream is limited by the bytes in flight): FP8 1.7-2.1% faster a step at 1 row, 2.1%
-at 2 (int8-row 1.2% at 1 row), even at 4 and 8 (+0.1-1.1%), so 3 stay there and at 16 sampled rows; 7 stages or the
-next row tile prefetched into L2 are slower (bench/NOTES.md "The LM head's stream, deeper").
+    tiles over 5 stages (its one long stream is limited by the bytes in flight): FP8 1.7-2.1% faster a step at 1 row,
+    2.1% at 2 (int8-row 1.2% at 1 row), even at 4 and 8 (+0.1-1.1%), so 3 stay there; 7 stages or the next row tile
+    prefetched into L2 are slower (bench/NOTES.md "The LM head's stream, deeper").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
