@@ -498,7 +498,7 @@ class Megakernel:
         c = self.cfg
         s = self.schedule(batch)
         launch = self._launches[batch]
-        extra = {}
+        extra: dict[str, object] = {}
         if not INTERPRET and self.device.type == "cuda" and c.cooperative:
             extra["launch_cooperative_grid"] = True
         pf = not INTERPRET  # the interpreter runs no inline PTX
