@@ -69,8 +69,9 @@ def test_w8a8_activations_round_each_run_of_columns_on_its_own_scale() -> None:
 
 
 def test_w8a8_where_the_default_tiles_say() -> None:
-    """e4m3 weights run gate/up W8A8 in launches of 16 rows and more (kernels/tiles.py); fewer rows, bf16 and int8
-    with row scales never; W8A8 tiles over weights that are not e4m3 are refused."""
+    """e4m3 weights run gate/up W8A8 in launches of 16 rows and more, and the LM head W8A8 where it has 16 rows
+    (the LM head's table is its own rows', at most the 16 sampled of any bucket: kernels/tiles.py); fewer rows, bf16
+    and int8 with row scales never; W8A8 tiles over weights that are not e4m3 are refused."""
     from kernels.instructions import Op
     from kernels.megakernel import KernelConfig
     from kernels.tiles import MATVECS, MatvecTile, default_tiles
@@ -79,7 +80,8 @@ def test_w8a8_where_the_default_tiles_say() -> None:
     for rows in (1, 8, 16, 32, 64):
         tiles = default_tiles(True, rows, e4m3=True)
         assert tiles[Op.GATEUP].w8a8 == (rows >= 16) and (tiles[Op.GATEUP].swap or rows < 16)
-        assert not any(t.w8a8 for op, t in tiles.items() if op is not Op.GATEUP)
+        assert tiles[Op.LMHEAD].w8a8 == (rows == 16) and (tiles[Op.LMHEAD].swap or rows != 16)
+        assert not any(t.w8a8 for op, t in tiles.items() if op not in (Op.GATEUP, Op.LMHEAD))
         assert not any(t.w8a8 for t in default_tiles(True, rows).values())  # int8 with row scales
         assert not any(t.w8a8 for t in default_tiles(False, rows).values())
     config, w, _ = load_synthetic("tiny")
@@ -90,6 +92,8 @@ def test_w8a8_where_the_default_tiles_say() -> None:
 
     fp8 = decoder("fp8").kernel
     assert fp8.tiles(16)[Op.GATEUP].w8a8 and fp8.tiles(64)[Op.GATEUP].w8a8 and not fp8.tiles(8)[Op.GATEUP].w8a8
+    # a 64-row step samples 16 rows: its LM head runs the 16-row W8A8 tiles
+    assert fp8.tiles(16)[Op.LMHEAD].w8a8 and fp8.tiles(64)[Op.LMHEAD].w8a8 and not fp8.tiles(8)[Op.LMHEAD].w8a8
     assert not any(t.w8a8 for t in decoder("int8-row").kernel.tiles(16).values())
     a8 = MatvecTile(rows=16, k_chunk=16, k_slices=1, swap=True, w8a8=True)
     bf16 = decoder("bf16", KernelConfig(tiles={op: a8 for op in MATVECS})).kernel
