@@ -46,9 +46,10 @@ CASES = {
     # qwen's in swapped tiles
     "llama-fp8-xn16": (False, True, 256, 3, 64, 1, "fp8"),
     "qwen-int8-row-xn16-swap": (True, False, 200, 2, 32, 4, "int8-row"),
-    # the LM head, sampling and argmax in a launch of their own after the layers' (KernelConfig.lm_launch)
-    "llama-lm-launch": (False, True, 256, 3, 64, 1, "bf16"),
-    "qwen-fp8-lm-launch": (True, False, 200, 2, 32, 4, "fp8"),
+    # every case runs the LM head, sampling and argmax in a launch of their own after the layers' (the default,
+    # KernelConfig.lm_launch); these the whole step in one launch
+    "llama-one-launch": (False, True, 256, 3, 64, 1, "bf16"),
+    "qwen-fp8-one-launch": (True, False, 200, 2, 32, 4, "fp8"),
 }
 
 
@@ -311,7 +312,7 @@ def _check(case: str) -> dict:
                            kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles,
                                                       chunk=16 if case.endswith("-chunk16") else 64,
                                                       f16_norm_operand="-xn16" in case,
-                                                      lm_launch=case.endswith("-lm-launch")),
+                                                      lm_launch=not case.endswith("-one-launch")),
                            weight_format=weight_format)
     # bucket 4 (batch 3) splits the cached positions; bucket 1 keeps one split
     mk.kernel.attn_splits = {4: splits, 1: 1}
