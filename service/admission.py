@@ -36,6 +36,7 @@ log = logging.getLogger("parley.admission")
 
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
+OVER_LOG_EVERY_S = 1.0  # a score over the stretch it was admitted with is logged at most this often
 PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked the calibration (one timed on a busy
 # 2-core host ran 3.7x the real steps)
 
@@ -72,6 +73,7 @@ class AdmissionController:
         self.planner = Planner(KVSlots(max_batch), max_batch, latency.max_rows, max_context=1 << 30)
         self.guard = AdmissionGuard(target, clock)
         self._last_probe = -math.inf
+        self._over_logged_at = -math.inf  # when a score over its stretch was last logged
         self.strict = strict
         # One verdict at a time (each forecasts with what the others admitted); the engine thread never waits for one:
         # it takes only `_lock`, which guards the admitted requests and their promises and is held briefly.
@@ -211,7 +213,15 @@ class AdmissionController:
         if req.deadline is not None:
             self.guard.judged(at > req.deadline)
         if promise is not None and req.sla_token_index == self.sla_tokens:
-            self.guard.observe(promise.level, promise.score(at), promise.stretch)
+            score = promise.score(at)
+            self.guard.observe(promise.level, score, promise.stretch)
+            if score > promise.stretch and at - self._over_logged_at >= OVER_LOG_EVERY_S:
+                # what the guard erred on, to line up with the engine's and the GPU's logs
+                self._over_logged_at = at
+                log.info("%s reached its SLA token %.1f ms after its verdict, forecast %.1f ms: %.2fx, over the "
+                         "stretch %.3f at %s (%.1f ms since arrival)", req.id, (at - promise.at) * 1e3,
+                         (promise.predicted - promise.at) * 1e3, score, promise.stretch, promise.level.labels,
+                         (at - req.arrival) * 1e3)
 
     def consume(self, event: Event) -> None:
         """What a step committed: its time teaches the latency model (a step's, or the prefill launched before it),

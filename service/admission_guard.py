@@ -18,10 +18,14 @@ stall (a first request's one-off cost, a compile) never decides alone; it would 
 for hundreds of requests, and a refusing level learns nothing. A level with fewer pools the nearest levels' (one
 in-flight bucket or one prompt kind away, then two, ...) until it has N, and its stretch is then never below its own
 second-largest score: the levels a busy server reaches rarely are the ones that miss, and lighter levels' scores alone
-said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. Where all of them
-together have fewer, the stretch is a prior and the pool's second-largest score averaged, the prior weighing as
-PRIOR_SCORES scores: a fresh server starts from the prior and relaxes as it sees its own requests (on a GPU, the single
-streams a benchmark sends first have it admitting beside others within a few dozen requests). The prior is the one
+said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. A request alone
+pools no other level's: its forecast has the engine to itself, and misses differently from a forecast beside others
+(shared steps, prompt chunks in them) and from one alone with a prompt of another kind. An FP8 server that pooled them
+took a 1,000-token prompt's stall (1.77x) and one score beside others as what requests alone see, and refused
+32-token prompts alone (forecast x 1.7) that it served in 58 ms. Where all of them together have fewer, the stretch
+is a prior and the pool's second-largest score averaged, the prior weighing as PRIOR_SCORES scores: a fresh server
+starts from the prior and relaxes as it sees its own requests (on a GPU, the single streams a benchmark sends first
+have it admitting beside others within a few dozen requests). The prior is the one
 figure here not measured on this server, and it must hold where nothing has been seen: PRIOR_ALONE for a request alone
 (the calibration times steps back to back, as the engine runs them; the H100 came in 0.92 of such forecasts),
 PRIOR_LOADED beside others (the calibration times bare steps: a 2-core CPU streaming four replies over HTTP ran a fresh
@@ -156,9 +160,12 @@ class AdmissionGuard:
         return (len(pool) * seen + PRIOR_SCORES * prior) / (len(pool) + PRIOR_SCORES)
 
     def _rings(self, level: Level) -> Iterator[list[Level]]:
-        """The levels that have scores, by their distance from `level`, nearest first."""
+        """The levels that have scores and may stand in for `level`, by their distance from it, nearest first. A
+        request alone borrows from no other level (see the module's docstring)."""
         by_distance: dict[int, list[Level]] = {}
         for lv in self._scores:
+            if level.alone and lv != level:
+                continue
             by_distance.setdefault(level.distance(lv), []).append(lv)
         for d in sorted(by_distance):
             yield by_distance[d]

@@ -4,9 +4,12 @@ that the front end's Python (HTTP parsing, pydantic, templates, tokenization, SS
 engine loop needs. Its threads:
 
 - the engine thread (Engine's loop): after every iteration it sends one StepOutput with that iteration's deltas;
-- the input thread (EngineService.serve): takes the front end's messages in order; a Submit is admitted or refused
-  there (Engine.submit: admission runs where the engine is) and its Verdict sent at once; one with a grammar is
-  compiled and admitted on the side pool instead, so that no other verdict waits for a compile;
+- the input thread (EngineService.serve): takes the front end's messages in order. A Submit is handed to the engine
+  thread (Engine.run_soon), which admits or refuses it (Engine.submit) and sends its Verdict right after launching its
+  next step, while the GPU runs it: on this thread the verdicts' Python took the GIL from the engine thread between
+  its torch calls (service/engine/handoff.py). A session's truncate and close follow the same way, in order. One with
+  a grammar is compiled and admitted on the side pool instead, so that no other verdict waits for a compile. What the
+  engine thread has not started within the handoff's patience, this thread runs;
 - the side pool: grammar compiles, and /metrics and /v1/latency_model rendered off the engine thread;
 - a status thread: a Status every STATUS_EVERY_S, the heartbeat /health and the drain read.
 
@@ -57,6 +60,7 @@ from service.runtime import Runtime, build_engine, settle_process
 
 log = logging.getLogger("parley.engine")
 
+STALE_POLL_MS = 10  # the input thread looks for handed-over work the engine thread has not started this often
 SIDE_WORKERS = 2  # threads for what takes milliseconds (a grammar's compile, rendering /metrics)
 SLOW_RENDER_S = 0.02  # a /metrics render this long is logged: it shares the engine thread's GIL
 
@@ -74,7 +78,7 @@ class EngineService:
         self._outbox: list[Out] = []  # the current iteration's deltas (engine thread only)
         self._live: dict[int, Request] = {}  # rid → the admitted request, until it ends
         self._live_lock = threading.Lock()
-        self._compiling: set[int] = set()  # submitted with a grammar, still compiling
+        self._undecided: set[int] = set()  # submitted, no verdict yet (handed to the engine thread, or compiling)
         self._cancel_early: set[int] = set()  # ...and cancelled meanwhile: cancelled once admitted
         self._side_pool = ThreadPoolExecutor(max_workers=SIDE_WORKERS, thread_name_prefix="parley-side")
         self._sessions: dict[str, Session] = {}
@@ -116,13 +120,13 @@ class EngineService:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while not self._stopping.is_set():
-            if not poller.poll(100):
-                continue
-            message = ipc.TO_ENGINE.decode(self.inbox.recv(copy=False).buffer)
-            try:
-                self._handle(message)
-            except Exception:  # one bad message must not stop the engine
-                log.exception("handling %s failed", type(message).__name__)
+            if poller.poll(STALE_POLL_MS):
+                message = ipc.TO_ENGINE.decode(self.inbox.recv(copy=False).buffer)
+                try:
+                    self._handle(message)
+                except Exception:  # one bad message must not stop the engine
+                    log.exception("handling %s failed", type(message).__name__)
+            self.engine.handoff.run_stale()  # what the engine thread has not started in time (a long step, a hang)
 
     def _handle(self, m: object) -> None:
         if isinstance(m, Submit):
@@ -131,41 +135,42 @@ class EngineService:
                 session = self._sessions.get(m.session)
                 if session is None:
                     session = self._sessions[m.session] = self.engine.new_session()
+            with self._live_lock:
+                self._undecided.add(m.rid)
             if m.params.grammar is None:
-                self._submit(m, session)
+                self.engine.run_soon(functools.partial(self._submit, m, session))
             else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
-                with self._live_lock:
-                    self._compiling.add(m.rid)
                 self._side_pool.submit(self._submit, m, session)
         elif isinstance(m, Cancel):
             with self._live_lock:
                 req = self._live.get(m.rid)
-                if req is None and m.rid in self._compiling:
+                if req is None and m.rid in self._undecided:
                     self._cancel_early.add(m.rid)
             if req is not None:
                 self.engine.cancel(req)
-        elif isinstance(m, Truncate):
+        elif isinstance(m, Truncate):  # after the session's submits handed over before it
             session = self._sessions.get(m.session)
             if session is not None:
-                self.engine.truncate(session, m.keep_tokens)
+                self.engine.run_soon(functools.partial(self.engine.truncate, session, m.keep_tokens))
         elif isinstance(m, CloseSession):
             session = self._sessions.pop(m.session, None)
             if session is not None:
-                self.engine.close_session(session)
+                self.engine.run_soon(functools.partial(self.engine.close_session, session))
         elif isinstance(m, Query):
             self._side_pool.submit(self._reply, m)
         elif isinstance(m, Drain):
             self.engine.accepting = False
 
     def _submit(self, m: Submit, session: Session | None) -> None:
-        """Admit or refuse (the input thread; with a grammar, the side pool): a Verdict, always."""
+        """Admit or refuse (the engine thread, or the input thread where it took the task back; with a grammar, the
+        side pool): a Verdict, always."""
         try:
             verdict, req = self._admit(m, session)
         except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
             log.exception("submitting rid %d failed", m.rid)
             verdict, req = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0), None
         with self._live_lock:
-            self._compiling.discard(m.rid)
+            self._undecided.discard(m.rid)
             early = m.rid in self._cancel_early
             self._cancel_early.discard(m.rid)
             if req is not None and req.state is not State.FINISHED:  # else it ended already (its delta is coming)

@@ -1,6 +1,7 @@
 """Admission control against a backend slowed on purpose: a burst splits into admitted requests that all meet the
 SLA as the client measures it, and fast refusals; the metrics agree."""
 
+import logging
 import queue
 import threading
 import time
@@ -218,6 +219,25 @@ def test_each_admitted_request_is_scored_against_its_own_forecast():
     adm.consume(Finished(short, "length", short.deadline + 0.01, token=7, n=8))
     assert len(adm.guard._scores[level]) == 1 and adm.guard.miss_rate()[0] == 0.5  # judged late, not scored
     assert list(adm._active) == [req.id] and not adm._promises  # the short one ended: forgotten
+
+
+def test_a_score_over_its_stretch_is_logged_with_its_level(caplog):
+    """What the guard erred on is logged (at most once a second), so that a late request can be lined up with the
+    engine's and the GPU's logs: its times from the verdict, the forecast, the stretch and the level."""
+    from service.engine.commit import Token
+
+    lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.002, 128: 0.003}, max_rows=64)
+    adm = AdmissionController(lat, 0.1, 64, 4)
+    on_time, late, later = newcomer(), newcomer(), newcomer()
+    with caplog.at_level(logging.INFO, logger="parley.admission"):
+        for req, factor in ((on_time, 1.0), (late, 1.4), (later, 1.5)):
+            adm.check(req)
+            p = adm._promises[req.id]
+            adm.consume(Token(req, 7, 64, "", p.at + factor * (p.predicted - p.at)))
+            adm.release(req)  # it ended: the next one is alone again
+    lines = [r.getMessage() for r in caplog.records if "after its verdict" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"{late.id} reached its SLA token")  # the third: within a second
+    assert "1.40x, over the stretch 1.050 at {'in_flight': '1', 'prompt': 'step'}" in lines[0]
 
 
 def test_a_request_is_scored_against_its_latest_forecast_where_it_was_last_judged():

@@ -219,5 +219,15 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert figures["host_us_p99"] == 200.0  # the 99th: the second bucket's last
     assert figures["gpu_idle_us_p50"] is None and figures["gpu_idle_us_p99"] is None
     assert figures["delivery_us_p50"] is None  # a server before parley_token_delivery_seconds: None, not 0
+    assert figures["step_gpu_us_p99"] is None and figures["slow_gpu_steps"] is None
     assert loop_metrics.figures(tmp_path, "never-scraped") == {}
+    # each step's time on the GPU: 97 steps near a millisecond, 3 of 10-20 ms (a stall the host's figures miss)
+    steps = ["# TYPE parley_step_gpu_seconds histogram", 'parley_step_gpu_seconds_bucket{le="0.001"} 0',
+             'parley_step_gpu_seconds_bucket{le="0.0015"} 97', 'parley_step_gpu_seconds_bucket{le="0.005"} 97',
+             'parley_step_gpu_seconds_bucket{le="0.01"} 97', 'parley_step_gpu_seconds_bucket{le="0.02"} 100',
+             'parley_step_gpu_seconds_bucket{le="+Inf"} 100', "parley_step_gpu_seconds_count 100",
+             "parley_step_gpu_seconds_sum 0.2"]
+    (tmp_path / "y-single-32.metrics.txt").write_text("\n".join(steps) + "\n")
+    gpu = loop_metrics.figures(tmp_path, "y-single-32")
+    assert gpu["slow_gpu_steps"] == 3 and 1000 < gpu["step_gpu_us_p50"] <= 1500 and gpu["step_gpu_us_p99"] > 10000
     assert loop_metrics.quantile({0.001: 0, float("inf"): 4}, 0.5) == 0.001  # past the last bound: that bound

@@ -21,7 +21,7 @@ from service.engine.engine import Engine
 from service.engine.output import TextOutput
 from service.engine.request import Delta, Request, SamplingParams
 from service.engine.sampler import SamplingError
-from service.engine.slow_steps import SlowIterations, SlowSteps
+from service.engine.slow_steps import SlowGpuSteps, SlowIterations, SlowSteps, thread_clock
 from service.model.loader import load_model
 from service.model.synthetic import byte_tokenizer
 
@@ -556,6 +556,50 @@ def test_a_slow_engine_iteration_is_logged_with_where_its_time_went(caplog):
     assert lines == ["an engine iteration took 7.0 ms (plan 0.2, decode 6.8; 1 iterations over 5 ms since the last "
                      "report)", "an engine iteration took 7.0 ms (plan 6.0, decode 1.0; 2 iterations over 5 ms since "
                      "the last report)"]
+
+
+def test_a_slow_iteration_says_whether_the_thread_ran_or_waited(caplog):
+    """The engine thread's own clock beside a slow iteration's phases: 8 ms of Python ran on a CPU; 8 ms asleep (a
+    lock, the GIL, a device wait) did not, and blocked."""
+    now = [0.0]
+    slow = SlowIterations(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        since = thread_clock()
+        end = time.perf_counter() + 0.008
+        while time.perf_counter() < end:
+            pass
+        slow.observe({"feed": 0.008}, since)
+        now[0] += 3.0
+        since = thread_clock()
+        time.sleep(0.008)
+        slow.observe({"feed": 0.008}, since)
+    busy, asleep = [r.getMessage() for r in caplog.records]
+    ran = [float(m.split("the thread ran ")[1].split(" ms")[0]) for m in (busy, asleep)]
+    assert ran[0] >= 4.0 and ran[1] < 2.0, (busy, asleep)
+    assert "blocked 0 times" not in asleep  # the sleep is a wait the thread's clock counts
+
+
+def test_a_step_the_gpu_ran_slowly_is_logged_against_its_recent_median(caplog):
+    """Steps of ~1 ms on the GPU, then a run of them 40% slower (a request alone reached its SLA token 40% late on
+    an idle H100 so): the 1.4 ms steps pass, 2 ms ones are logged with how far off they were, throttled."""
+    now = [0.0]
+    slow = SlowGpuSteps(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        for _ in range(100):
+            slow.observe(0.001)
+        slow.observe(0.0014)  # under 1.5x the median
+        slow.observe(0.002)
+        slow.observe(0.0021)  # within the throttle: counted
+        now[0] += 3.0
+        slow.observe(0.0022)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["the GPU ran a step in 2.00 ms, 2.0x its recent median of 1.00 ms (1 such steps since the last "
+                     "report)", "the GPU ran a step in 2.20 ms, 2.2x its recent median of 1.00 ms (2 such steps since "
+                     "the last report)"]
+    fresh = SlowGpuSteps()
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        fresh.observe(0.5)  # a first step (a compile, a capture) has no median to be judged against
+    assert len(caplog.records) == 2
 
 
 def test_timings_say_which_token_they_time(tiny):

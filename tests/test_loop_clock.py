@@ -69,7 +69,8 @@ class FakeEvent:
 
 def fake_clock() -> tuple[LoopClock, FakeGPU, Histogram, Histogram]:
     gpu, host, idle = FakeGPU(), histogram("host"), histogram("idle")
-    return LoopClock(torch.device("cpu"), host, idle, new_event=gpu.event), gpu, host, idle
+    clock = LoopClock(torch.device("cpu"), host, idle, new_event=gpu.event, step_gpu=histogram("step"))
+    return clock, gpu, host, idle
 
 
 def step(clock: LoopClock, gpu: FakeGPU, start: float, end: float, consecutive: bool) -> None:
@@ -96,7 +97,26 @@ def test_idle_is_the_gap_between_consecutive_steps_read_once_complete():
     count, total = observed(idle)
     assert count == 3 and total == pytest.approx(30e-6 + 0 + 200e-6)
     assert count == 3 and observed(host)[0] == 3
-    assert gpu.made <= 6, f"events are reused once read, not made anew every step ({gpu.made} made)"
+    # two events for each step not read yet (three here) and the last one's end: reused once read, not made anew
+    assert gpu.made <= 8, f"events are reused once read, not made anew every step ({gpu.made} made)"
+    assert clock.step_gpu is not None
+    count, total = observed(clock.step_gpu)
+    assert count == 5 and total == pytest.approx(0.001 + 0.00097 + 0.001 + 0.001 + 0.0008)
+
+
+def test_a_step_the_gpu_ran_slowly_is_timed_once_it_has_finished():
+    clock, gpu, _, idle = fake_clock()
+    assert clock.step_gpu is not None
+    step(clock, gpu, 0.000, 0.001, consecutive=False)
+    step(clock, gpu, 0.001, 0.021, consecutive=True)  # 20 ms on the GPU: no idle gap, no host time
+    gpu.now = 0.005
+    clock.iteration(0.0002, 0.0)
+    assert observed(clock.step_gpu) == (1, pytest.approx(0.001))  # the second has started, not finished
+    assert observed(idle) == (1, pytest.approx(0.0))
+    gpu.now = 0.03
+    clock.iteration(0.0002, 0.0)
+    assert observed(clock.step_gpu) == (2, pytest.approx(0.021))
+    assert observed(idle) == (1, pytest.approx(0.0))  # its gap was read once, when it started
 
 
 def test_a_failed_launch_pairs_with_nothing():

@@ -23,6 +23,7 @@ from service.backends.decoder import Decoder
 from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
+from service.engine.handoff import Handoff
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.loop_clock import LoopClock
 from service.engine.masks import StepMasks
@@ -31,7 +32,7 @@ from service.engine.planner import LAUNCH_MIN_TOKENS, Planner
 from service.engine.prefix_cache import block_hashes
 from service.engine.request import Delta, Request, SamplingParams, State
 from service.engine.sampler import StepTokens
-from service.engine.slow_steps import SlowIterations, SlowSteps
+from service.engine.slow_steps import SlowIterations, SlowSteps, thread_clock
 from service.engine.step_plan import StepPlan
 from service.metrics import Metrics
 from service.model.tokenizer import Tokenizer
@@ -39,6 +40,7 @@ from service.model.tokenizer import Tokenizer
 log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
+HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step: about half a step's slack on the H100
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
@@ -83,6 +85,7 @@ class Engine:
         # called on the engine thread after every iteration: the engine process sends the iteration's deltas then
         self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
         self._live: set[Request] = set()  # admitted, not ended: each gets its final delta, whatever fails
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the counts the API reads
@@ -103,7 +106,8 @@ class Engine:
         self._launch_phases: dict[str, float] = {}
         self._read_wait = 0.0  # this iteration's time blocked reading a step's tokens (the host waiting on the device)
         self._clock = LoopClock(decoder.device, self.metrics.engine_host,
-                                self.metrics.track_gpu_idle() if decoder.device.type == "cuda" else None)
+                                self.metrics.track_gpu_idle() if decoder.device.type == "cuda" else None,
+                                step_gpu=self.metrics.step_gpu)
         self._slow_prefills = 0  # the decoder's count, as last exported
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
@@ -186,6 +190,13 @@ class Engine:
         self._wake.set()
         return req
 
+    def run_soon(self, task: Callable[[], None]) -> None:
+        """Run `task` on the engine thread as soon as it can: at once where it is idle, else right after it has
+        launched its next step, while the GPU runs it (service/engine/handoff.py: another thread runs it instead where
+        the engine thread has not started it within the handoff's patience)."""
+        self.handoff.put(task)
+        self._wake.set()
+
     def _reject(self, req: Request, r: Rejected) -> None:
         self.metrics.requests.labels(outcome="rejected", reason=r.reason).inc()
         raise r
@@ -234,7 +245,10 @@ class Engine:
 
     def _iteration(self) -> None:
         started = time.perf_counter()
+        thread = thread_clock()
         self._read_wait = 0.0
+        if self._inflight is None:  # nothing on the GPU: handed-over work (verdicts) first, so its requests plan now
+            self.handoff.run_all()
         self._take_inbox()
         now = time.perf_counter()
         self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
@@ -243,8 +257,9 @@ class Engine:
         if not plan:  # nothing to run now: read what is in flight, or wait for work
             self._inflight = None
             if inflight is not None:
+                overlapped = self.handoff.run_all(HANDOFF_BUDGET_S)  # while the GPU finishes the step in flight
                 self._complete(inflight)
-                self._clock.iteration(time.perf_counter() - started, self._read_wait)
+                self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
                 self._update_gauges()
                 self._wake.wait(timeout=0.5)
@@ -253,6 +268,8 @@ class Engine:
             return
         t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
+        # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
+        overlapped = self.handoff.run_all(HANDOFF_BUDGET_S) if launched is not None else 0.0
         t_launch = time.perf_counter()
         self._inflight = None
         if inflight is not None:
@@ -265,9 +282,10 @@ class Engine:
         t_complete = time.perf_counter()
         self._update_gauges()
         end = time.perf_counter()
-        self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases,
-                                       "complete": t_complete - t_launch, "gauges": end - t_complete})
-        self._clock.iteration(end - started, self._read_wait + self._step_compute())
+        self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases, "handed over": overlapped,
+                                       "complete": t_complete - t_launch, "gauges": end - t_complete}, thread)
+        # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
+        self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
 
     def _step_compute(self) -> float:
         """The launch's time that was the step's own compute: none on a GPU (launches return at once); on the CPU the

@@ -6,6 +6,9 @@
   first launch and after its last, and the gap between one step's end and the next one's start, as the GPU timed them.
   A gap is read only once both events have completed (`query()`, never a synchronisation), an iteration or two later.
 
+- on CUDA, each step's own time on the GPU, between the same two events: a step the GPU itself ran slowly (beside
+  whatever else it was given) shows there, and not in the host's time or the idle gaps.
+
 "Consecutive": the next step was launched while the last one was still in flight, the engine running a step ahead. A
 step launched after the engine had read everything (it had nothing to plan ahead, or waited for work) starts a new run:
 that gap is the server being idle, not the host being late. Without CUDA only the host's time is measured; the idle
@@ -14,13 +17,16 @@ histogram is never created, so /metrics shows no series rather than zeros that w
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from prometheus_client import Histogram
 
-MAX_PENDING = 64  # gaps not yet readable (the GPU is never this far behind; a bound, not a queue that grows)
+from service.engine.slow_steps import SlowGpuSteps
+
+MAX_PENDING = 64  # steps not yet readable (the GPU is never this far behind; a bound, not a queue that grows)
 
 
 class Event(Protocol):
@@ -35,20 +41,24 @@ class Event(Protocol):
 
 class LoopClock:
     def __init__(self, device: torch.device, host: Histogram, gpu_idle: Histogram | None = None,
-                 new_event: Callable[[], Event] | None = None) -> None:
+                 new_event: Callable[[], Event] | None = None, step_gpu: Histogram | None = None) -> None:
         """`gpu_idle`: where the gaps go; None, or a device that is not CUDA, measures the host's time only.
-        `new_event`: a maker of timing events, for tests without a GPU (default: CUDA events with timing)."""
+        `step_gpu`: where each step's time on the GPU goes (with gpu_idle). `new_event`: a maker of timing events,
+        for tests without a GPU (default: CUDA events with timing)."""
         self.host = host
         self.gpu = gpu_idle is not None and (device.type == "cuda" or new_event is not None)
         self.gpu_idle = gpu_idle
+        self.step_gpu = step_gpu
         self._new_event: Callable[[], Event] = new_event or (lambda: torch.cuda.Event(enable_timing=True))
         self._stream = torch.cuda.current_stream(device) if self.gpu and device.type == "cuda" else None
         self._free: list[Event] = []
         self._start: Event | None = None  # the step being launched
-        self._last_end: Event | None = None  # the end of the last step launched
-        self._pending: list[tuple[Event, Event]] = []  # (a step's end, the next one's start)
+        self._steps: deque[tuple[Event, Event, bool]] = deque()  # launched, not read yet: (start, end, consecutive)
+        self._last_end: Event | None = None  # the last step read's end: where a consecutive next one's gap starts
+        self._broken = False  # a launch failed since the last step: the next one starts a new run
+        self._slow_gpu = SlowGpuSteps()
 
-    # -- the GPU's idle time ---------------------------------------------------------------------------------------
+    # -- the GPU's idle time and each step's ------------------------------------------------------------------------
     def step_start(self) -> None:
         """Before a step's first launch (prefix copies, prefills, its inputs' copy)."""
         if self.gpu:
@@ -59,22 +69,19 @@ class LoopClock:
         if not self.gpu or self._start is None:
             return
         start, self._start = self._start, None
-        end = self._record()
-        last, self._last_end = self._last_end, end
-        if consecutive and last is not None:
-            self._pending.append((last, start))
-            if len(self._pending) > MAX_PENDING:
-                self._release(*self._pending.pop(0))
-        else:
-            self._release(start, *(() if last is None else (last,)))
+        self._steps.append((start, self._record(), consecutive and not self._broken))
+        self._broken = False
+        if len(self._steps) > MAX_PENDING:  # never read (no GPU is this far behind): dropped, not kept growing
+            old_start, old_end, _ = self._steps.popleft()
+            self._release(old_start, *(() if self._last_end is None else (self._last_end,)))
+            self._last_end = old_end
 
     def step_failed(self) -> None:
-        """The launch raised: its events pair with nothing (the next step starts a new run)."""
+        """The launch raised: its start pairs with nothing, and the next step starts a new run."""
         if self._start is not None:
             self._release(self._start)
-        if self._last_end is not None:
-            self._release(self._last_end)
-        self._start = self._last_end = None
+            self._start = None
+        self._broken = True
 
     def _record(self) -> Event:
         event = self._free.pop() if self._free else self._new_event()
@@ -84,24 +91,35 @@ class LoopClock:
     def _release(self, *events: Event) -> None:
         self._free.extend(events)
 
-    def _read_gaps(self) -> None:
-        """Every gap whose next step has started on the GPU (so the step before it has ended): into the histogram.
-        The stream runs in order, so the first gap not readable yet ends the pass."""
-        assert self.gpu_idle is not None
-        done = 0
-        for end, start in self._pending:
+    def _read_steps(self) -> None:
+        """In launch order (one stream runs the steps in order, so the first not reached ends the pass): the gap
+        before each step launched while the last one ran, once the GPU has started it; each step's time on the GPU,
+        once it has finished."""
+        while self._steps:
+            start, end, consecutive = self._steps[0]
             if not start.query():
-                break
-            # on one stream the next step's start completes after the last one's end: a negative reading is the
-            # timer's resolution (~0.5 us), not time
-            self.gpu_idle.observe(max(0.0, end.elapsed_time(start)) / 1e3)
-            self._release(end, start)  # a pair's events belong to no other pair (the last end is in none yet)
-            done += 1
-        del self._pending[:done]
+                return
+            if consecutive and self._last_end is not None and self.gpu_idle is not None:
+                # on one stream the next step's start completes after the last one's end: a negative reading is the
+                # timer's resolution (~0.5 us), not time
+                self.gpu_idle.observe(max(0.0, self._last_end.elapsed_time(start)) / 1e3)
+            if self._last_end is not None:
+                self._release(self._last_end)
+                self._last_end = None
+            if not end.query():
+                self._steps[0] = (start, end, False)  # its gap is read: only its own time is left
+                return
+            self._steps.popleft()
+            seconds = max(0.0, start.elapsed_time(end)) / 1e3
+            if self.step_gpu is not None:
+                self.step_gpu.observe(seconds)
+            self._slow_gpu.observe(seconds)
+            self._release(start)
+            self._last_end = end
 
     # -- the host's time -------------------------------------------------------------------------------------------
     def iteration(self, wall_s: float, device_s: float) -> None:
         """An iteration that ran or read a step: `wall_s` in all, `device_s` of it blocked on the device."""
         self.host.observe(max(0.0, wall_s - device_s))
-        if self._pending:
-            self._read_gaps()
+        if self._steps:
+            self._read_steps()

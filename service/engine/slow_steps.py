@@ -1,12 +1,18 @@
-"""SlowSteps: a decode step slow enough that every stream stalls visibly is what a client notices, so the log says
-so; at most once a minute, with how many there were since (on a CPU every step is slow)."""
+"""What stalls every stream at once, logged where it happens, throttled, with how many there were since: a decode step
+slow enough to see (SlowSteps; on a CPU every step is), an engine iteration whose host work took milliseconds
+(SlowIterations: its phases, and whether the thread ran, waited or was preempted), a step the GPU itself ran slowly
+against its recent median (SlowGpuSteps)."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
+import resource
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 log = logging.getLogger("parley.engine")
 
@@ -48,17 +54,76 @@ class SlowSteps(_Throttled):
 SLOW_ITERATION_S = 0.005  # an engine iteration this long delays every stream's next token visibly
 
 
+class ThreadClock(NamedTuple):
+    """The engine thread's own clock at an instant: CPU seconds it has run, and how often it has blocked (a lock, the
+    GIL, a device wait) and been preempted by the OS."""
+
+    cpu_s: float
+    waits: int
+    preempted: int
+
+
+def thread_clock() -> ThreadClock:
+    """This thread's clock now: its CPU time (to the nanosecond), and on Linux its context switches (getrusage per
+    thread, whose CPU times are only as fine as the scheduler's tick)."""
+    if _RUSAGE_THREAD is None:
+        return ThreadClock(time.thread_time(), 0, 0)
+    ru = resource.getrusage(_RUSAGE_THREAD)
+    return ThreadClock(time.thread_time(), ru.ru_nvcsw, ru.ru_nivcsw)
+
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
+
+
 class SlowIterations(_Throttled):
     """Where an engine iteration's time went, when one took longer than SLOW_ITERATION_S (each phase in ms: plan, the
-    launch's parts, complete, gauges), at most once every `every_s`: what a stall between two tokens is made of."""
+    launch's parts, complete, gauges), at most once every `every_s`: what a stall between two tokens is made of. With
+    the thread's clock at the iteration's start, also how much of it the thread ran on a CPU, how often it blocked and
+    how often the OS preempted it: a phase of a few torch calls that took milliseconds on the H100 (feed 2.7 ms, with
+    the step in flight waiting for it) either ran Python all along, waited (the GIL, a lock), or was not scheduled."""
 
     def __init__(self, slow_s: float = SLOW_ITERATION_S, every_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(slow_s, every_s, clock)
 
-    def observe(self, phases: dict[str, float]) -> None:
+    def observe(self, phases: dict[str, float], since: ThreadClock | None = None) -> None:
         total = sum(phases.values())
         if count := self.due(total):
-            log.warning("an engine iteration took %.1f ms (%s; %d iterations over %.0f ms since the last report)",
-                        total * 1e3, ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()), count,
+            ran = ""
+            if since is not None:
+                now = thread_clock()
+                ran = (f"; the thread ran {(now.cpu_s - since.cpu_s) * 1e3:.1f} ms on a CPU, blocked "
+                       f"{now.waits - since.waits} times, was preempted {now.preempted - since.preempted} times")
+            log.warning("an engine iteration took %.1f ms (%s%s; %d iterations over %.0f ms since the last report)",
+                        total * 1e3, ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()), ran, count,
                         self.slow_s * 1e3)
+
+
+SLOW_GPU_FACTOR = 1.5  # a step this many times the GPU's recent median took longer on the GPU itself
+RECENT_GPU_STEPS = 256
+
+
+class SlowGpuSteps(_Throttled):
+    """Steps the GPU itself ran slowly (CUDA events: not the host, not a wait), against the median of its recent
+    steps: a request alone on an idle H100 reached its 64th token 40% late with every step slower and no host stall,
+    so the log says when and how much, to line up with the GPU's clocks. At most once every `every_s`."""
+
+    def __init__(self, factor: float = SLOW_GPU_FACTOR, every_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(0.0, every_s, clock)
+        self.factor = factor
+        self._recent: deque[float] = deque(maxlen=RECENT_GPU_STEPS)
+        self._ranked: list[float] = []
+
+    def observe(self, seconds: float) -> None:
+        median = self._ranked[len(self._ranked) // 2] if len(self._ranked) >= 16 else None
+        if len(self._recent) == self._recent.maxlen:
+            del self._ranked[bisect.bisect_left(self._ranked, self._recent[0])]
+        self._recent.append(seconds)
+        bisect.insort(self._ranked, seconds)
+        if median is None:
+            return
+        self.slow_s = self.factor * median
+        if count := self.due(seconds):
+            log.warning("the GPU ran a step in %.2f ms, %.1fx its recent median of %.2f ms (%d such steps since the "
+                        "last report)", seconds * 1e3, seconds / median, median * 1e3, count)

@@ -1,0 +1,126 @@
+"""Work handed to the engine thread (service/engine/handoff.py): run in order on the engine thread right after it
+launches a step, taken back by another thread when the engine thread has not started it in time (the engine
+process's input thread does, so that no verdict waits on a hung step), one task at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from service.engine.engine import Engine
+from service.engine.handoff import Handoff
+from service.engine.request import SamplingParams
+from service.model.loader import load_model
+
+
+def test_tasks_run_in_order_and_a_failing_one_stops_none_after_it():
+    handoff = Handoff()
+    done: list[int] = []
+    for i in range(3):
+        handoff.put(lambda i=i: done.append(i))
+    handoff.put(lambda: 1 / 0)
+    handoff.put(lambda: done.append(4))
+    assert handoff.run_all() >= 0 and done == [0, 1, 2, 4] and not handoff.pending()
+
+
+def test_beside_a_step_only_what_fits_its_budget_runs():
+    """Verdicts of 0.4 ms each beside a launched step, with half a millisecond to spend: two run now (the second
+    starts inside the budget), the third waits for the next iteration rather than keep the GPU waiting."""
+    now = [0.0]
+    handoff = Handoff(clock=lambda: now[0])
+    done: list[int] = []
+
+    def verdict(i: int) -> None:
+        now[0] += 0.0004
+        done.append(i)
+
+    for i in range(3):
+        handoff.put(lambda i=i: verdict(i))
+    assert handoff.run_all(budget_s=0.0005) == pytest.approx(0.0008)
+    assert done == [0, 1] and handoff.pending()
+    handoff.run_all(budget_s=0.0005)
+    assert done == [0, 1, 2]
+
+
+def test_only_tasks_past_their_patience_are_taken_back():
+    now = [0.0]
+    handoff = Handoff(patience_s=0.02, clock=lambda: now[0])
+    done: list[str] = []
+    handoff.put(lambda: done.append("old"))
+    now[0] = 0.015
+    handoff.put(lambda: done.append("new"))
+    now[0] = 0.021
+    handoff.run_stale()
+    assert done == ["old"]  # the second has waited 6 ms: still the engine thread's
+    now[0] = 0.04
+    handoff.run_stale()
+    assert done == ["old", "new"]
+
+
+def test_one_runner_at_a_time_keeps_the_order():
+    """The engine thread is inside a task (a verdict) when the input thread finds the next one stale: it leaves it,
+    so a session's close never overtakes the submit before it."""
+    handoff = Handoff(patience_s=0.0)
+    order: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def submit() -> None:
+        inside.set()
+        release.wait(5)
+        order.append("submit")
+
+    handoff.put(submit)
+    handoff.put(lambda: order.append("close"))
+    engine = threading.Thread(target=handoff.run_all)
+    engine.start()
+    assert inside.wait(5)
+    handoff.run_stale()  # another thread: the runner is busy, nothing runs out of order
+    assert order == []
+    release.set()
+    engine.join(5)
+    assert order == ["submit", "close"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("synthetic:tiny")
+
+
+def test_the_engine_runs_handed_work_on_its_own_thread_and_plans_its_request_at_once(tiny):
+    from service.backends.reference import ReferenceDecoder
+
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4)
+    eng.start()
+    try:
+        ran_on: list[str] = []
+        got = threading.Event()
+        deltas = []
+
+        def submit() -> None:
+            ran_on.append(threading.current_thread().name)
+            eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                       lambda d: (deltas.append(d), d.finish_reason and got.set()))
+
+        time.sleep(0.05)  # the engine idle, waiting for work
+        eng.run_soon(submit)
+        assert got.wait(10)
+        assert ran_on == ["parley-engine"] and deltas[-1].finish_reason == "length"
+    finally:
+        eng.stop()
+
+
+def test_an_engine_thread_that_never_runs_it_does_not_keep_a_verdict(tiny):
+    from service.backends.reference import ReferenceDecoder
+
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4)  # never started: as if hung or dead
+    ran = threading.Event()
+    eng.run_soon(ran.set)
+    eng.handoff.run_stale()
+    assert not ran.is_set()  # not yet past its patience
+    time.sleep(eng.handoff.patience_s + 0.01)
+    eng.handoff.run_stale()
+    assert ran.is_set()
