@@ -5,11 +5,11 @@ engine loop needs. Its threads:
 
 - the engine thread (Engine's loop): after every iteration it sends one StepOutput with that iteration's deltas;
 - the input thread (EngineService.serve): takes the front end's messages in order. A Submit is handed to the engine
-  thread (Engine.run_soon), which admits or refuses it (Engine.submit) and sends its Verdict right after launching its
-  next step, while the GPU runs it: on this thread the verdicts' Python took the GIL from the engine thread between
-  its torch calls (service/engine/handoff.py). A session's truncate and close follow the same way, in order. One with
-  a grammar is compiled and admitted on the side pool instead, so that no other verdict waits for a compile. What the
-  engine thread has not started within the handoff's patience, this thread runs;
+  thread (Engine.run_soon), which admits or refuses it (Engine.submit) and sends its Verdict right after launching
+  its next step, while the GPU runs it: on the input thread the verdicts' Python took the GIL from the engine thread
+  between its torch calls (service/engine/handoff.py). A session's truncate and close, and a drain, follow the same
+  way, in order. One with a grammar is compiled and admitted on the side pool instead, so that no other verdict
+  waits for a compile. What the engine thread has not started within the handoff's patience, this thread runs;
 - the side pool: grammar compiles, and /metrics and /v1/latency_model rendered off the engine thread;
 - a status thread: a Status every STATUS_EVERY_S, the heartbeat /health and the drain read.
 
@@ -158,8 +158,11 @@ class EngineService:
                 self.engine.run_soon(functools.partial(self.engine.close_session, session))
         elif isinstance(m, Query):
             self._side_pool.submit(self._reply, m)
-        elif isinstance(m, Drain):
-            self.engine.accepting = False
+        elif isinstance(m, Drain):  # after the submits handed over before it: those are decided, and counted
+            self.engine.run_soon(self._stop_accepting)
+
+    def _stop_accepting(self) -> None:
+        self.engine.accepting = False
 
     def _submit(self, m: Submit, session: Session | None) -> None:
         """Admit or refuse (the engine thread, or the input thread where it took the task back; with a grammar, the
