@@ -18,18 +18,26 @@ stall (a first request's one-off cost, a compile) never decides alone; it would 
 for hundreds of requests, and a refusing level learns nothing. A level with fewer pools the nearest levels' (one
 in-flight bucket or one prompt kind away, then two, ...) until it has N, and its stretch is then never below its own
 second-largest score: the levels a busy server reaches rarely are the ones that miss, and lighter levels' scores alone
-said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. A request alone
-pools no other level's: its forecast has the engine to itself, and misses differently from a forecast beside others
-(shared steps, prompt chunks in them) and from one alone with a prompt of another kind. An FP8 server that pooled them
-took a 1,000-token prompt's stall (1.77x) and one score beside others as what requests alone see, and refused
-32-token prompts alone (forecast x 1.7) that it served in 58 ms. Where all of them together have fewer, the stretch
-is a prior and the pool's second-largest score averaged, the prior weighing as PRIOR_SCORES scores: a fresh server
-starts from the prior and relaxes as it sees its own requests (on a GPU, the single streams a benchmark sends first
-have it admitting beside others within a few dozen requests). The prior is the one
-figure here not measured on this server, and it must hold where nothing has been seen: PRIOR_ALONE for a request alone
-(the calibration times steps back to back, as the engine runs them; the H100 came in 0.92 of such forecasts),
-PRIOR_LOADED beside others (the calibration times bare steps: a 2-core CPU streaming four replies over HTTP ran a fresh
-server's first burst at 1.45-1.6x its forecast, and admitted requests on the H100 under load came up to 40% late).
+said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. Where all of them
+together have fewer, the stretch is a prior and the pool's second-largest score averaged, the prior weighing as
+PRIOR_SCORES scores: a fresh server starts from the prior and relaxes as it sees its own requests (on a GPU, the single
+streams a benchmark sends first have it admitting beside others within a few dozen requests).
+
+A request alone, its level short of N scores, is judged by its own level's last PRIOR_SCORES scores only (their
+second-largest, averaged with the prior). No other level's: its forecast has the engine to itself, and misses
+differently from a forecast beside others (shared steps, prompt chunks in them) and from one alone with a prompt of
+another kind; an FP8 server that pooled them took a 1,000-token prompt's stall (1.77x) and one score beside others as
+what requests alone see, and refused 32-token prompts alone (forecast x 1.7) that it served in 58 ms. And none but its
+recent ones: an idle server's first requests meet one-off costs (a profiler attaching left two of 3.9 and 14.2 on the
+H100), and with the second-largest of all its scores each probe served on time weighed those more, so an idle server
+refused every request alone until its level had N scores, one probe a second. A recent window forgets them after
+PRIOR_SCORES requests, and still sees a pattern: two late requests in any twenty keep the stretch up.
+
+The prior is the one figure here not measured on this server, and it must hold where nothing has been seen: PRIOR_ALONE
+for a request alone (the calibration times steps back to back, as the engine runs them; the H100 came in 0.92 of such
+forecasts), PRIOR_LOADED beside others (the calibration times bare steps: a 2-core CPU streaming four replies over
+HTTP ran a fresh server's first burst at 1.45-1.6x its forecast, and admitted requests on the H100 under load came up
+to 40% late).
 """
 
 from __future__ import annotations
@@ -147,6 +155,8 @@ class AdmissionGuard:
         own = self._scores.get(level)
         if own is not None and len(own) >= self.enough:
             return conformal_quantile(own.ranked, self.target)
+        if level.alone:
+            return self._alone_stretch(own)
         pool: list[float] = []
         for ring in self._rings(level):  # this level's scores, then the nearest levels' until there are enough
             pool += [x for lv in ring for x in self._scores[lv].ranked]
@@ -159,13 +169,22 @@ class AdmissionGuard:
         seen = sorted(pool)[-2] if len(pool) > 1 else prior  # the largest score never decides alone
         return (len(pool) * seen + PRIOR_SCORES * prior) / (len(pool) + PRIOR_SCORES)
 
+    @staticmethod
+    def _alone_stretch(own: _Window | None) -> float:
+        """A request alone, its level short of enough scores: the second-largest of the level's last PRIOR_SCORES
+        scores, averaged with the prior (weighing as many). No other level's scores, and none but its recent ones (see
+        the module's docstring)."""
+        if own is None:
+            return PRIOR_ALONE
+        recent = sorted(list(own.order)[-PRIOR_SCORES:])
+        seen = recent[-2] if len(recent) > 1 else PRIOR_ALONE  # the largest score never decides alone
+        return (len(recent) * seen + PRIOR_SCORES * PRIOR_ALONE) / (len(recent) + PRIOR_SCORES)
+
     def _rings(self, level: Level) -> Iterator[list[Level]]:
-        """The levels that have scores and may stand in for `level`, by their distance from it, nearest first. A
-        request alone borrows from no other level (see the module's docstring)."""
+        """The levels that have scores and may stand in for `level` (beside others), by their distance from it,
+        nearest first."""
         by_distance: dict[int, list[Level]] = {}
         for lv in self._scores:
-            if level.alone and lv != level:
-                continue
             by_distance.setdefault(level.distance(lv), []).append(lv)
         for d in sorted(by_distance):
             yield by_distance[d]

@@ -111,9 +111,33 @@ def test_requests_alone_are_judged_by_requests_alone():
         guard.observe(BESIDE_ONE, score, 1.3)
     alone = guard.stretch(ALONE)
     assert alone < 1.08  # 58 ms x 1.08 is on time: served, not refused
-    assert alone >= min(sorted(own)[-2], PRIOR_ALONE)  # its own second-largest and the prior, averaged
+    recent = sorted(own[-PRIOR_SCORES:])
+    assert alone == pytest.approx((recent[-2] + PRIOR_ALONE) / 2)  # its recent second-largest and the prior
     assert guard.stretch(launch_alone) < 1.2  # its one stall is its largest score: it never decides alone
     assert guard.stretch(BESIDE_ONE) > 1.6  # beside others, the stall and the late scores count
+
+
+def test_an_idle_server_forgets_its_first_requests_stalls():
+    """The H100's idle server with a profiler attaching: its first two requests alone came 14.2x and 3.9x their
+    forecast, and every 32-token prompt after them was refused (stretch 1.27; forecast 85 ms, served in ~76), one probe
+    a second admitted. With the second-largest of all its scores each probe served on time weighed the 3.9 more, until
+    the level had 399 scores; now the stalls are forgotten after PRIOR_SCORES probes. Two late ones among the last
+    twenty keep the stretch up."""
+    guard = AdmissionGuard(0.995)
+    guard.observe(ALONE, 14.21, 1.05)
+    guard.observe(ALONE, 3.9, 1.05)
+    stretches = [guard.stretch(ALONE)]
+    for _ in range(PRIOR_SCORES):
+        guard.observe(ALONE, 0.88, stretches[-1])
+        stretches.append(guard.stretch(ALONE))
+    assert min(stretches[1:PRIOR_SCORES - 1]) > 1.2  # while the stalls are recent: refusing is still right
+    assert stretches[-1] == pytest.approx((0.88 + PRIOR_ALONE) / 2)  # forgotten: 85 ms x 0.97 is on time
+    for _ in range(100):  # and they stay forgotten as the level fills
+        guard.observe(ALONE, 0.88, stretches[-1])
+    assert guard.stretch(ALONE) == pytest.approx((0.88 + PRIOR_ALONE) / 2)
+    for late in (1.5, 1.4):  # a pattern again: two late among the last twenty
+        guard.observe(ALONE, late, stretches[-1])
+    assert guard.stretch(ALONE) == pytest.approx((20 * 1.4 + PRIOR_SCORES * PRIOR_ALONE) / (20 + PRIOR_SCORES))
 
 
 def test_a_level_keeps_only_its_recent_scores():
