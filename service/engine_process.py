@@ -137,10 +137,11 @@ class EngineService:
                     session = self._sessions[m.session] = self.engine.new_session()
             with self._live_lock:
                 self._undecided.add(m.rid)
+            received = time.perf_counter()
             if m.params.grammar is None:
-                self.engine.run_soon(functools.partial(self._submit, m, session))
+                self.engine.run_soon(functools.partial(self._submit, m, session, received))
             else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
-                self._side_pool.submit(self._submit, m, session)
+                self._side_pool.submit(self._submit, m, session, received)
         elif isinstance(m, Cancel):
             with self._live_lock:
                 req = self._live.get(m.rid)
@@ -164,11 +165,11 @@ class EngineService:
     def _stop_accepting(self) -> None:
         self.engine.accepting = False
 
-    def _submit(self, m: Submit, session: Session | None) -> None:
+    def _submit(self, m: Submit, session: Session | None, received: float) -> None:
         """Admit or refuse (the engine thread, or the input thread where it took the task back; with a grammar, the
-        side pool): a Verdict, always."""
+        side pool): a Verdict, always. `received`: when the input thread read it."""
         try:
-            verdict, req = self._admit(m, session)
+            verdict, req = self._admit(m, session, received)
         except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
             log.exception("submitting rid %d failed", m.rid)
             verdict, req = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0), None
@@ -182,7 +183,7 @@ class EngineService:
             self.engine.cancel(req)
         self._send(verdict)
 
-    def _admit(self, m: Submit, session: Session | None) -> tuple[Verdict, Request | None]:
+    def _admit(self, m: Submit, session: Session | None, received: float) -> tuple[Verdict, Request | None]:
         p = m.params
         try:
             constraint = None if p.grammar is None else \
@@ -194,7 +195,7 @@ class EngineService:
                                 seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
         try:
             req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.rid), session=session,
-                                     arrival=m.arrival)
+                                     arrival=m.arrival, received=received)
         except Rejected as r:
             return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
         except ValueError as e:

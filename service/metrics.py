@@ -66,6 +66,14 @@ class Metrics:
             "parley_admission_verdict_seconds", "From a request's arrival (the SLA clock's start) to admission's "
             "verdict: the budget the front end (body, template, tokenizer) and the forecast spent before it was "
             "admitted or refused", buckets=LOOP_BUCKETS, registry=r)
+        self.received_after = Histogram(
+            "parley_engine_received_seconds", "From a request's arrival to the engine's receiving it (the client's "
+            "send where it stamped the arrival, the front end's body, template and tokenizer, the hop to the engine "
+            "process): the first part of parley_admission_verdict_seconds", buckets=LOOP_BUCKETS, registry=r)
+        self.forecast_time = Histogram(
+            "parley_admission_forecast_seconds", "Admission's own time for one verdict (the forecast); the rest of "
+            "parley_admission_verdict_seconds after parley_engine_received_seconds is the wait for the engine "
+            "thread to take the request", buckets=LOOP_BUCKETS, registry=r)
         self.gpu_idle: Histogram | None = None  # only where a GPU is measured (track_gpu_idle): absent, not zeros
         self.step_gpu: Histogram | None = None  # the same
         self.gc_pause = Histogram(

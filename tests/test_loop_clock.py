@@ -268,6 +268,33 @@ def test_the_budget_gone_before_the_verdict_is_measured_admitted_or_refused(tiny
     assert 0.044 <= samples[("parley_admission_verdict_seconds_sum", None)] < 0.5
 
 
+class SlowVerdict(RefuseSecond):
+    """Admits the first request after a forecast of 5 ms."""
+
+    def check(self, req) -> None:
+        time.sleep(0.005)
+        super().check(req)
+
+
+def test_the_budget_before_the_verdict_is_split_where_it_went(tiny):
+    """parley_engine_received_seconds (arrival to the engine's receipt: client, front end, the hop to the engine
+    process) and parley_admission_forecast_seconds (the verdict's own time): on the H100 an idle server's verdict came
+    2.7 ms after arrival, and what of it was the front end and what the forecast was not measured."""
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4, admission=SlowVerdict())
+    now = time.perf_counter()
+    eng.submit(list(range(1, 9)), GREEDY, queue.SimpleQueue().put, arrival=now - 0.040, received=now - 0.030)
+    fams = metric_families(eng.metrics)
+
+    def total(name: str) -> float:
+        return next(s.value for s in fams[name].samples if s.name == name + "_sum")
+
+    assert total("parley_engine_received_seconds") == pytest.approx(0.010, abs=1e-6)  # read 10 ms after it was sent
+    assert 0.005 <= total("parley_admission_forecast_seconds") < 0.030  # the verdict's own time
+    assert total("parley_admission_verdict_seconds") >= 0.045  # all of it, the wait for the engine included
+    eng.stop()
+
+
 def test_a_delta_read_late_by_the_event_loop_is_timed_from_its_publication() -> None:
     """QueuedDeltas (the front end's queue of a request's deltas): a delta of tokens is timed from when the engine
     published it to when the reply reads it, however long the event loop was busy in between; deltas made in the

@@ -147,8 +147,11 @@ class Engine:
 
     # -- the API's side (any thread) ----------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Delta], None],
-               session: Session | None = None, arrival: float | None = None) -> Request:
-        """Validate, admit (or raise Rejected) and enqueue. ValueError for input the model cannot take."""
+               session: Session | None = None, arrival: float | None = None,
+               received: float | None = None) -> Request:
+        """Validate, admit (or raise Rejected) and enqueue. ValueError for input the model cannot take. `received`:
+        when the engine's process read the request (else now)."""
+        received = time.perf_counter() if received is None else received
         if not self.accepting:
             raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
         ctx = self.decoder.max_context
@@ -174,12 +177,16 @@ class Engine:
             self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
         # Not under self._lock: a verdict forecasts for a millisecond or more, and the engine thread takes that lock
         # every iteration (admission has its own, which the engine thread never waits on for a verdict).
+        deciding = time.perf_counter()
         try:
             self.admission.check(req)
         except Rejected as r:
             self._reject(req, r)
-        finally:  # admitted or refused: how much of its SLA budget was gone by then
-            self.metrics.verdict_after.observe(time.perf_counter() - req.arrival)
+        finally:  # admitted or refused: how much of its SLA budget was gone by then, and where it went
+            decided = time.perf_counter()
+            self.metrics.verdict_after.observe(decided - req.arrival)
+            self.metrics.received_after.observe(max(0.0, received - req.arrival))
+            self.metrics.forecast_time.observe(decided - deciding)
         self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
         with self._lock:
             self._live.add(req)
