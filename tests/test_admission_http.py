@@ -91,9 +91,10 @@ def test_burst_splits_into_on_time_streams_and_fast_429s(slowed_server):
 def test_the_sla_clock_starts_when_the_client_sent_the_request(slowed_server):
     """Behind a router, a request may reach the server after retries or a queue: with `x-request-start` (when the
     client sent it), it is judged by the budget it has left. 1.4 s of its 1.5 s gone: refused at once, where the same
-    request fresh is admitted and on time by the client's clock."""
+    request fresh is admitted and on time by the client's clock. Each one's transit (sent to first seen) is on
+    /metrics."""
     base = slowed_server.base
-    wait_idle(base)
+    before = wait_idle(base)
     body = {"model": "synthetic:tiny", "prompt": "late", "max_tokens": SLA_TOKENS, "temperature": 0,
             "ignore_eos": True}
     t0 = time.perf_counter()
@@ -105,7 +106,10 @@ def test_the_sla_clock_starts_when_the_client_sent_the_request(slowed_server):
                        headers={"x-request-start": f"{sent:.3f}"})
     assert fresh.status_code == 200, fresh.text
     assert time.time() - sent <= SLA_MS / 1e3  # its last token (the SLA's) within the SLA of when it was sent
-    wait_idle(base)
+    after = wait_idle(base)
+    transit = "parley_request_transit_seconds"
+    assert after[transit + "_count"] - before[transit + "_count"] == 2
+    assert 1.5 <= after[transit + "_sum"] - before[transit + "_sum"] < 2.5  # 1.4 s and 0.1 s, and their sends
 
 
 def test_openai_sdk_does_not_retry_a_shed_request(slowed_server):

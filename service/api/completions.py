@@ -48,7 +48,7 @@ from service.api.protocol import (
     ToolCall,
 )
 from service.api.reply import ReplyReader
-from service.api.request_start import request_start
+from service.api.request_start import request_start, request_transit
 from service.api.state import ServerState, server_state
 from service.api.streaming import SSE_DONE, DeltaStream, SSEResponse, sse_event, until_disconnect
 from service.api.tool_parsers import CallArguments, CallEnd, CallStart, Content, ToolEvent
@@ -176,6 +176,9 @@ def serving(request: Request, body: OpenAIRequest) -> ServerState:
 async def answer(endpoint: Endpoint, body: OpenAIRequest, turn: Turn, st: ServerState, request: Request,
                  arrival: float) -> Response:
     """Submit now (so that a refusal is a plain 429 or 400), then stream (SSE) or collect (JSON) the answer."""
+    transit = request_transit(request)
+    if transit is not None:
+        st.metrics.request_transit.observe(transit)
     stream = await turn.submit(st, arrival)
     answer = Answer(endpoint, f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time()), st.model_id,
                     body.include_usage, turn.reader())

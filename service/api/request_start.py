@@ -66,7 +66,8 @@ def _warn(message: str) -> None:
 
 
 class RequestStart:
-    """ASGI middleware: each HTTP request's start (perf_counter seconds), in its scope's state as `request_start`."""
+    """ASGI middleware: each HTTP request's start (perf_counter seconds), in its scope's state as `request_start`; where
+    a header moved it earlier, how much earlier as `request_transit`."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -75,10 +76,20 @@ class RequestStart:
         if scope["type"] == "http":
             now, wall = time.perf_counter(), time.time()
             header = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == HEADER), None)
-            scope.setdefault("state", {})["request_start"] = arrival(header, now, wall)
+            state = scope.setdefault("state", {})
+            state["request_start"] = start = arrival(header, now, wall)
+            if header is not None:
+                state["request_transit"] = now - start
         await self.app(scope, receive, send)
 
 
 def request_start(conn: HTTPConnection) -> float:
     """When this request's SLA clock started (now, where no middleware stamped it)."""
     return float(conn.scope.get("state", {}).get("request_start", time.perf_counter()))
+
+
+def request_transit(conn: HTTPConnection) -> float | None:
+    """From the send time its x-request-start gave to this server's first sight of it (None: no header): the client's
+    own send, a proxy, a router's retries."""
+    transit = conn.scope.get("state", {}).get("request_transit")
+    return None if transit is None else float(transit)
