@@ -42,6 +42,7 @@ class LatencyModel:
         step_kv_s: seconds per K/V position a step's rows attend over beyond SHORT_CONTEXT each."""
         self.max_rows = max_rows
         self._step = dict(sorted(step_s.items()))  # rows → seconds per step (a whole engine iteration)
+        self._bases: dict[int, float] = {}  # rows → _base(rows), until _step changes (a forecast asks hundreds)
         self._calibrated = dict(self._step)  # what start-up measured (LEARN_CEILING)
         self.step_kv_s = step_kv_s
         # K/V length (0: a fresh prompt) → new tokens → seconds
@@ -60,7 +61,10 @@ class LatencyModel:
         predicted faster."""
         r = max(1, rows)
         with self._lock:
-            return self._base(r) + self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
+            base = self._bases.get(r)
+            if base is None:
+                base = self._bases[r] = self._base(r)
+            return base + self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
 
     def _base(self, rows: int) -> float:
         point = self._point_of(rows)
@@ -120,6 +124,7 @@ class LatencyModel:
             learned = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
             self._step[point] = min(learned, LEARN_CEILING * _interpolate(self._calibrated, point))
             self._step = dict(sorted(self._step.items()))
+            self._bases.clear()
 
     def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
         """Scale the nearest measured point (on a GPU, the pair of graph buckets it ran) by how far off this

@@ -231,3 +231,46 @@ def test_forecast_a_riding_prompt_delays_nobody_a_launched_one_does():
     assert with_launch[id(launched)] == pytest.approx(0.084)
     far = request(8, first=600)
     assert p.forecast([far], step_s, prefill_s, now=0.0, horizon_s=0.01)[id(far)] == math.inf  # past the horizon
+
+
+def test_forecast_plays_steady_steps_at_once_with_the_times_of_one_at_a_time(monkeypatch):
+    """forecast() runs the steps in which every seated request decodes and none can be seated in one go
+    (Planner._steady); its times must be those of planning each step in turn, exactly, whatever the mix: running and
+    waiting requests, prompts that ride, chunk or launch, replies shorter than the SLA token, requests that lag, a
+    full batch with requests waiting for a seat, a horizon that cuts the play short."""
+    import random
+
+    rng = random.Random(35)
+
+    def step_s(rows, kv):
+        return 0.001 + 1e-5 * rows + 1e-8 * kv
+
+    def prefill_s(tokens, cached):
+        return 0.002 + 1e-5 * tokens + 1e-8 * cached
+
+    def one_step(decoding, rows, kv, t, end, step_s, out, waits):
+        t += step_s(rows, kv)
+        for s in decoding:
+            s.token(t, out)
+        return t
+
+    checked = 0
+    for case in range(60):
+        p = planner(max_batch=rng.randint(1, 4), max_rows=16, slots=4, launch_min=rng.choice([64, 256]))
+        running = [request(rng.randint(1, 20), max_tokens=rng.randint(2, 90), first=100 * i + 1) for i in range(3)]
+        for r in running:
+            p.add(r)
+        for _ in range(rng.randint(1, 6)):
+            run(p, p.plan())
+        live = [r for r in running if r.state is State.RUNNING]
+        newcomers = [request(rng.choice([5, 30, 120, 400]), max_tokens=rng.choice([10, 64, 80]),
+                             choice=rng.choice([Choice.STEP, Choice.STEP, Choice.HOST]), first=1000 + 100 * i)
+                     for i in range(rng.randint(1, 3))]
+        horizon = rng.choice([0.03, 0.2, 2.0])
+        fast = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
+        with monkeypatch.context() as m:
+            m.setattr(Planner, "_steady", staticmethod(one_step))
+            slow = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
+        assert fast == slow, case
+        checked += sum(math.isfinite(v) for v in fast.values())
+    assert checked > 60  # most requests reach their SLA token within the horizons

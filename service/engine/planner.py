@@ -223,15 +223,50 @@ class Planner:
                     sampled += n == s.prompt_left
             if not rows:
                 break
-            t += step_s(rows, kv)
-            for s in decoding:
-                s.token(t, out)
+            if chunks or any(s.lags for s in seated) or (len(seated) < self.max_batch
+                                                         and not all(s.seated or s.done for s in sims)):
+                t += step_s(rows, kv)
+                for s in decoding:
+                    s.token(t, out)
+            else:  # every seated request decodes and no other can be seated: the same step until one of them changes
+                waits = any(s.to_nth > 0 and not s.seated for s in sims)  # for a seat, and its SLA token
+                t = self._steady(decoding, rows, kv, t, end, step_s, out, waits)
             for s, n in chunks:
                 s.cached += n
                 s.prompt_left -= n
                 if s.prompt_left == 0:
                     s.token(t, out)
         return out
+
+    @staticmethod
+    def _steady(decoding: list[_Sim], rows: int, kv: int, t: float, end: float, step_s: Callable[[int, int], float],
+                out: dict[int, float], waits: bool) -> float:
+        """forecast()'s steps while the seated requests all decode and no other can be seated: one step of `rows` rows
+        after another, each attending over `rows` more positions, until one of them reaches its SLA token or its end
+        (or the horizon; or at once where none of them, nor a request waiting for a seat (`waits`), has an SLA token
+        to come). The same times, step for step, as playing each in turn, without planning each again: a verdict
+        beside a few requests took 0.5 ms on the H100's host, most of it replanning identical steps."""
+        steps = min(s.to_end for s in decoding)
+        if any(s.to_nth > 0 for s in decoding):
+            steps = min(steps, min(s.to_nth for s in decoding if s.to_nth > 0))
+        elif not waits:
+            steps = 1  # forecast() stops after this step
+        taken = 0
+        while taken < max(1, steps) and (taken == 0 or t < end):
+            t += step_s(rows, kv)
+            kv += rows
+            taken += 1
+        for s in decoding:
+            s.turn += taken - 1  # forecast() counted this step's turn
+            s.cached += taken
+            s.to_end -= taken
+            if s.to_nth > 0:
+                s.to_nth -= taken
+                if s.to_nth == 0:
+                    out[id(s.req)] = t
+            if s.to_end <= 0:
+                s.done = True
+        return t
 
 
 @dataclass
