@@ -97,11 +97,12 @@ class Level:
 
 @dataclass(frozen=True)
 class LevelState:
-    """What /metrics shows of a level: its stretch now, and how many scores of its own are behind it."""
+    """What /metrics shows of a level: its stretch now, how many scores of its own are behind it, and their median."""
 
     level: Level
     stretch: float
     scores: int
+    median: float | None = None  # of its own scores: how far off its forecasts run on the whole, beside the tail
 
 
 class _Window:
@@ -224,7 +225,16 @@ class AdmissionGuard:
         """Every level with scores, and the two a fresh server judges most requests at (alone, and beside one)."""
         with self._lock:
             shown = set(self._scores) | {Level(0, 1), Level(1, 1)}
-            return [LevelState(lv, self._stretch(lv), len(self._scores.get(lv, ()))) for lv in sorted(shown)]
+            return [LevelState(lv, self._stretch(lv), len(self._scores.get(lv, ())), _median(self._scores.get(lv)))
+                    for lv in sorted(shown)]
+
+
+def _median(window: _Window | None) -> float | None:
+    if not window:
+        return None
+    ranked = window.ranked
+    mid = len(ranked) // 2
+    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
 
 
 def _share(recent: deque[tuple[float, bool]]) -> float:

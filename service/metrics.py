@@ -250,10 +250,16 @@ class _GuardCollector(Collector):
             "parley_admission_guard_scores", "Admitted requests of this load level whose actual / forecast time the "
             "quantile is taken over (fewer than the target needs: it borrows from other levels and a prior)",
             labels=["in_flight", "prompt"])
+        median = GaugeMetricFamily(
+            "parley_admission_guard_median", "The median actual / forecast time to the SLA token of this load level's "
+            "admitted requests: under 1, forecasts that run pessimistic (requests refused that would have been on "
+            "time), over 1 optimistic; the quantile is its tail", labels=["in_flight", "prompt"])
         for state in self.guard.levels():
             labels = [state.level.labels["in_flight"], state.level.labels["prompt"]]
             quantile.add_metric(labels, state.stretch)
             scores.add_metric(labels, state.scores)
+            if state.median is not None:
+                median.add_metric(labels, state.median)
         late, exceeded = self.guard.miss_rate()
         miss = GaugeMetricFamily("parley_admission_guard_miss_rate",
                                  "Share of admitted requests late to their SLA token over the last minute")
@@ -262,7 +268,7 @@ class _GuardCollector(Collector):
             "parley_admission_guard_exceeded_rate", "Share of admitted requests over the last minute whose actual / "
             "forecast time exceeded the stretch they were admitted with (what the target bounds)")
         over.add_metric([], exceeded)
-        yield from (target, quantile, scores, miss, over)
+        yield from (target, quantile, scores, median, miss, over)
 
 
 def _value(gauge: Gauge) -> float:

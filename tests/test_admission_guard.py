@@ -176,8 +176,8 @@ def test_the_guard_on_metrics():
     guard = AdmissionGuard(0.95, clock=lambda: now[0])
     metrics = Metrics(64)
     metrics.export_guard(guard)
-    for _ in range(guard.enough):
-        guard.observe(BUSY, 1.25, 1.5)
+    for i in range(guard.enough):
+        guard.observe(BUSY, 1.25 if i % 10 == 0 else 0.9, 1.5)  # forecasts 10% pessimistic, one in ten 25% late
     guard.judged(True)
     guard.judged(False)
     fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
@@ -185,6 +185,8 @@ def test_the_guard_on_metrics():
                 for s in fams["parley_admission_guard_quantile"].samples}
     assert quantile[("9-16", "chunked")] == pytest.approx(1.25)
     assert quantile[("1", "chunked")] == PRIOR_ALONE  # a request alone borrows no busy level's scores
+    median = {s.labels["in_flight"]: s.value for s in fams["parley_admission_guard_median"].samples}
+    assert median == {"9-16": pytest.approx(0.9)}  # the bias on the whole; levels without scores have none
     scores = {s.labels["in_flight"]: s.value for s in fams["parley_admission_guard_scores"].samples}
     assert scores["9-16"] == guard.enough and scores["1"] == 0
     assert fams["parley_admission_guard_target"].samples[0].value == 0.95
