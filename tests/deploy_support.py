@@ -195,12 +195,15 @@ def router_metric_names_in(expr: str) -> set[str]:
 
 
 def defined_series_names() -> set[str]:
-    """Every series name service/metrics.py's Metrics (the engine's) and FrontEndMetrics can expose, with
-    prometheus_client's suffixes."""
+    """Every series name service/metrics.py's Metrics (the engine's, with the admission guard's gauges) and
+    FrontEndMetrics can expose, with prometheus_client's suffixes."""
+    from service.admission_guard import AdmissionGuard
     from service.metrics import FrontEndMetrics, Metrics
 
+    engine = Metrics()
+    engine.export_guard(AdmissionGuard())
     names = set()
-    for family in [*Metrics().registry.collect(), *FrontEndMetrics().registry.collect()]:
+    for family in [*engine.registry.collect(), *FrontEndMetrics().registry.collect()]:
         if family.type == "counter":
             names |= {family.name + "_total", family.name + "_created"}
         elif family.type == "histogram":
