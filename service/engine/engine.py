@@ -175,7 +175,7 @@ class Engine:
             full = self.stats.waiting >= self.max_waiting
         if full:
             self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
-        # Not under self._lock: a verdict forecasts for a millisecond or more, and the engine thread takes that lock
+        # Not under self._lock: a verdict forecasts for up to a millisecond, and the engine thread takes that lock
         # every iteration (admission has its own, which the engine thread never waits on for a verdict).
         deciding = time.perf_counter()
         try:
