@@ -136,8 +136,8 @@ def traffic(scraped_server, router, prometheus):
     model = models["data"][0]["id"]
     statuses: list[int] = []
 
-    def complete(prompt: str) -> None:
-        r = httpx.post(f"{base}/v1/completions", timeout=180,
+    def complete(prompt: str) -> None:  # stamped when sent, as parley-loadtest and proxies do (the transit panel)
+        r = httpx.post(f"{base}/v1/completions", timeout=180, headers={"x-request-start": f"t={time.time():.6f}"},
                        json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
         statuses.append(r.status_code)
 
