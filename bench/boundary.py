@@ -47,6 +47,20 @@ def _store_release(ptr, value):
 
 
 @triton.jit
+def _wait_flags(ptrs, target, err):
+    """Spin until every flag at ptrs reaches target (acquire loads), then a CTA barrier; a wait that never ends sets
+    the error flag."""
+    seen = tl.min(_load_acquire(ptrs), axis=0)
+    spins = 0
+    while (seen < target) & (spins < MAX_SPIN):
+        seen = tl.min(_load_acquire(ptrs), axis=0)
+        spins += 1
+    if seen < target:
+        tl.atomic_add(err, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _phases(data, words, counters, flags, err, phases, WAY: tl.constexpr, N: tl.constexpr, TOTAL: tl.constexpr,
             PP: tl.constexpr):
     pid = tl.program_id(0)
@@ -66,26 +80,10 @@ def _phases(data, words, counters, flags, err, phases, WAY: tl.constexpr, N: tl.
                 wait_counter(counters, p - 1, nprog, err, MAX_SPIN, True)
             elif WAY == 4:
                 other = (pid + 1) % nprog
-                fp = flags + (p + 1) % 2 * PP + other + tl.zeros([1], tl.int32)
-                seen = tl.max(_load_acquire(fp), axis=0)
-                spins = 0
-                while (seen < p) & (spins < MAX_SPIN):
-                    seen = tl.max(_load_acquire(fp), axis=0)
-                    spins += 1
-                if seen < p:
-                    tl.atomic_add(err, 1)
-                tl.debug_barrier()
+                _wait_flags(flags + (p + 1) % 2 * PP + other + tl.zeros([1], tl.int32), p, err)
                 s = tl.sum(ld_act(data + src + other * N + mine, mine < N, True), axis=0)
             elif WAY == 1:
-                fp = flags + (p + 1) % 2 * PP + tl.where(progs < nprog, progs, 0)
-                seen = tl.min(_load_acquire(fp), axis=0)
-                spins = 0
-                while (seen < p) & (spins < MAX_SPIN):
-                    seen = tl.min(_load_acquire(fp), axis=0)
-                    spins += 1
-                if seen < p:
-                    tl.atomic_add(err, 1)
-                tl.debug_barrier()
+                _wait_flags(flags + (p + 1) % 2 * PP + tl.where(progs < nprog, progs, 0), p, err)
                 s = tl.sum(ld_act(data + src + r, live, True), axis=0)
             else:
                 w = tl.load(words + src + r, mask=live, other=0, volatile=True)
