@@ -42,13 +42,14 @@ to 40% late).
 
 from __future__ import annotations
 
-import bisect
 import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+from service.recent_window import RecentWindow
 
 PRIOR_ALONE = 1.05
 PRIOR_LOADED = 2.0
@@ -105,24 +106,6 @@ class LevelState:
     median: float | None = None  # of its own scores: how far off its forecasts run on the whole, beside the tail
 
 
-class _Window:
-    """A level's last `size` scores, in arrival order and sorted (its quantile is one index)."""
-
-    def __init__(self, size: int) -> None:
-        self.order: deque[float] = deque()
-        self.ranked: list[float] = []
-        self.size = size
-
-    def add(self, score: float) -> None:
-        self.order.append(score)
-        bisect.insort(self.ranked, score)
-        if len(self.order) > self.size:
-            del self.ranked[bisect.bisect_left(self.ranked, self.order.popleft())]
-
-    def __len__(self) -> int:
-        return len(self.ranked)
-
-
 def enough_scores(target: float) -> int:
     """The fewest scores whose conformal quantile at `target` is not the largest: ceil((n + 1) target) <= n - 1."""
     return math.ceil((1 + target) / (1 - target) - 1e-9)
@@ -140,7 +123,7 @@ class AdmissionGuard:
             raise ValueError(f"the on-time target must lie in [0.5, 1), not {target}")
         self.target = target
         self.enough = enough_scores(target)
-        self._scores: dict[Level, _Window] = {}
+        self._scores: dict[Level, RecentWindow] = {}
         self._judged: deque[tuple[float, bool]] = deque()  # (when, late) of each admitted request's SLA
         self._exceeded: deque[tuple[float, bool]] = deque()  # (when, score over the stretch it was admitted with)
         self._clock = clock
@@ -171,7 +154,7 @@ class AdmissionGuard:
         return (len(pool) * seen + PRIOR_SCORES * prior) / (len(pool) + PRIOR_SCORES)
 
     @staticmethod
-    def _alone_stretch(own: _Window | None) -> float:
+    def _alone_stretch(own: RecentWindow | None) -> float:
         """A request alone, its level short of enough scores: the second-largest of the level's last PRIOR_SCORES
         scores, averaged with the prior (weighing as many). No other level's scores, and none but its recent ones (see
         the module's docstring)."""
@@ -197,7 +180,7 @@ class AdmissionGuard:
         if not math.isfinite(score) or score <= 0:
             return
         with self._lock:
-            self._scores.setdefault(level, _Window(WINDOW_PER_N * self.enough)).add(score)
+            self._scores.setdefault(level, RecentWindow(WINDOW_PER_N * self.enough)).add(score)
             self._exceeded.append((self._clock(), score > stretch))
             self._trim()
 
@@ -225,16 +208,8 @@ class AdmissionGuard:
         """Every level with scores, and the two a fresh server judges most requests at (alone, and beside one)."""
         with self._lock:
             shown = set(self._scores) | {Level(0, 1), Level(1, 1)}
-            return [LevelState(lv, self._stretch(lv), len(self._scores.get(lv, ())), _median(self._scores.get(lv)))
-                    for lv in sorted(shown)]
-
-
-def _median(window: _Window | None) -> float | None:
-    if not window:
-        return None
-    ranked = window.ranked
-    mid = len(ranked) // 2
-    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+            return [LevelState(lv, self._stretch(lv), len(self._scores.get(lv, ())),
+                               self._scores[lv].median() if lv in self._scores else None) for lv in sorted(shown)]
 
 
 def _share(recent: deque[tuple[float, bool]]) -> float:

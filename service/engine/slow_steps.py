@@ -5,14 +5,14 @@ against its recent median (SlowGpuSteps)."""
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import resource
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
+
+from service.recent_window import RecentWindow
 
 log = logging.getLogger("parley.engine")
 
@@ -112,15 +112,11 @@ class SlowGpuSteps(_Throttled):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(0.0, every_s, clock)
         self.factor = factor
-        self._recent: deque[float] = deque(maxlen=RECENT_GPU_STEPS)
-        self._ranked: list[float] = []
+        self._recent = RecentWindow(RECENT_GPU_STEPS)
 
     def observe(self, seconds: float) -> None:
-        median = self._ranked[len(self._ranked) // 2] if len(self._ranked) >= 16 else None
-        if len(self._recent) == self._recent.maxlen:
-            del self._ranked[bisect.bisect_left(self._ranked, self._recent[0])]
-        self._recent.append(seconds)
-        bisect.insort(self._ranked, seconds)
+        median = self._recent.median() if len(self._recent) >= 16 else None
+        self._recent.add(seconds)
         if median is None:
             return
         self.slow_s = self.factor * median
