@@ -18,8 +18,8 @@ beside decode rows costs. The floor is the bytes a step must read (every weight 
 the K/V of the context) over the streaming-read bandwidth measured in the same run. Before its time counts, each
 variant's logits are checked against the float32 answer (the same model in float32 over the same cache): WRONG
 where they stray further than max(0.05, 1.5x the bf16 reference decoder's own distance to it). --timeline records,
-for the named variants at --timeline-rows rows and context 128, when each task of the step started, found its
-inputs ready and ended (globaltimer), summed per phase.
+for the named variants at --timeline-rows rows and --timeline-contexts contexts (128), when each task of the step
+started, found its inputs ready and ended (globaltimer), summed per phase.
 Unless --no-library-peer, also at every row count of bf16 and fp8 weights (bench/library_peer.py): the step's
 matrices alone as cuBLAS bf16 / FP8 W8A8 `torch._scaled_mm` calls in one CUDA graph; it leaves out attention, norms
 and sampling, so it is a lower bound for a library-built step.
@@ -291,8 +291,11 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
-    ap.add_argument("--timeline", nargs="*", default=[], help="variants to profile per phase (B=1, context 128)")
+    ap.add_argument("--timeline", nargs="*", default=[],
+                    help="variants to profile per phase (--timeline-rows, --timeline-contexts)")
     ap.add_argument("--timeline-rows", nargs="+", type=int, default=[1], help="rows of the profiled steps")
+    ap.add_argument("--timeline-contexts", nargs="+", type=int, default=[128],
+                    help="contexts of the profiled steps (each at most the largest of --contexts)")
     ap.add_argument("--timeline-models", nargs="*", default=None, help="models to profile (default: every model)")
     ap.add_argument("--timeline-weights", nargs="*", default=None, help="weights to profile (default: every format)")
     ap.add_argument("--no-peers", action="store_true", help="no reference, no compiled step (see --no-library-peer)")
@@ -371,14 +374,15 @@ def main() -> None:
             wbytes = base.kernel.w.nbytes()
             profile = (args.timeline_models is None or model_name in args.timeline_models) and \
                 (args.timeline_weights is None or fmt in args.timeline_weights)
-            for v, t_rows in [(v, r) for v in args.timeline for r in args.timeline_rows] if profile else []:
+            profiled = [(v, r, c) for v in args.timeline for r in args.timeline_rows for c in args.timeline_contexts]
+            for v, t_rows, t_ctx in profiled if profile else []:
                 rows = base.bucket(min(t_rows, rows_max))  # a bucket of rows this decoder has slots for
                 dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fmt), profile=True),
                                               use_cuda_graphs=False)
                 tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": rows,
-                       "context": 128, **timeline(dec, rows, 128)}
+                       "context": t_ctx, **timeline(dec, rows, t_ctx)}
                 timelines.append(tl_)
-                print(f"TIMELINE {model_name} {fmt} {v} B={rows}: {tl_['step_us']:.1f} us " + ", ".join(
+                print(f"TIMELINE {model_name} {fmt} {v} B={rows} ctx={t_ctx}: {tl_['step_us']:.1f} us " + ", ".join(
                     f"{n} {p['phase_us']:.2f}" for n, p in tl_["phases"].items()), flush=True)
                 del dec
             for batch in batches:
@@ -515,14 +519,14 @@ def markdown(doc: dict) -> str:
         rows += " mixed" if key[4] == "mixed" else ""
         lines.append(f"| {key[0]} | {key[1]} | {rows} | {key[3]} | {floor:.3f} | " + " | ".join(cells) + " |")
     if doc.get("timelines"):
-        lines += ["", "## Per-phase timeline (context 128; µs per phase, mean over layers)", "",
-                  "| model | weights | variant | rows | step (µs, kernel-internal) | " +
+        lines += ["", "## Per-phase timeline (µs per phase, mean over layers)", "",
+                  "| model | weights | variant | rows | context | step (µs, kernel-internal) | " +
                   " | ".join(o.name for o in Op) + " |",
-                  "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in Op) + " |"]
+                  "| --- | --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in Op) + " |"]
         for t in doc["timelines"]:
             cells = [f"{t['phases'][o.name]['phase_us']:.2f}" if o.name in t["phases"] else "–" for o in Op]
-            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['batch']} | {t['step_us']:.1f} | "
-                         + " | ".join(cells) + " |")
+            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['batch']} | {t.get('context', 128)} | "
+                         f"{t['step_us']:.1f} | " + " | ".join(cells) + " |")
     if doc.get("skipped"):
         lines += ["", "Not run (past the call's budget): " + ", ".join(doc["skipped"]) + "."]
     return "\n".join(lines) + "\n"

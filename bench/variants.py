@@ -112,6 +112,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "split1": lambda w: KernelConfig(split_min_chunks=1),
     "split2": lambda w: KernelConfig(split_min_chunks=2),
     "split1-ch32": lambda w: KernelConfig(split_min_chunks=1, chunk=32),
+    # up to 4 (2) KV heads of a row an attention task, where the bucket has a task per (row, KV head) already
+    "attn-h4": lambda w: KernelConfig(attn_heads=4),
+    "attn-h2": lambda w: KernelConfig(attn_heads=2),
     # attention waits for the whole QKV phase (one counter a phase), as before the per-KV-head counters
     "phase-counters": lambda w: KernelConfig(head_counters=False),
     # wide buckets: the 16-row buckets' tiles (16-row tiles, 4 k slices) over 128-column k chunks

@@ -1,5 +1,12 @@
-"""The megakernel's attention: flash-decoding of one (row, KV head) over its slot's cached positions, cut into
-splits by the position alone, and the prefetch of those keys and values into L2 while the task waits for QKV.
+"""The megakernel's attention: flash-decoding of (row, KV head) over its slot's cached positions, cut into splits by
+the position alone, and the prefetch of those keys and values into L2 while the task waits for QKV.
+
+Where a bucket has a task per (row, KV head) pair already (many rows), a task may take AttnShape.heads KV heads of its
+row, one after another: fewer tasks (each a wait, a record and a release), each head's chunks through Triton's
+software pipeline. A split's running max, sum and output restart where it starts and are stored where it ends, as
+a task of one head does them, so the sums are the same. (All the heads' chunks in one pipelined loop was tried: the
+pipeliner then copies q ahead too, in 4-byte `cp.async.ca` copies that go through L1, where an earlier layer's q may
+still sit: wrong logits on the H100, right in the interpreter.)
 """
 
 from __future__ import annotations
@@ -22,19 +29,106 @@ def _splits(n_pos, ATT: tl.constexpr):
 
 
 @triton.jit
-def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr, sm_scale,
-               MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
-    """Flash-decoding for (row b, KV head g) over positions [0, pos] of its slot (this step's k and v of every row
-    are in the cache already: QKV put them there). The positions are cut into splits (_splits); this task, one of
-    S for (b, g), takes splits s, s + S, ...; the last task to arrive merges the splits' partials in split order.
-    Returns 1 if this task finished (b, g)."""
+def _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt):
+    """One chunk of keys and values folded into a split's running max, sum and output (online softmax)."""
+    sc = tl.dot(q, tl.trans(k)) * qk_scale
+    sc = tl.where(mc[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.constexpr):
+    """A finished split: the output itself where it is the row's only one (rounded to the activations' type dt, then
+    stored as attn's type), else its partials for the merge."""
+    KVH: tl.constexpr = MODEL.kv_heads
+    D: tl.constexpr = MODEL.head_dim
+    G: tl.constexpr = MODEL.heads // KVH
+    GPAD: tl.constexpr = ATT.group_pad
+    rg = tl.arange(0, GPAD)
+    rd = tl.arange(0, D)
+    if n_split == 1:
+        out = attn_ptr + b * (MODEL.heads * D) + (g * G + rg[:, None]) * D + rd[None, :]
+        tl.store(out, (acc / tl.where(rg < G, l_i, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
+    else:
+        part = (b * KVH + g) * ATT.max_splits + i
+        tl.store(scratch.m + part * GPAD + rg, m_i, mask=rg < G)
+        tl.store(scratch.l + part * GPAD + rg, l_i, mask=rg < G)
+        tl.store(scratch.acc + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
+
+
+@triton.jit
+def _merge(b, g, n_split, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
+    """attn[b, heads of g] from the splits' partials, in split order, four at a time (rounded to dt, as above)."""
+    KVH: tl.constexpr = MODEL.kv_heads
+    D: tl.constexpr = MODEL.head_dim
+    G: tl.constexpr = MODEL.heads // KVH
+    GPAD: tl.constexpr = ATT.group_pad
+    rg = tl.arange(0, GPAD)
+    rd = tl.arange(0, D)
+    p0 = (b * KVH + g) * ATT.max_splits
+    ri = tl.arange(0, ATT.max_splits)
+    mg = rg[None, :] < G
+    m_all = tl.max(ld_act(scratch.m + (p0 + ri)[:, None] * GPAD + rg[None, :], (ri[:, None] < n_split) & mg, CG,
+                          float("-inf")), axis=0)
+    l_all = tl.zeros([GPAD], tl.float32)
+    o = tl.zeros([GPAD, D], tl.float32)
+    for i0 in range(0, n_split, 4):
+        r4 = i0 + tl.arange(0, 4)
+        m4 = (r4[:, None] < n_split) & mg
+        w = tl.exp2(ld_act(scratch.m + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
+                    - m_all[None, :])
+        w = tl.where(m4, w, 0.0)
+        l_all += tl.sum(w * ld_act(scratch.l + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
+        offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
+        acc4 = ld_act(scratch.acc + offs, m4[:, :, None], CG)
+        o += tl.sum(w[:, :, None] * acc4, axis=0)
+    out = attn_ptr + b * (MODEL.heads * D) + (g * G + rg[:, None]) * D + rd[None, :]
+    tl.store(out, (o / tl.where(rg < G, l_all, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
+
+
+@triton.jit
+def _stream_chunk(q, b, g, c0, n_pos, n_split, span, slot, layer, cache, scratch, attn_ptr, m_i, l_i, acc, qk_scale,
+                  dt, MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
+    """Chunk c0 of (row b, KV head g) in a task that streams every split of its heads: the split's running max, sum
+    and output restart where it starts and are stored (_split_done) where it ends."""
+    KVH: tl.constexpr = MODEL.kv_heads
+    D: tl.constexpr = MODEL.head_dim
+    i = c0 // span  # the split this chunk belongs to
+    fresh = c0 == i * span
+    m_i = tl.where(fresh, float("-inf"), m_i)
+    l_i = tl.where(fresh, 0.0, l_i)
+    acc = tl.where(fresh, 0.0, acc)
+    base = ((layer * cache.slots + slot) * KVH + g) * cache.context * D
+    rd = tl.arange(0, D)
+    rc = c0 + tl.arange(0, ATT.chunk)
+    mc = rc < n_pos
+    k = ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
+    v = ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
+    m_i, l_i, acc = _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt)
+    if (c0 + ATT.chunk >= (i + 1) * span) | (c0 + ATT.chunk >= n_pos):
+        _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL, ATT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attention(layer, b, g0, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr, sm_scale,
+              MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
+    """Flash-decoding for row b, KV heads [g0, g0 + ATT.heads), over positions [0, pos] of its slot (this step's k
+    and v of every row are in the cache already: QKV put them there). The positions are cut into splits (_splits);
+    this task, one of S for (b, g0) (S = 1 where ATT.heads > 1), takes splits s, s + S, ...; the last task to arrive
+    merges the splits' partials in split order. Returns the (row, KV head) pairs this task finished."""
     KVH: tl.constexpr = MODEL.kv_heads
     D: tl.constexpr = MODEL.head_dim
     G: tl.constexpr = MODEL.heads // KVH
     Q: tl.constexpr = MODEL.heads * D
     GPAD: tl.constexpr = ATT.group_pad
     CH: tl.constexpr = ATT.chunk
-    SMAX: tl.constexpr = ATT.max_splits
+    HEADS: tl.constexpr = ATT.heads
     dt = cache.k.dtype.element_ty
     LOG2E: tl.constexpr = 1.4426950408889634
     qk_scale = sm_scale * LOG2E
@@ -42,12 +136,25 @@ def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch,
     slot = tl.load(inputs.slots + b).to(tl.int64)
     rg = tl.arange(0, GPAD)
     rd = tl.arange(0, D)
-    out_ptrs = attn_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :]
-    base = ((layer * cache.slots + slot) * KVH + g) * cache.context * D
     n_split, span = _splits(n_pos, ATT)
-    last = n_pos < 0
-    if s < n_split:
-        q = ld_act(q_ptr + b * Q + (g * G + rg[:, None]) * D + rd[None, :], rg[:, None] < G, CG)  # RoPE'd
+    done = tl.zeros([], tl.int32)
+    if HEADS > 1:  # the only task of its pairs: every split of each head
+        m_i = tl.full([GPAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GPAD], tl.float32)
+        acc = tl.zeros([GPAD, D], tl.float32)
+        for h in range(0, HEADS):  # (a pipeline per head: q reloaded in one stream went through L1, see above)
+            q = ld_act(q_ptr + b * Q + ((g0 + h) * G + rg[:, None]) * D + rd[None, :], rg[:, None] < G, CG)
+            for c0 in range(0, n_pos, CH):
+                m_i, l_i, acc = _stream_chunk(q, b, g0 + h, c0, n_pos, n_split, span, slot, layer, cache, scratch,
+                                              attn_ptr, m_i, l_i, acc, qk_scale, dt, MODEL, ATT, CG)
+        if n_split > 1:  # it merges its own partials
+            tl.debug_barrier()  # (written by all its threads, read back by others)
+            for h in range(0, HEADS):
+                _merge(b, g0 + h, n_split, scratch, attn_ptr, dt, MODEL, ATT, CG)
+        done = tl.full([], HEADS, tl.int32)
+    elif s < n_split:
+        q = ld_act(q_ptr + b * Q + (g0 * G + rg[:, None]) * D + rd[None, :], rg[:, None] < G, CG)  # RoPE'd
+        base = ((layer * cache.slots + slot) * KVH + g0) * cache.context * D
         for i in range(s, n_split, S):
             start = i * span
             end = tl.minimum(start + span, n_pos)
@@ -59,60 +166,29 @@ def attention(layer, b, g, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch,
                 mc = rc < end
                 k = ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
                 v = ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
-                sc = tl.dot(q, tl.trans(k)) * qk_scale
-                sc = tl.where(mc[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-                m_i = m_new
-            if n_split == 1:  # one split: the output directly, no partials to merge
-                tl.store(out_ptrs, (acc / tl.where(rg < G, l_i, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
-            else:
-                part = (b * KVH + g) * SMAX + i
-                tl.store(scratch.m + part * GPAD + rg, m_i, mask=rg < G)
-                tl.store(scratch.l + part * GPAD + rg, l_i, mask=rg < G)
-                tl.store(scratch.acc + (part * GPAD + rg[:, None]) * D + rd[None, :], acc, mask=rg[:, None] < G)
+                m_i, l_i, acc = _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt)
+            _split_done(b, g0, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL, ATT)
         if n_split == 1:
-            last = n_pos >= 0
+            done = tl.full([], 1, tl.int32)
         else:
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + arrive, 1, sem="acq_rel", scope="gpu")
-            last = arrived == tl.minimum(S, n_split) - 1
-            if last:
-                # the last task in merges the splits' partials into attn[b, heads of g], in split order, four at a time
-                p0 = (b * KVH + g) * SMAX
-                ri = tl.arange(0, SMAX)
-                mg = rg[None, :] < G
-                m_all = tl.max(ld_act(scratch.m + (p0 + ri)[:, None] * GPAD + rg[None, :],
-                                       (ri[:, None] < n_split) & mg, CG, float("-inf")), axis=0)
-                l_all = tl.zeros([GPAD], tl.float32)
-                o = tl.zeros([GPAD, D], tl.float32)
-                for i0 in range(0, n_split, 4):
-                    r4 = i0 + tl.arange(0, 4)
-                    m4 = (r4[:, None] < n_split) & mg
-                    w = tl.exp2(ld_act(scratch.m + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG, float("-inf"))
-                                - m_all[None, :])
-                    w = tl.where(m4, w, 0.0)
-                    l_all += tl.sum(w * ld_act(scratch.l + (p0 + r4)[:, None] * GPAD + rg[None, :], m4, CG), axis=0)
-                    offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
-                    acc4 = ld_act(scratch.acc + offs, m4[:, :, None], CG)
-                    o += tl.sum(w[:, :, None] * acc4, axis=0)
-                tl.store(out_ptrs, (o / tl.where(rg < G, l_all, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
-    return last.to(tl.int32)
+            if arrived == tl.minimum(S, n_split) - 1:
+                _merge(b, g0, n_split, scratch, attn_ptr, dt, MODEL, ATT, CG)
+                done = tl.full([], 1, tl.int32)
+    return done
 
 
 @triton.jit
 def prefetch_kv(r, inputs, cache, MODEL: tl.constexpr, ATT: tl.constexpr):
     """An attention task's cached keys and values (the positions before this step's) into L2 while it waits for
-    QKV: they do not depend on this step. The task's first split only; one bulk prefetch each, from threads 0, 1.
-    r: the task's record (megakernel._record)."""
+    QKV: they do not depend on this step. The task's first split of its first KV head only; one bulk prefetch each,
+    from threads 0, 1. r: the task's record (megakernel._record)."""
     D: tl.constexpr = MODEL.head_dim
     b = r[I.ATTN_ROW]
-    s = r[I.ATTN_SPLIT]
     pos = tl.load(inputs.positions + b)
     n_split, span = _splits(pos + 1, ATT)
+    s = r[I.ATTN_SPLIT]
     start = s * span
     n = tl.minimum(start + span, pos) - start
     if (s < n_split) & (n > 0):

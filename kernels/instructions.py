@@ -249,6 +249,7 @@ class Tiling:
                                                          Op.LMHEAD: 64})
     attn_splits: int = 1  # splits of the cached positions per (row, kv head), at most
     head_counters: bool = True  # attention for a KV head waits only for its own group's QKV tasks
+    attn_heads: int = 1  # KV heads an attention task takes (of one row; > 1 only with one task per pair: attn_splits 1)
     k_splits: dict[Op, int] = field(default_factory=dict)  # parts of K per matvec (absent: 1); never the LM head's
 
     def k_split(self, op: Op) -> int:
@@ -343,7 +344,11 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
     plain = {op: split_rows(mats[op][1], tile_rows(op), parts(op)) for op in mats}
     embed_runs = split_rows(dims.hidden, EMBED_COLS, P)
     # QKV's runs per KV head, where its tiles fall within heads: attention for a head then waits for its group only
-    qkv_groups = qkv_head_runs(dims, tile_rows(Op.QKV), parts(Op.QKV)) if tiling.head_counters else None
+    if tiling.attn_heads > 1 and (tiling.attn_splits != 1 or dims.num_kv_heads % tiling.attn_heads):
+        raise ValueError("several KV heads an attention task need one task per (row, KV head) and divide the heads")
+    # (a task of several KV heads waits for the whole QKV phase)
+    qkv_groups = qkv_head_runs(dims, tile_rows(Op.QKV), parts(Op.QKV)) \
+        if tiling.head_counters and tiling.attn_heads == 1 else None
     if qkv_groups is not None:
         plain[Op.QKV] = [r for group in qkv_groups for r in group]
     runs = {op: k_split_runs(r, tile_rows(op), tiling.k_split(op)) for op, r in plain.items()}
@@ -403,7 +408,8 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
         phases.append([
             Attention(layer=layer, wait=attention_wait(layer, g)[0], target=attention_wait(layer, g)[1],
                       done=c(Op.ATTN), row=b, kv_head=g, split=s, arrive=cnt.arrive(layer, b, g))
-            for g in range(dims.num_kv_heads) for b in range(batch) for s in range(tiling.attn_splits)
+            for g in range(0, dims.num_kv_heads, tiling.attn_heads) for b in range(batch)
+            for s in range(tiling.attn_splits)
         ])
         phases.append(matvecs(Op.OPROJ, layer, c(Op.ATTN), batch * dims.num_kv_heads, c(Op.OPROJ),
                               cnt.mlp_norm(layer)))

@@ -240,7 +240,7 @@ def megakernel(
         tl.debug_barrier()
         done = r[I.F_DONE]
         if (done >= 0) & (inc > 0):
-            tl.atomic_add(sched.counters + done, 1, sem="release", scope="gpu")
+            tl.atomic_add(sched.counters + done, inc, sem="release", scope="gpu")
         if PROFILE:
             tl.store(sched.prof + t * 4 + 2, tl.extra.cuda.globaltimer())
             tl.store(sched.prof + t * 4 + 3, tl.extra.cuda.smid().to(tl.int64))
@@ -274,6 +274,11 @@ class KernelConfig:
     prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
     prefetch_kv: bool = True  # attention tasks prefetch their cached keys and values into L2 before they wait
     head_counters: bool = True  # attention for a KV head waits for its own group's QKV tasks, not the whole phase
+    # KV heads (of one row) an attention task streams one after another, at most: in buckets whose attention has a
+    # task per (row, KV head) pair and whose tasks would still number about one a program (32 and 64 rows of Llama).
+    # 4 (bench variant `attn-h4`) took the H100's FP8 64-row step 1.91 -> 1.84 ms, 32 rows -2.4%, at context 2048
+    # -10 to -11%, the logits the same; off until an e2e run on one machine clears it (bench/NOTES.md, s42)
+    attn_heads: int = 1
     cooperative: bool = True
     max_spin: int = 1 << 22
     poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
@@ -421,8 +426,12 @@ class Megakernel:
         splits = self.attn_splits.get(batch) or \
             I.attention_splits(self.dims, batch, self.num_programs, self.cfg.max_splits)
         tiles = self.tiles(batch)
+        pairs, heads = batch * self.dims.num_kv_heads, 1
+        while (splits == 1 and heads * 2 <= self.cfg.attn_heads
+               and self.dims.num_kv_heads % (heads * 2) == 0 and pairs / (heads * 2) >= 0.9 * self.num_programs):
+            heads *= 2
         return I.Tiling(rows={op: t.rows for op, t in tiles.items()}, attn_splits=splits,
-                        head_counters=self.cfg.head_counters,
+                        head_counters=self.cfg.head_counters, attn_heads=heads,
                         k_splits={op: t.k_splits for op, t in tiles.items() if t.k_splits > 1})
 
     def schedule(self, batch: int) -> I.Schedule:
@@ -523,7 +532,7 @@ class Megakernel:
             MODEL=ModelShape(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.ffn, d.vocab, d.num_layers),
             T_QKV=launch.tiles[Op.QKV], T_OPROJ=launch.tiles[Op.OPROJ], T_GATEUP=launch.tiles[Op.GATEUP],
             T_DOWN=launch.tiles[Op.DOWN], T_LMHEAD=launch.tiles[Op.LMHEAD],
-            ATT=AttnShape(self.gpad, c.chunk, self.max_splits, c.split_min_chunks),
+            ATT=AttnShape(self.gpad, c.chunk, self.max_splits, c.split_min_chunks, s.tiling.attn_heads),
             BPAD=launch.rows, BS=launch.lm_rows,
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,

@@ -113,6 +113,11 @@ MIXED = {
     "mixed-qwen": (True, 12, 2, 128, 128, 200, 1),  # Qwen2.5's head layout: bias, 6 query heads a KV head (padded
     # to 8), head_dim 128; a ragged LM-head tail
 }
+# attention tasks of two KV heads of a row (KernelConfig.attn_heads, one attention task per pair: splits 1), checked
+# also against the same case's kernel with a task per (row, KV head), bit for bit: llama's 16-position chunks make
+# up to 8 splits that each task merges itself, qwen's 64-position ones up to 2
+MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk": 16}),
+                 "mixed-qwen-heads": ("mixed-qwen", {"attn_heads": 2})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
@@ -126,7 +131,7 @@ def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
     assert r["unmasked_again"], r
 
 
-@pytest.mark.parametrize("case", sorted(MIXED))
+@pytest.mark.parametrize("case", sorted(MIXED) + sorted(MIXED_STREAMS))
 def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     """A step of 18 rows (the 32-row bucket): two decode rows, the 7 new tokens of a prompt on top of a cached
     prefix and a fresh 9-token prompt, ordered as the engine orders them (the rows that need a token first:
@@ -146,6 +151,9 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     assert r["sampled"][0] == r["mixed"]["argmax"][0] and r["sampled"][1:] != r["mixed"]["argmax"][1:], r
     assert r["chunked"]["vs_one_step"] < 1e-5, r
     assert r["refused"] == ["too many rows", "too many sampled rows"], r
+    if case in MIXED_STREAMS:
+        assert r["attn_heads"] == MIXED_STREAMS[case][1].get("attn_heads", 1), r
+        assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -383,7 +391,8 @@ def _check_mixed(case: str) -> dict:
     from service.backends.reference import ReferenceDecoder
     from service.model.config import ModelConfig, RopeScaling
 
-    bias, heads, kv_heads, head_dim, hidden, vocab, splits = MIXED[case]
+    base, stream = MIXED_STREAMS.get(case, (case, {}))
+    bias, heads, kv_heads, head_dim, hidden, vocab, splits = MIXED[base]
     c = ModelConfig(
         name=f"tiny-{case}", architecture="qwen2" if bias else "llama", hidden_size=hidden, num_layers=2,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden, vocab_size=vocab,
@@ -395,14 +404,23 @@ def _check_mixed(case: str) -> dict:
     w = _random_model(c, g)
     slots_total, context = 6, 128
     ref = ReferenceDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32)
-    mk = MegakernelDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32, max_batch=4, max_rows=32,
-                           kernel_config=KernelConfig(split_min_chunks=1))  # positions past 64 split in two
-    mk.kernel.attn_splits = {32: splits, 8: 1}
+
+    def decoder(**config: object) -> MegakernelDecoder:  # positions past 64 split in two
+        d = MegakernelDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32, max_batch=4, max_rows=32,
+                              kernel_config=KernelConfig(split_min_chunks=1, **config))  # type: ignore[arg-type]
+        d.kernel.attn_splits = {32: 1 if stream else splits, 8: 1}  # (several heads a task: one task a pair)
+        return d
+
+    mk = decoder(**stream)
+    # the same case's kernel with one KV head a task
+    strided = decoder(**{k: v for k, v in stream.items() if k != "attn_heads"}, attn_heads=1) if stream else None
 
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     def both(fn):  # noqa: ANN001, ANN202
+        if strided is not None:
+            fn(strided)
         return fn(ref), fn(mk)
 
     # slots 0 and 1 decode; slot 2 holds a cached prefix and gets 7 new tokens; slot 3 gets a fresh 9-token prompt
@@ -443,6 +461,12 @@ def _check_mixed(case: str) -> dict:
     nxt = ids(4)
     sl2, ps2 = [0, 1, 2, 3], [lens[0] + 1, lens[1] + 1, 37, 9]
     out["next"] = compare(ref.decode(sl2, nxt, ps2), mk.decode(sl2, nxt, ps2), 4)
+    if strided is not None:
+        out["attn_heads"] = mk.kernel.schedule(32).tiling.attn_heads
+        mixed_bits = torch.equal(strided.decode(sl, tk, ps, draws, sampled_rows=4).logits, b.logits)
+        # the next step again (it rewrites the same K/V), beside the same step of one head a task
+        next_bits = torch.equal(strided.decode(sl2, nxt, ps2).logits, mk.decode(sl2, nxt, ps2).logits)
+        out["same_bits_as_strided"] = {"mixed": mixed_bits, "next": next_bits}
     # the fresh prompt again in slot 4, over two steps: 5 rows that sample nothing, then 4 with the last one first
     mk.decode([4] * 5, fresh[:5], list(range(5)), sampled_rows=0)
     second = mk.decode([4] * 4, [fresh[8]] + fresh[5:8], [8, 5, 6, 7], sampled_rows=1)
@@ -466,4 +490,5 @@ if __name__ == "__main__":
     what = sys.argv[1]
     check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws,
              "megakernel-masks": _check_megakernel_masks}.get(what)
-    print(json.dumps(check() if check else _check_mixed(what) if what in MIXED else _check(what)))
+    mixed = what in MIXED or what in MIXED_STREAMS
+    print(json.dumps(check() if check else _check_mixed(what) if mixed else _check(what)))

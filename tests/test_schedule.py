@@ -46,13 +46,17 @@ def test_attention_waits_for_its_own_heads_qkv_rows(model: str, programs: int) -
     assert max(max(t["wait"], t["done"]) for t in tasks) < s.layout.counters
 
 
-@pytest.mark.parametrize("head_counters", [True, False])
-def test_every_wait_is_met_by_earlier_tasks(head_counters: bool) -> None:
+@pytest.mark.parametrize(("head_counters", "attn_heads"), [(True, 1), (False, 1), (True, 3)])
+def test_every_wait_is_met_by_earlier_tasks(head_counters: bool, attn_heads: int) -> None:
     """Run the schedule as the GPU would with every program resident: each program takes its next task once the
     counter it waits for has reached its target. Attention's `done` counts (row, KV head) pairs finished (one split
-    each here); everything else counts tasks. The step must finish, with no counter overshooting a wait."""
+    each here; a task of several KV heads adds them all); everything else counts tasks. The step must finish, with no
+    counter overshooting a wait."""
     dims = MODELS["smollm2-135m"]
-    s = I.build_schedule(dims, 3, 16, I.Tiling(head_counters=head_counters))
+    s = I.build_schedule(dims, 3, 16, I.Tiling(head_counters=head_counters, attn_heads=attn_heads))
+    attention = [t for t in s.tasks.tolist() if t[I.F_OP] == Op.ATTN and t[I.F_LAYER] == 0]
+    assert len(attention) == 3 * dims.num_kv_heads // attn_heads
+    assert sorted({t[I.ATTN_KV_HEAD] for t in attention}) == list(range(0, dims.num_kv_heads, attn_heads))
     tasks = tasks_of(s)
     starts = s.starts.tolist()
     queues = [list(range(starts[p], starts[p + 1])) for p in range(s.num_programs)]
@@ -64,7 +68,7 @@ def test_every_wait_is_met_by_earlier_tasks(head_counters: bool) -> None:
             while q and (tasks[q[0]]["wait"] < 0 or counters[tasks[q[0]]["wait"]] >= tasks[q[0]]["target"]):
                 t = tasks[q.pop(0)]
                 if t["done"] >= 0 and t["op"] != Op.ARGMAX:
-                    counters[t["done"]] += 1
+                    counters[t["done"]] += attn_heads if t["op"] == Op.ATTN else 1
                 progress = True
     assert not any(queues), "a program waits forever"
     waits = Counter((t["wait"], t["target"]) for t in tasks if t["wait"] >= 0)
@@ -96,3 +100,13 @@ def test_split_k_tiles_arrive_once_per_part_and_cover_every_row(parts: int) -> N
     # consumers wait for every part of every tile
     gateup = next(r for r in recs if r[I.F_OP] == Op.GATEUP and r[I.F_LAYER] == 3)
     assert gateup[I.F_TARGET] == parts * dims.hidden // 64
+
+
+def test_attention_tasks_of_several_heads_need_one_task_per_pair() -> None:
+    """Several KV heads a task (Tiling.attn_heads) only where each (row, KV head) has one attention task (its task then
+    merges its own splits) and the heads divide evenly."""
+    dims = MODELS["llama-3.2-1b"]
+    with pytest.raises(ValueError, match="one task per"):
+        I.build_schedule(dims, 4, 132, I.Tiling(attn_splits=2, attn_heads=2))
+    with pytest.raises(ValueError, match="divide"):
+        I.build_schedule(dims, 4, 132, I.Tiling(attn_heads=3))
