@@ -42,9 +42,26 @@ def _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt):
 
 
 @triton.jit
+def _store_out(b, g, o, l_i, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.constexpr):
+    """attn[b, heads of g] = o / l_i, rounded to the activations' type dt (then stored as attn's type)."""
+    D: tl.constexpr = MODEL.head_dim
+    G: tl.constexpr = MODEL.heads // MODEL.kv_heads
+    rg = tl.arange(0, ATT.group_pad)
+    out = attn_ptr + b * (MODEL.heads * D) + (g * G + rg[:, None]) * D + tl.arange(0, D)[None, :]
+    tl.store(out, (o / tl.where(rg < G, l_i, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
+
+
+@triton.jit
+def _kv_chunk(cache, base, rc, mask, D: tl.constexpr, CG: tl.constexpr):
+    """The cached keys and values at positions rc of one (slot, KV head) (base: its first element)."""
+    rd = tl.arange(0, D)
+    return (ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mask[:, None], CG),
+            ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mask[:, None], CG))
+
+
+@triton.jit
 def _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.constexpr):
-    """A finished split: the output itself where it is the row's only one (rounded to the activations' type dt, then
-    stored as attn's type), else its partials for the merge."""
+    """A finished split: the output itself where it is the row's only one, else its partials for the merge."""
     KVH: tl.constexpr = MODEL.kv_heads
     D: tl.constexpr = MODEL.head_dim
     G: tl.constexpr = MODEL.heads // KVH
@@ -52,8 +69,7 @@ def _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL: t
     rg = tl.arange(0, GPAD)
     rd = tl.arange(0, D)
     if n_split == 1:
-        out = attn_ptr + b * (MODEL.heads * D) + (g * G + rg[:, None]) * D + rd[None, :]
-        tl.store(out, (acc / tl.where(rg < G, l_i, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
+        _store_out(b, g, acc, l_i, attn_ptr, dt, MODEL, ATT)
     else:
         part = (b * KVH + g) * ATT.max_splits + i
         tl.store(scratch.m + part * GPAD + rg, m_i, mask=rg < G)
@@ -63,7 +79,7 @@ def _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL: t
 
 @triton.jit
 def _merge(b, g, n_split, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
-    """attn[b, heads of g] from the splits' partials, in split order, four at a time (rounded to dt, as above)."""
+    """attn[b, heads of g] from the splits' partials, in split order, four at a time."""
     KVH: tl.constexpr = MODEL.kv_heads
     D: tl.constexpr = MODEL.head_dim
     G: tl.constexpr = MODEL.heads // KVH
@@ -87,8 +103,7 @@ def _merge(b, g, n_split, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.co
         offs = (((p0 + r4)[:, None] * GPAD + rg[None, :]) * D)[:, :, None] + rd[None, None, :]
         acc4 = ld_act(scratch.acc + offs, m4[:, :, None], CG)
         o += tl.sum(w[:, :, None] * acc4, axis=0)
-    out = attn_ptr + b * (MODEL.heads * D) + (g * G + rg[:, None]) * D + rd[None, :]
-    tl.store(out, (o / tl.where(rg < G, l_all, 1.0)[:, None]).to(dt), mask=rg[:, None] < G)
+    _store_out(b, g, o, l_all, attn_ptr, dt, MODEL, ATT)
 
 
 @triton.jit
@@ -104,11 +119,9 @@ def _stream_chunk(q, b, g, c0, n_pos, n_split, span, slot, layer, cache, scratch
     l_i = tl.where(fresh, 0.0, l_i)
     acc = tl.where(fresh, 0.0, acc)
     base = ((layer * cache.slots + slot) * KVH + g) * cache.context * D
-    rd = tl.arange(0, D)
     rc = c0 + tl.arange(0, ATT.chunk)
     mc = rc < n_pos
-    k = ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
-    v = ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
+    k, v = _kv_chunk(cache, base, rc, mc, D, CG)
     m_i, l_i, acc = _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt)
     if (c0 + ATT.chunk >= (i + 1) * span) | (c0 + ATT.chunk >= n_pos):
         _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL, ATT)
@@ -164,8 +177,7 @@ def attention(layer, b, g0, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
             for c0 in range(start, end, CH):
                 rc = c0 + tl.arange(0, CH)
                 mc = rc < end
-                k = ld_act(cache.k + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
-                v = ld_act(cache.v + base + rc[:, None] * D + rd[None, :], mc[:, None], CG)
+                k, v = _kv_chunk(cache, base, rc, mc, D, CG)
                 m_i, l_i, acc = _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt)
             _split_done(b, g0, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL, ATT)
         if n_split == 1:
