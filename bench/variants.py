@@ -112,8 +112,22 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "split1": lambda w: KernelConfig(split_min_chunks=1),
     "split2": lambda w: KernelConfig(split_min_chunks=2),
     "split1-ch32": lambda w: KernelConfig(split_min_chunks=1, chunk=32),
-    # up to 4 (2) KV heads of a row an attention task, where the bucket has a task per (row, KV head) already
-    "attn-h4": lambda w: KernelConfig(attn_heads=4),
+    # buckets of 8 rows or more: 64 positions an attention step (as one row), splits of 256 at least (default 128, 512)
+    "wide-ch64": lambda w: KernelConfig(wide_chunk=64),
+    # ... 256 positions a step, two chunks copied ahead (shared memory), splits of 512 (1024) at least
+    "wide-ch256": lambda w: KernelConfig(wide_chunk=256, wide_split_min_chunks=2, attn_stages=3),
+    "wide-ch256-s4": lambda w: KernelConfig(wide_chunk=256, attn_stages=3),
+    # ... 128 positions a step, splits of 1024 at least (fewer splits: fewer partials to merge)
+    "wide-s8": lambda w: KernelConfig(wide_split_min_chunks=8),
+    # every bucket 128 positions a step
+    "ch128-all": lambda w: KernelConfig(chunk=128),
+    # five chunks of K/V copied ahead instead of three (wide launches: 160 KB of shared memory)
+    "attn-st6": lambda w: KernelConfig(attn_stages=6),
+    # one split where each (row, KV head) has one task (Llama's 16 rows): one pipeline fill, no merge
+    "single-split": lambda w: KernelConfig(single_split=True),
+    "single-split-st6": lambda w: KernelConfig(single_split=True, attn_stages=6),
+    # one (up to 2) KV heads of a row an attention task (default: up to 4, where the bucket has a task per pair)
+    "attn-h1": lambda w: KernelConfig(attn_heads=1),
     "attn-h2": lambda w: KernelConfig(attn_heads=2),
     # attention waits for the whole QKV phase (one counter a phase), as before the per-KV-head counters
     "phase-counters": lambda w: KernelConfig(head_counters=False),

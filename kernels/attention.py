@@ -157,7 +157,7 @@ def attention(layer, b, g0, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
         acc = tl.zeros([GPAD, D], tl.float32)
         for h in range(0, HEADS):  # (a pipeline per head: q reloaded in one stream went through L1, see above)
             q = ld_act(q_ptr + b * Q + ((g0 + h) * G + rg[:, None]) * D + rd[None, :], rg[:, None] < G, CG)
-            for c0 in range(0, n_pos, CH):
+            for c0 in tl.range(0, n_pos, CH, num_stages=ATT.stages):
                 m_i, l_i, acc = _stream_chunk(q, b, g0 + h, c0, n_pos, n_split, span, slot, layer, cache, scratch,
                                               attn_ptr, m_i, l_i, acc, qk_scale, dt, MODEL, ATT, CG)
         if n_split > 1:  # it merges its own partials
@@ -174,7 +174,7 @@ def attention(layer, b, g0, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
             m_i = tl.full([GPAD], float("-inf"), tl.float32)
             l_i = tl.zeros([GPAD], tl.float32)
             acc = tl.zeros([GPAD, D], tl.float32)
-            for c0 in range(start, end, CH):
+            for c0 in tl.range(start, end, CH, num_stages=ATT.stages):
                 rc = c0 + tl.arange(0, CH)
                 mc = rc < end
                 k, v = _kv_chunk(cache, base, rc, mc, D, CG)

@@ -90,13 +90,15 @@ class ModelShape(NamedTuple):
 
 class AttnShape(NamedTuple):
     """Attention's constexprs: the query heads of a KV head padded to a power of two, positions per inner step,
-    splits per (row, KV head) at most, chunks a split reads at least, KV heads a task (of one row)."""
+    splits per (row, KV head) at most, chunks a split reads at least, KV heads a task (of one row), the K/V
+    pipeline's stages."""
 
     group_pad: int
     chunk: int
     max_splits: int
     split_min_chunks: int
     heads: int = 1
+    stages: int = 4
 
 
 class Sched(NamedTuple):

@@ -264,9 +264,22 @@ class KernelConfig:
     num_stages: int = 4  # the launch's default, for loops that set none of their own
     programs_per_sm: int = 1
     tiles: TileChoice | None = None  # None: default_tiles for each launch's rows and the weights' format
-    chunk: int = 64  # attention positions per inner step
+    chunk: int = 64  # attention positions per inner step (buckets under wide_chunk_rows)
     max_splits: int = 16  # attention splits per (row, kv head) at most
     split_min_chunks: int = 4  # a split reads at least this many chunks (shorter contexts use fewer splits)
+    # Buckets of wide_chunk_rows rows or more: wide_chunk positions per inner step, splits of wide_split_min_chunks of
+    # them at least. A task's inner steps run one after another (each waits on the last one's max and sum), so at long
+    # contexts attention pays per step, not per byte: on the H200, 128 positions a step in splits of 512 or more took
+    # the 16-row step at context 2048 1.64 -> 1.51 ms (bf16), 1.53 -> 1.36 (FP8), 8 rows -4%; one row keeps 64 (its
+    # splits spread a short context over more programs) (bench/NOTES.md, s43)
+    wide_chunk_rows: int = 8
+    wide_chunk: int = 128
+    wide_split_min_chunks: int = 4
+    attn_stages: int = 4  # attention's K/V pipeline: stages - 1 chunks copied ahead
+    # Where a launch gives each (row, KV head) one attention task (its tiling's attn_splits 1: Llama's 16 rows), that
+    # task streams all the pair's positions as one split: one pipeline fill, no partials, no merge (bench variant
+    # `single-split`; untimed)
+    single_split: bool = False
     min_rows: int = 1  # a launch pads its rows to max(bucket, min_rows)
     batch_invariant: bool = False  # every bucket pads its rows to the largest one: the same sums in the same order
     prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)
@@ -276,9 +289,9 @@ class KernelConfig:
     head_counters: bool = True  # attention for a KV head waits for its own group's QKV tasks, not the whole phase
     # KV heads (of one row) an attention task streams one after another, at most: in buckets whose attention has a
     # task per (row, KV head) pair and whose tasks would still number about one a program (32 and 64 rows of Llama).
-    # 4 (bench variant `attn-h4`) took the H100's FP8 64-row step 1.91 -> 1.84 ms, 32 rows -2.4%, at context 2048
-    # -10 to -11%, the logits the same; off until an e2e run on one machine clears it (bench/NOTES.md, s42)
-    attn_heads: int = 1
+    # 4 took the H100's FP8 64-row step 1.96 -> 1.87 ms, 32 rows -2.4%, at context 2048 -11 to -15%, the logits the
+    # same (bench variant `attn-h1`: one head a task; bench/NOTES.md, s42)
+    attn_heads: int = 4
     cooperative: bool = True
     max_spin: int = 1 << 22
     poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
@@ -514,6 +527,16 @@ class Megakernel:
         for part in (1, 2) if c.lm_launch else (0,):
             self._launch(part, batch, s, launch, pf, extra)
 
+    def attn_shape(self, s: I.Schedule) -> AttnShape:
+        """Attention's constexprs for a bucket's schedule: wide launches step through more positions at a time (by the
+        rows the launch computes, so a batch-invariant kernel sums every bucket's attention alike)."""
+        c = self.cfg
+        rows = self.rows_of(s.batch)
+        wide = rows >= c.wide_chunk_rows
+        one = c.single_split and self.tiling(rows).attn_splits == 1
+        return AttnShape(self.gpad, c.wide_chunk if wide else c.chunk, 1 if one else self.max_splits,
+                         c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages)
+
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object]
                 ) -> None:
         """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2)."""
@@ -532,7 +555,7 @@ class Megakernel:
             MODEL=ModelShape(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.ffn, d.vocab, d.num_layers),
             T_QKV=launch.tiles[Op.QKV], T_OPROJ=launch.tiles[Op.OPROJ], T_GATEUP=launch.tiles[Op.GATEUP],
             T_DOWN=launch.tiles[Op.DOWN], T_LMHEAD=launch.tiles[Op.LMHEAD],
-            ATT=AttnShape(self.gpad, c.chunk, self.max_splits, c.split_min_chunks, s.tiling.attn_heads),
+            ATT=self.attn_shape(s),
             BPAD=launch.rows, BS=launch.lm_rows,
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,

@@ -117,7 +117,13 @@ MIXED = {
 # also against the same case's kernel with a task per (row, KV head), bit for bit: llama's 16-position chunks make
 # up to 8 splits that each task merges itself, qwen's 64-position ones up to 2
 MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk": 16}),
-                 "mixed-qwen-heads": ("mixed-qwen", {"attn_heads": 2})}
+                 "mixed-qwen-heads": ("mixed-qwen", {"attn_heads": 2}),
+                 # the wide bucket (32 rows) steps attention through 32 positions at a time, the narrow ones (the later
+                 # steps' 4 and 5 rows) through 16, over the K/V the wide one wrote (KernelConfig.wide_chunk)
+                 "mixed-llama-wide": ("mixed-llama", {"chunk": 16, "wide_chunk": 32, "wide_chunk_rows": 32}),
+                 # the launches whose pairs have one task each (8 rows here) stream a pair as one split; the 32-row
+                 # one keeps its two (KernelConfig.single_split)
+                 "mixed-llama-single": ("mixed-llama", {"chunk": 16, "single_split": True})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
@@ -151,9 +157,13 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     assert r["sampled"][0] == r["mixed"]["argmax"][0] and r["sampled"][1:] != r["mixed"]["argmax"][1:], r
     assert r["chunked"]["vs_one_step"] < 1e-5, r
     assert r["refused"] == ["too many rows", "too many sampled rows"], r
-    if case in MIXED_STREAMS:
-        assert r["attn_heads"] == MIXED_STREAMS[case][1].get("attn_heads", 1), r
+    if "attn_heads" in MIXED_STREAMS.get(case, ("", {}))[1]:
+        assert r["attn_heads"] == MIXED_STREAMS[case][1]["attn_heads"], r
         assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
+    if case == "mixed-llama-wide":
+        assert {n: chunk for n, (chunk, _) in r["attn_shapes"].items()} == {"32": 32, "8": 16, "4": 16}, r
+    if case == "mixed-llama-single":
+        assert r["attn_shapes"]["8"][1] == 1 and r["attn_shapes"]["32"][1] > 1, r
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -406,14 +416,18 @@ def _check_mixed(case: str) -> dict:
     ref = ReferenceDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32)
 
     def decoder(**config: object) -> MegakernelDecoder:  # positions past 64 split in two
+        # one chunk size in every bucket unless the case says otherwise, splits of a chunk at least
+        cfg = {"split_min_chunks": 1, "wide_split_min_chunks": 1, "wide_chunk": config.get("chunk", 64)} | config
         d = MegakernelDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32, max_batch=4, max_rows=32,
-                              kernel_config=KernelConfig(split_min_chunks=1, **config))  # type: ignore[arg-type]
-        d.kernel.attn_splits = {32: 1 if stream else splits, 8: 1}  # (several heads a task: one task a pair)
+                              kernel_config=KernelConfig(**cfg))  # type: ignore[arg-type]
+        # (several heads a task: one task a pair)
+        d.kernel.attn_splits = {32: 1 if "attn_heads" in stream else splits, 8: 1}
         return d
 
     mk = decoder(**stream)
     # the same case's kernel with one KV head a task
-    strided = decoder(**{k: v for k, v in stream.items() if k != "attn_heads"}, attn_heads=1) if stream else None
+    strided = decoder(**{k: v for k, v in stream.items() if k != "attn_heads"}, attn_heads=1) \
+        if "attn_heads" in stream else None
 
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -461,6 +475,9 @@ def _check_mixed(case: str) -> dict:
     nxt = ids(4)
     sl2, ps2 = [0, 1, 2, 3], [lens[0] + 1, lens[1] + 1, 37, 9]
     out["next"] = compare(ref.decode(sl2, nxt, ps2), mk.decode(sl2, nxt, ps2), 4)
+    # each launch's positions a step and splits at most
+    out["attn_shapes"] = {n: (lambda a: [a.chunk, a.max_splits])(mk.kernel.attn_shape(mk.kernel.schedule(n)))
+                          for n in (32, 8, 4)}
     if strided is not None:
         out["attn_heads"] = mk.kernel.schedule(32).tiling.attn_heads
         mixed_bits = torch.equal(strided.decode(sl, tk, ps, draws, sampled_rows=4).logits, b.logits)
