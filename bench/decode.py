@@ -17,7 +17,10 @@ rows, each at the context, of which the first --sampled (16) go through the LM h
 beside decode rows costs. The floor is the bytes a step must read (every weight once, in the weights' format, plus
 the K/V of the context) over the streaming-read bandwidth measured in the same run. Before its time counts, each
 variant's logits are checked against the float32 answer (the same model in float32 over the same cache): WRONG
-where they stray further than max(0.05, 1.5x the bf16 reference decoder's own distance to it). --timeline records,
+where they stray further than max(0.05, 1.5x the bf16 reference decoder's own distance to it). Where a variant's
+launch runs products W8A8 (e4m3 activations: FP8 from 16 rows), both oracles quantize those products' activations
+alike (bench.fp8_quality.w8a8_products), as tests/test_megakernel_gpu.py does: two W8A8 computations stray far apart
+on random weights, so against the weight-only answer every W8A8 step read WRONG. --timeline records,
 for the named variants at --timeline-rows rows and --timeline-contexts contexts (128), when each task of the step
 started, found its inputs ready and ended (globaltimer), summed per phase.
 Unless --no-library-peer, also at every row count of bf16 and fp8 weights (bench/library_peer.py): the step's
@@ -30,6 +33,7 @@ Writes bench/results/decode-<device>[-TAG].json and .md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -41,13 +45,15 @@ import torch
 import torch.nn.functional as F
 
 from bench.cuda_timing import events_ms, graph_of, time_graph, time_in_turns
+from bench.fp8_quality import W8A8_CHUNK, w8a8_of, w8a8_products
 from bench.library_peer import BACKEND as LIBRARY_PEER
 from bench.library_peer import library_peer
 from bench.variants import VARIANTS
 from kernels import instructions as I
 from kernels.instructions import Op
+from service.backends import reference
 from service.backends.megakernel import MegakernelDecoder
-from service.backends.reference import ReferenceDecoder, apply_rope, linear, rms_norm
+from service.backends.reference import ReferenceDecoder, apply_rope, rms_norm
 from service.model.config import ModelConfig
 from service.model.synthetic import load_synthetic
 from service.model.weights import ModelWeights
@@ -186,24 +192,25 @@ def static_cache_step(config: ModelConfig, weights: ModelWeights, cos: torch.Ten
     cache of one tensor per layer ([rows, kv heads, length, head_dim], rows = slots, written in place at the
     position), attending over all of it through a mask; the reference decoder's own layer arithmetic
     (service/backends/reference.py). Returns float32 logits [rows, vocab]. The same function in float32 is the
-    exact answer the bench checks the kernel against."""
+    exact answer the bench checks the kernel against (its products through reference.linear, which the W8A8 oracle
+    patches)."""
     c = config
     b = x.shape[0]
     mask = (torch.arange(ks[0].shape[2], device=x.device) <= position)[None, None, None, :]
     cos_p, sin_p = cos[position][None, None], sin[position][None, None]  # [1, 1, 1, head_dim/2]
     for lw, kc, vc in zip(weights.layers, ks, vs):
         h = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
-        q = linear(h, lw.wq, lw.bq).view(b, 1, c.num_heads, c.head_dim).transpose(1, 2)
-        k = linear(h, lw.wk, lw.bk).view(b, 1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = linear(h, lw.wv, lw.bv).view(b, 1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = reference.linear(h, lw.wq, lw.bq).view(b, 1, c.num_heads, c.head_dim).transpose(1, 2)
+        k = reference.linear(h, lw.wk, lw.bk).view(b, 1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = reference.linear(h, lw.wv, lw.bv).view(b, 1, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos_p, sin_p), apply_rope(k, cos_p, sin_p)
         kc.index_copy_(2, position, k)
         vc.index_copy_(2, position, v)
         attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
-        x = x + linear(attn.transpose(1, 2).reshape(b, 1, -1), lw.wo)
+        x = x + reference.linear(attn.transpose(1, 2).reshape(b, 1, -1), lw.wo)
         h = rms_norm(x, lw.mlp_norm, c.rms_norm_eps)
-        x = x + linear(F.silu(linear(h, lw.w_gate)) * linear(h, lw.w_up), lw.w_down)
-    return linear(rms_norm(x[:, 0], weights.final_norm, c.rms_norm_eps), weights.lm_head).float()
+        x = x + reference.linear(F.silu(reference.linear(h, lw.w_gate)) * reference.linear(h, lw.w_up), lw.w_down)
+    return reference.linear(rms_norm(x[:, 0], weights.final_norm, c.rms_norm_eps), weights.lm_head).float()
 
 
 def static_caches(ref: ReferenceDecoder, rows: int, length: int, dtype: torch.dtype
@@ -229,13 +236,31 @@ def row_layout(batch: int, context: int, layout: str, sampled: int) -> tuple[tor
     return slots.to("cuda", torch.int32), positions.to("cuda", torch.int32)
 
 
+# the weights of each matvec's products (bench.fp8_quality.w8a8_of's names)
+OP_WEIGHTS = {Op.QKV: ("wq", "wk", "wv"), Op.OPROJ: ("wo",), Op.GATEUP: ("w_gate", "w_up"), Op.DOWN: ("w_down",),
+              Op.LMHEAD: ("lm_head",)}
+
+
+def w8a8_names(dec: MegakernelDecoder, batch: int) -> tuple[str, ...]:
+    """The products a launch of `batch` rows runs W8A8, as w8a8_of names them: each weight with its activations'
+    scale group, the tile's k chunk ("w_gate:256", "lm_head:64")."""
+    return tuple(f"{n}:{t.k_chunk}" for op, t in dec.kernel.tiles(batch).items() if t.w8a8 for n in OP_WEIGHTS[op])
+
+
 def check_logits(dec: MegakernelDecoder, tokens: torch.Tensor, context: int, f32: ModelWeights,
-                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 rows: int, w8a8: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """For the first `rows` rows of the step the bench times: the bf16 reference decoder's logits (its K/V rewritten
     at `context` as the kernel's step does) and the float32 answer (the same model in float32 over the same
-    cache), to check each variant against before its time counts."""
+    cache), to check each variant against before its time counts; with `w8a8` (w8a8_names) both quantize those
+    products' activations as the W8A8 tiles do."""
     ref = dec.reference
-    with torch.inference_mode():
+    picks = [w8a8_of(w, w8a8) for w in (ref.weights, f32)]
+
+    def pick(w: torch.Tensor) -> bool | int:  # either oracle's weights: the product's own group, or False
+        return next((c for c in (p(w) for p in picks) if c is not False), False)
+
+    quantized = w8a8_products(W8A8_CHUNK, pick) if w8a8 else contextlib.nullcontext()
+    with torch.inference_mode(), quantized:
         x = ref.weights.embed[tokens[:rows].long()].unsqueeze(1)
         bf16 = ref.decode_tensors(x, torch.arange(rows, device="cuda"), torch.full((rows,), context, device="cuda"),
                                   context + 1).float()
@@ -396,9 +421,11 @@ def main() -> None:
                               "sampled_rows": sampled, "layout": layout, "context": context, "floor_ms": floor,
                               "weight_bytes": wbytes, "kv_bytes": kv}
                     tokens = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
+                    # the oracles of each set of W8A8 products the variants run at this row count; () the weight-only
+                    # one (the peers')
                     want, exact = check_logits(base, tokens, context, f32, sampled)
-                    ref_err = rel_err(want, exact)  # how far two correct bf16 computations may stray
-                    checked: dict[str, tuple[MegakernelDecoder, float, float]] = {}
+                    oracles = {(): (want, exact, rel_err(want, exact))}
+                    checked: dict[str, tuple[MegakernelDecoder, float, float, float]] = {}
                     for v, dec in decoders.items():
                         k = dec.kernel
                         k.tokens[:batch] = tokens
@@ -413,16 +440,22 @@ def main() -> None:
                         dec.check_errors()
                         # before timing: as close to the float32 answer as the bf16 reference decoder is (a broken
                         # variant is no result)
+                        names = w8a8_names(dec, batch)
+                        if names not in oracles:
+                            want, exact = check_logits(base, tokens, context, f32, sampled, names)
+                            oracles[names] = (want, exact, rel_err(want, exact))  # how far two correct ones stray
+                        want, exact, ref_err = oracles[names]
                         got = k.logits[:sampled]
-                        checked[v] = (dec, rel_err(got, want), rel_err(got, exact))
+                        checked[v] = (dec, rel_err(got, want), rel_err(got, exact), ref_err)
                     # every variant that ran, timed in turns (position and drift fall on each alike)
                     timed = time_in_turns({v: c[0]._graphs[batch].replay for v, c in checked.items()}, args.reps)
-                    for v, (dec, err, err32) in checked.items():
+                    for v, (dec, err, err32, ref_err) in checked.items():
                         k = dec.kernel
                         dec.check_errors()
                         name = "megakernel" if v == "default" else f"megakernel[{v}]"
                         add(records, common, name, timed[v], schedule=k.schedule(batch).describe(),
-                            rel_err_vs_reference=err, rel_err_vs_fp32=err32, reference_rel_err_vs_fp32=ref_err)
+                            rel_err_vs_reference=err, rel_err_vs_fp32=err32, reference_rel_err_vs_fp32=ref_err,
+                            oracle_w8a8=list(w8a8_names(dec, batch)))
                         if err32 > max(0.05, 1.5 * ref_err):
                             print(f"   {name}: logits {err32:.3f} away from the float32 answer, the bf16 reference "
                                   f"{ref_err:.3f}: WRONG", flush=True)
@@ -450,6 +483,7 @@ def main() -> None:
                             try:
                                 g, logits = compiled_peer(ref, tokens, context)
                                 res = time_graph(g, args.reps)
+                                _, exact, ref_err = oracles[()]
                                 peer_err = rel_err(logits[:sampled], exact)
                                 add(records, common, "compiled-pytorch-cudagraph", res, rel_err_vs_fp32=peer_err)
                                 if peer_err > max(0.05, 1.5 * ref_err):
