@@ -112,20 +112,27 @@ def test_attention_tasks_of_several_heads_need_one_task_per_pair() -> None:
         I.build_schedule(dims, 4, 132, I.Tiling(attn_heads=3))
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_attention_steps_through_more_positions_in_wide_launches_only(invariant: bool) -> None:
-    """Launches of 8 rows or more take 128 positions an attention step (splits of 512 at least), narrower ones 64
-    (256); a batch-invariant kernel computes every bucket as its widest launch, so each bucket sums its attention in
-    the same steps (a row's bits then do not depend on the rows beside it)."""
+
+def tiny_decoder(**config: object):  # noqa: ANN201
+    """A megakernel decoder of the tiny synthetic model on the CPU, up to 16 rows a step (its buckets' schedules and
+    attention shapes are built on the host; nothing runs)."""
     import torch
 
     from kernels.megakernel import KernelConfig
     from service.backends.megakernel import MegakernelDecoder
     from service.model.synthetic import load_synthetic
 
-    config, weights, _ = load_synthetic("tiny", device="cpu", dtype=torch.float32, seed=0)
-    mk = MegakernelDecoder(config, weights, max_slots=4, max_context=256, device="cpu", dtype=torch.float32,
-                           max_rows=16, kernel_config=KernelConfig(batch_invariant=invariant))
+    config_, weights, _ = load_synthetic("tiny", device="cpu", dtype=torch.float32, seed=0)
+    return MegakernelDecoder(config_, weights, max_slots=4, max_context=256, device="cpu", dtype=torch.float32,
+                             max_rows=16, kernel_config=KernelConfig(**config))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_attention_steps_through_more_positions_in_wide_launches_only(invariant: bool) -> None:
+    """Launches of 8 rows or more take 128 positions an attention step (splits of 512 at least), narrower ones 64
+    (256); a batch-invariant kernel computes every bucket as its widest launch, so each bucket sums its attention in
+    the same steps (a row's bits then do not depend on the rows beside it)."""
+    mk = tiny_decoder(batch_invariant=invariant)
     shapes = {b: mk.kernel.attn_shape(mk.kernel.schedule(b)) for b in mk.buckets}
     chunks = {b: (a.chunk, a.chunk * a.split_min_chunks) for b, a in shapes.items()}
     narrow = (128, 512) if invariant else (64, 256)
@@ -137,15 +144,9 @@ def test_a_pair_streams_as_one_split_only_where_it_has_one_task(invariant: bool)
     """KernelConfig.single_split: launches that give each (row, KV head) one attention task stream its positions as one
     split; launches that spread a pair over several tasks keep their splits (else those tasks would idle). A
     batch-invariant kernel decides by its widest launch, for every bucket alike."""
-    import torch
-
     from kernels.megakernel import KernelConfig
-    from service.backends.megakernel import MegakernelDecoder
-    from service.model.synthetic import load_synthetic
 
-    config, weights, _ = load_synthetic("tiny", device="cpu", dtype=torch.float32, seed=0)
-    mk = MegakernelDecoder(config, weights, max_slots=4, max_context=256, device="cpu", dtype=torch.float32,
-                           max_rows=16, kernel_config=KernelConfig(batch_invariant=invariant, single_split=True))
+    mk = tiny_decoder(batch_invariant=invariant, single_split=True)
     mk.kernel.attn_splits = {1: 4, 2: 2}  # tasks a pair in the narrow launches (the rest: one, on the CPU's program)
     splits = {b: mk.kernel.attn_shape(mk.kernel.schedule(b)).max_splits for b in mk.buckets}
     most = KernelConfig().max_splits
