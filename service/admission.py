@@ -167,10 +167,13 @@ class AdmissionController:
                                f"{self.sla_s * 1e3:.0f} ms now" +
                                (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if t_nth < math.inf else ""),
                                self.retry_after_s(active, now))
-        if active:
+        # an admitted request late beside the newcomer: would it be on time without it? (Else nobody can be made
+        # late, and the forecast without the newcomer, as long as the first, is not needed.)
+        late = [(r, r.deadline) for r in active if r.deadline is not None and r.deadline < joined[id(r)]]
+        if late:
             alone = self.planner.forecast(active, step_s, prefill_s, now, horizon)
-            for r in active:
-                if r.deadline is not None and alone[id(r)] <= r.deadline < joined[id(r)]:
+            for r, deadline in late:
+                if alone[id(r)] <= deadline:
                     raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
                                    self.retry_after_s(active, now))
         return joined

@@ -595,7 +595,7 @@ def test_a_slow_verdict_never_stalls_the_streams_already_running(admission):
 
         def slow_forecast(*args, **kwargs):
             if slow.is_set():
-                time.sleep(verdict_s / 2)  # twice: with the newcomer, and without it
+                time.sleep(verdict_s)  # with the newcomer (and without it, where an admitted one would be late)
             return forecast(*args, **kwargs)
 
         adm.planner.forecast = slow_forecast

@@ -233,11 +233,12 @@ def test_forecast_a_riding_prompt_delays_nobody_a_launched_one_does():
     assert p.forecast([far], step_s, prefill_s, now=0.0, horizon_s=0.01)[id(far)] == math.inf  # past the horizon
 
 
-def test_forecast_plays_steady_steps_at_once_with_the_times_of_one_at_a_time(monkeypatch):
-    """forecast() runs the steps in which every seated request decodes and none can be seated in one go
-    (Planner._steady); its times must be those of planning each step in turn, exactly, whatever the mix: running and
-    waiting requests, prompts that ride, chunk or launch, replies shorter than the SLA token, requests that lag, a
-    full batch with requests waiting for a seat, a horizon that cuts the play short."""
+def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(monkeypatch):
+    """forecast() runs the steps that repeat in one go (Planner._repeat): every seated request decoding and none to
+    seat, alone or beside one prompt that rides a full chunk a step; its times must be those of planning each step in
+    turn, exactly, whatever the mix: running and waiting requests, prompts that ride, chunk or launch, replies shorter
+    than the SLA token, requests that lag, a full batch with requests waiting for a seat, up to 15 decoding beside a
+    prompt that rides a row a step, a horizon that cuts the play short."""
     import random
 
     rng = random.Random(35)
@@ -248,29 +249,47 @@ def test_forecast_plays_steady_steps_at_once_with_the_times_of_one_at_a_time(mon
     def prefill_s(tokens, cached):
         return 0.002 + 1e-5 * tokens + 1e-8 * cached
 
-    def one_step(decoding, rows, kv, t, end, step_s, out, waits):
+    def one_step(decoding, rows, kv, grow, most, t, end, step_s, out, pending):
         t += step_s(rows, kv)
         for s in decoding:
             s.token(t, out)
-        return t
+        return t, 1
+
+    repeated = {"steady": 0, "chunked": 0}  # _repeat's calls that took more than one step, by kind
+    fast_repeat = Planner._repeat
+
+    def counting(decoding, rows, kv, grow, most, *rest):
+        t, taken = fast_repeat(decoding, rows, kv, grow, most, *rest)
+        if taken > 1:
+            repeated["steady" if most == math.inf else "chunked"] += 1
+        return t, taken
 
     checked = 0
-    for case in range(60):
-        p = planner(max_batch=rng.randint(1, 4), max_rows=16, slots=4, launch_min=rng.choice([64, 256]))
-        running = [request(rng.randint(1, 20), max_tokens=rng.randint(2, 90), first=100 * i + 1) for i in range(3)]
+    for case in range(120):
+        wide = case % 2  # the server's shape: 16 seats, 16 rows a step
+        p = planner(max_batch=16 if wide else rng.randint(1, 4), max_rows=16, slots=20 if wide else 4,
+                    launch_min=rng.choice([64, 256]))
+        running = [request(rng.randint(1, 40), max_tokens=rng.randint(2, 90), first=100 * i + 1)
+                   for i in range(rng.randint(8, 15) if wide else 3)]
         for r in running:
             p.add(r)
+            if wide:
+                for _ in range(rng.randint(0, 3)):
+                    run(p, p.plan())
         for _ in range(rng.randint(1, 6)):
             run(p, p.plan())
         live = [r for r in running if r.state is State.RUNNING]
         newcomers = [request(rng.choice([5, 30, 120, 400]), max_tokens=rng.choice([10, 64, 80]),
-                             choice=rng.choice([Choice.STEP, Choice.STEP, Choice.HOST]), first=1000 + 100 * i)
+                             choice=rng.choice([Choice.STEP, Choice.STEP, Choice.HOST]), first=10000 + 100 * i)
                      for i in range(rng.randint(1, 3))]
         horizon = rng.choice([0.03, 0.2, 2.0])
-        fast = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
         with monkeypatch.context() as m:
-            m.setattr(Planner, "_steady", staticmethod(one_step))
+            m.setattr(Planner, "_repeat", staticmethod(counting))
+            fast = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
+        with monkeypatch.context() as m:
+            m.setattr(Planner, "_repeat", staticmethod(one_step))
             slow = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
         assert fast == slow, case
         checked += sum(math.isfinite(v) for v in fast.values())
-    assert checked > 60  # most requests reach their SLA token within the horizons
+    assert checked > 200  # most requests reach their SLA token within the horizons
+    assert repeated["steady"] > 50 and repeated["chunked"] > 20, repeated
