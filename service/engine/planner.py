@@ -223,21 +223,22 @@ class Planner:
                     sampled += n == s.prompt_left
             if not rows:
                 break
-            # nobody lags and nobody can be seated: the same step again until something changes
+            # nobody lags and nobody can be seated: the same step again until something changes, where every seated
+            # request decodes, or one prompt rides beside them a full chunk of n rows a step (up to its last chunk,
+            # which may differ: each step n more positions for each of its rows, one more for each decoding row)
             fixed = not any(s.lags for s in seated) and not (len(seated) < self.max_batch
                                                              and not all(s.seated or s.done for s in sims))
-            if fixed and not chunks:  # every seated request decodes
-                waits = any(s.to_nth > 0 and not s.seated for s in sims)  # for a seat, and its SLA token
-                t, _ = self._repeat(decoding, rows, kv, rows, math.inf, t, end, step_s, out, waits)
-            elif fixed and len(chunks) == 1 and chunks[0][1] < chunks[0][0].prompt_left:
-                # and one prompt rides beside them a full chunk of n rows a step, up to its last chunk (which may
-                # differ): each step n more positions for each of its rows, one more for each decoding row
-                c, n = chunks.pop()
+            if fixed and (not chunks or len(chunks) == 1 and chunks[0][1] < chunks[0][0].prompt_left):
+                # whether a request besides the decoding ones has an SLA token to come (forecast() goes on)
                 pending = any(s.to_nth > 0 for s in sims if s.prompt_left > 0 or not s.seated or s.done)
-                t, taken = self._repeat(decoding, rows, kv, len(decoding) + n * n, (c.prompt_left - 1) // n, t, end,
-                                        step_s, out, pending)
-                c.cached += n * taken
-                c.prompt_left -= n * taken
+                if not chunks:
+                    t, _ = self._repeat(decoding, rows, kv, rows, math.inf, t, end, step_s, out, pending)
+                else:
+                    c, n = chunks.pop()
+                    t, taken = self._repeat(decoding, rows, kv, len(decoding) + n * n, (c.prompt_left - 1) // n, t,
+                                            end, step_s, out, pending)
+                    c.cached += n * taken
+                    c.prompt_left -= n * taken
             else:
                 t += step_s(rows, kv)
                 for s in decoding:
