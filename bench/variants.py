@@ -123,9 +123,10 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "ch128-all": lambda w: KernelConfig(chunk=128),
     # five chunks of K/V copied ahead instead of three (wide launches: 160 KB of shared memory)
     "attn-st6": lambda w: KernelConfig(attn_stages=6),
-    # one split where each (row, KV head) has one task (Llama's 16 rows): one pipeline fill, no merge
-    "single-split": lambda w: KernelConfig(single_split=True),
-    "single-split-st6": lambda w: KernelConfig(single_split=True, attn_stages=6),
+    # splits (partials and a merge) also where each (row, KV head) has one task: the default before s44 (default: one
+    # split there, one pipeline fill, no merge)
+    "multi-split": lambda w: KernelConfig(single_split=False),
+    "single-split-st6": lambda w: KernelConfig(attn_stages=6),
     # one (up to 2) KV heads of a row an attention task (default: up to 4, where the bucket has a task per pair)
     "attn-h1": lambda w: KernelConfig(attn_heads=1),
     "attn-h2": lambda w: KernelConfig(attn_heads=2),

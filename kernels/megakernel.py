@@ -277,9 +277,10 @@ class KernelConfig:
     wide_split_min_chunks: int = 4
     attn_stages: int = 4  # attention's K/V pipeline: stages - 1 chunks copied ahead
     # Where a launch gives each (row, KV head) one attention task (its tiling's attn_splits 1: Llama's 16 rows), that
-    # task streams all the pair's positions as one split: one pipeline fill, no partials, no merge (bench variant
-    # `single-split`; untimed)
-    single_split: bool = False
+    # task streams all the pair's positions as one split: one pipeline fill, no partials, no merge. On the H200 16
+    # rows took 1.509 -> 1.443 ms at context 2048 (bf16), FP8 1.365 -> 1.255, 0.918 -> 0.883 at 128; 1 and 8 rows
+    # unchanged (bench/NOTES.md, s44; variant `multi-split` is the old way)
+    single_split: bool = True
     min_rows: int = 1  # a launch pads its rows to max(bucket, min_rows)
     batch_invariant: bool = False  # every bucket pads its rows to the largest one: the same sums in the same order
     prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)

@@ -121,9 +121,9 @@ MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk":
                  # the wide bucket (32 rows) steps attention through 32 positions at a time, the narrow ones (the later
                  # steps' 4 and 5 rows) through 16, over the K/V the wide one wrote (KernelConfig.wide_chunk)
                  "mixed-llama-wide": ("mixed-llama", {"chunk": 16, "wide_chunk": 32, "wide_chunk_rows": 32}),
-                 # the launches whose pairs have one task each (8 rows here) stream a pair as one split; the 32-row
-                 # one keeps its two (KernelConfig.single_split)
-                 "mixed-llama-single": ("mixed-llama", {"chunk": 16, "single_split": True})}
+                 # the launches whose pairs have one task each (8 rows here) stream a pair as one split, the 32-row
+                 # one keeps its two (KernelConfig.single_split, the default); here every launch splits
+                 "mixed-llama-multi": ("mixed-llama", {"chunk": 16, "single_split": False})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
@@ -162,8 +162,10 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
         assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
     if case == "mixed-llama-wide":
         assert {n: chunk for n, (chunk, _) in r["attn_shapes"].items()} == {"32": 32, "8": 16, "4": 16}, r
-    if case == "mixed-llama-single":
+    if case == "mixed-llama":  # the default: one split where the launch gives each pair one task
         assert r["attn_shapes"]["8"][1] == 1 and r["attn_shapes"]["32"][1] > 1, r
+    if case == "mixed-llama-multi":
+        assert all(splits > 1 for _, splits in r["attn_shapes"].values()), r
 
 
 # ------------------------------------------------------------------------------------------------------------
