@@ -29,6 +29,7 @@ SCRIPTS = {
     "fp8-quality": ("bench.fp8_quality", "what FP8 weights cost in perplexity and greedy agreement"),
     "tool-speech": ("bench.tool_speech", "20 tool round trips: does each follow-up end in speech (CPU or GPU)"),
     "diag": ("bench._diag", "the megakernel's per-step logits error against the reference (GPU)"),
+    "engine-loop": ("bench.engine_loop", "the engine loop alone: host time, GPU idle, token gaps at 1-16 rows"),
     "router": ("bench.router", "N replicas (one per GPU) behind vllm-router: goodput ratio, voice caching, failover"),
 }
 ABOUT = {

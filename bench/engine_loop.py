@@ -1,0 +1,136 @@
+"""The engine loop alone (issue 37: the GPU never waits for the host): one in-process engine built as `parley serve`
+builds it (warm-up, calibration), no HTTP, N greedy requests decoding together for a few seconds at each N. From the
+engine's own /metrics series (bench/loop_metrics.py) over each window: the host's time per iteration, the GPU's idle
+time between consecutive steps and each step's time on the GPU; from the requests' sinks, the gaps between a stream's
+tokens as the engine published them (the target: p99 within 1.1x the step's GPU time).
+
+    python -m bench engine-loop [--model synthetic:llama-3.2-1b] [--weights bf16] [--rows 1 4 16] [--seconds 4]
+
+Writes bench/results/engine-loop-<device>[-<tag>].{json,md}. On a CPU it runs too (small shapes, the reference
+backend), with no GPU figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.device import describe, file_stem
+from bench.loop_metrics import GPU_IDLE, HOST, STEP_GPU, over, quantile
+from service.config import ServeConfig
+from service.engine.request import Delta, Request, SamplingParams
+from service.runtime import build_engine
+
+PROMPT_TOKENS = 32
+
+
+def window(rt: Any, rows: int, seconds: float, max_tokens: int) -> dict[str, Any]:
+    """`rows` requests decoding together: the loop's figures over `seconds` once every one has its first token."""
+    engine = rt.engine
+    stamps: list[list[float]] = [[] for _ in range(rows)]
+    ended: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def sink(i: int, d: Delta) -> None:
+        if d.token_ids:
+            stamps[i].append(time.perf_counter())
+        if d.finish_reason is not None:
+            ended.put(i)
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.decoder.config.vocab_size
+    reqs: list[Request] = [engine.submit([(7 * i + p) % (vocab - 1) + 1 for p in range(PROMPT_TOKENS)], params,
+                                         lambda d, i=i: sink(i, d)) for i in range(rows)]
+    deadline = time.perf_counter() + 60
+    while any(not s for s in stamps) and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    before, t0 = engine.metrics.render().decode(), time.perf_counter()
+    time.sleep(seconds)
+    after, t1 = engine.metrics.render().decode(), time.perf_counter()
+    for r in reqs:
+        engine.cancel(r)
+    for _ in reqs:
+        ended.get(timeout=30)
+    gaps = sorted(b - a for s in stamps for a, b in zip(s, s[1:]) if t0 <= a and b <= t1)
+    out: dict[str, Any] = {"rows": rows, "tokens_per_s": round(len(gaps) / (t1 - t0), 1)}
+    for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE), ("step_gpu", STEP_GPU)):
+        h = over(before, after, name)
+        for q in (50, 99):
+            v = None if h is None else quantile(h, q / 100)
+            out[f"{key}_us_p{q}"] = None if v is None else round(v * 1e6, 1)
+        if key == "host":
+            out["iterations"] = None if h is None else int(h[float("inf")])
+    for q in (50, 99):
+        out[f"token_gap_us_p{q}"] = round(gaps[min(len(gaps) - 1, int(q / 100 * len(gaps)))] * 1e6, 1) if gaps \
+            else None
+    out["token_gap_us_max"] = round(gaps[-1] * 1e6, 1) if gaps else None
+    step = out["step_gpu_us_p50"]
+    out["gap_p99_over_step"] = round(out["token_gap_us_p99"] / step, 3) if step and out["token_gap_us_p99"] else None
+    out["gap_p50_ms"] = round(statistics.median(gaps) * 1e3, 3) if gaps else None
+    return out
+
+
+COLUMNS = (("rows", "rows"), ("iterations", "iterations"), ("host_us_p50", "host µs p50"),
+           ("host_us_p99", "host µs p99"), ("gpu_idle_us_p50", "GPU idle µs p50"),
+           ("gpu_idle_us_p99", "GPU idle µs p99"),
+           ("step_gpu_us_p50", "step on the GPU µs p50"), ("token_gap_us_p50", "token gap µs p50"),
+           ("token_gap_us_p99", "token gap µs p99"), ("token_gap_us_max", "token gap µs max"),
+           ("gap_p99_over_step", "gap p99 / step"), ("tokens_per_s", "tokens/s"))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# The engine loop on {result['device']}", "",
+             f"torch {result['torch']}, Triton {result['triton']}, Parley {result['parley']}. "
+             f"{result['model']} ({result['weights']}, {result['backend']}), one in-process "
+             f"engine, no HTTP; {PROMPT_TOKENS}-token prompts decoding greedily, {result['seconds']} s a window. The "
+             "host's time per iteration leaves out what it spent blocked on the device; the GPU's idle time is between "
+             "consecutive steps (CUDA events); a token gap is between two of a stream's tokens as the engine published "
+             "them.", "",
+             "| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for w in result["windows"]:
+        lines.append("| " + " | ".join("–" if w.get(k) is None else str(w[k]) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench engine-loop", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: synthetic:llama-3.2-1b on a GPU, synthetic:tiny else")
+    ap.add_argument("--weights", default="bf16")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--seconds", type=float, default=1.5, help="a window: ~1,500 steps of the H100's")
+    ap.add_argument("--max-tokens", type=int, default=1900, help="more than a window's steps: nobody ends early")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    model = a.model or ("synthetic:llama-3.2-1b" if gpu else "synthetic:tiny")
+    cfg = ServeConfig(model=model, backend=a.backend, weights=a.weights, max_batch=max(a.rows), max_rows=max(a.rows),
+                      sla_ms=1e6)  # admission must not refuse: this measures the loop, not the verdict
+    rt = build_engine(cfg)
+    try:
+        windows = []
+        for rows in a.rows:
+            windows.append(window(rt, rows, a.seconds, a.max_tokens))
+            print(json.dumps(windows[-1]), flush=True)
+    finally:
+        rt.engine.stop()
+    about = describe()
+    result = {**about, "model": model, "weights": a.weights, "backend": rt.backend, "seconds": a.seconds,
+              "windows": windows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = file_stem("engine-loop" + (f"-{a.tag}" if a.tag else ""), str(about["device"]))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
