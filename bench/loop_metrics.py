@@ -20,6 +20,7 @@ VERDICT = "parley_admission_verdict_seconds"
 RECEIVED = "parley_engine_received_seconds"
 FORECAST = "parley_admission_forecast_seconds"
 DELIVERY = "parley_token_delivery_seconds"
+FRONT_LAG = "parley_front_end_loop_lag_seconds"
 BEFORE, AFTER = ".metrics-before.txt", ".metrics.txt"  # after the loadtest's name
 
 
@@ -54,6 +55,18 @@ def quantile(cumulative: dict[float, float], q: float) -> float | None:
     return lower
 
 
+def longest(cumulative: dict[float, float]) -> float:
+    """The upper bound of the highest bucket that counted anything (past the last finite bound: that bound)."""
+    edges = sorted(cumulative)
+    finite = [le for le in edges if le != float("inf")]
+    below, top = 0.0, 0.0
+    for le in edges:
+        if cumulative[le] > below:
+            top = le if le != float("inf") else max(finite, default=0.0)
+        below = cumulative[le]
+    return top
+
+
 def over(before: str | None, after: str, name: str) -> dict[float, float] | None:
     """The histogram's counts between two scrapes (after alone where there is no before)."""
     end = buckets(after, name)
@@ -77,13 +90,15 @@ def figures(raw: Path, loadtest: str) -> dict[str, Any]:
     before = before_file.read_text() if before_file.exists() else None
     out: dict[str, Any] = {}
     for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE), ("step_gpu", STEP_GPU), ("verdict", VERDICT),
-                      ("received", RECEIVED), ("forecast", FORECAST), ("delivery", DELIVERY)):
+                      ("received", RECEIVED), ("forecast", FORECAST), ("delivery", DELIVERY), ("front_lag", FRONT_LAG)):
         h = over(before, after, name)
         for q in (50, 99):
             v = None if h is None else quantile(h, q / 100)
             out[f"{key}_us_p{q}"] = None if v is None else round(v * 1e6, 1)
         if key == "host":
             out["loop_iterations"] = None if h is None else int(h[float("inf")])
+        if key == "front_lag":  # the longest stall, to its bucket's upper bound (past the last: that bound, as >)
+            out["front_lag_ms_max"] = None if h is None else round(longest(h) * 1e3, 1)
         if key == "step_gpu":  # how many steps took longer on the GPU than SLOW_STEP_S
             out["slow_gpu_steps"] = None if h is None else int(h[float("inf")] - h.get(SLOW_STEP_S, 0.0))
     return out

@@ -226,6 +226,10 @@ class FrontEndMetrics:
             "server's first sight of it (the client's own send, a proxy, a router's retries): the first part of "
             "parley_engine_received_seconds; requests without the header are not counted", buckets=LOOP_BUCKETS,
             registry=r)
+        self.loop_lag = Histogram(
+            "parley_front_end_loop_lag_seconds", "How late the front end's event loop woke a task that asked to sleep "
+            "5 ms: time in which no request was read and no token written, for every stream at once",
+            buckets=(*LOOP_BUCKETS, 0.25, 0.5, 1.0), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -69,6 +69,16 @@ def test_how_late_tokens_reach_the_front_end_is_measured(shared_server: Server, 
     assert 0 <= waited / deltas < 0.1, waited / deltas
 
 
+def test_the_front_end_event_loop_is_watched(shared_server: Server) -> None:
+    """parley_front_end_loop_lag_seconds: the front end's event loop is sampled every 5 ms from start-up on, how late
+    each wake-up came; a second of an idle server adds about 200 samples (a loaded CI box: at least 20)."""
+    name = "parley_front_end_loop_lag_seconds"
+    before = scrape_metrics(shared_server.base)
+    time.sleep(1.0)
+    after = scrape_metrics(shared_server.base)
+    assert 20 <= after[f"{name}_count"] - before[f"{name}_count"] <= 210
+
+
 def test_sdk_streaming_chat(client: openai.OpenAI, model_id: str) -> None:
     stream = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True})

@@ -174,8 +174,10 @@ def test_e2e_starts_parley(tmp_path: Path) -> None:
     request would fail the run); no raw file holds it."""
     raw, results = tmp_path / "raw", tmp_path / "results"
     key = "sk-bench-" + secrets.token_urlsafe(12)
+    # --sla-ms: this checks the runner, not admission; a 2-core box's tiny model takes ~85 ms to its 64th token, and
+    # one slow first request made the guard refuse the next ones at the default 100 ms (2 runs in 4, before and after)
     out = bench("e2e", "--raw", str(raw), "--out", str(results), "--set", "only=reference.bf16",
-                "--set", "serve_args=--model synthetic:tiny --device cpu", "--set", "single_requests=3",
+                "--set", "serve_args=--model synthetic:tiny --device cpu --sla-ms 60000", "--set", "single_requests=3",
                 "--api-key", key)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = (raw / "server-reference.bf16.log").read_text()
@@ -193,6 +195,7 @@ def test_e2e_starts_parley(tmp_path: Path) -> None:
     loop = next(r for r in doc["records"] if r["kind"] == "single-32")
     assert loop["loop_iterations"] >= 3 * 64 and 0 < loop["host_us_p50"] <= loop["host_us_p99"]
     assert loop["gpu_idle_us_p50"] is None and loop["gpu_idle_us_p99"] is None
+    assert loop["front_lag_us_p99"] is not None and loop["front_lag_ms_max"] is not None  # its event loop, watched
     assert "host time per iteration p50 µs" in report.with_suffix(".md").read_text()
     assert 0 < doc["startup_s"]["reference.bf16"] < 300  # the start-up, as issue 21 bounds it
 
@@ -231,3 +234,13 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     gpu = loop_metrics.figures(tmp_path, "y-single-32")
     assert gpu["slow_gpu_steps"] == 3 and 1000 < gpu["step_gpu_us_p50"] <= 1500 and gpu["step_gpu_us_p99"] > 10000
     assert loop_metrics.quantile({0.001: 0, float("inf"): 4}, 0.5) == 0.001  # past the last bound: that bound
+    # the front end's longest event-loop stall: the top of the highest bucket that counted one
+    lag = ["# TYPE parley_front_end_loop_lag_seconds histogram",
+           *(f'parley_front_end_loop_lag_seconds_bucket{{le="{le}"}} {n}'
+             for le, n in (("0.001", 500), ("0.05", 510), ("0.1", 510), ("0.5", 511), ("+Inf", 511))),
+           "parley_front_end_loop_lag_seconds_count 511", "parley_front_end_loop_lag_seconds_sum 0.7"]
+    (tmp_path / "z-sweep-32.metrics.txt").write_text("\n".join(lag) + "\n")
+    front = loop_metrics.figures(tmp_path, "z-sweep-32")
+    assert front["front_lag_ms_max"] == 500.0 and front["front_lag_us_p99"] is not None
+    assert loop_metrics.longest({0.1: 0, 0.5: 0, float("inf"): 2}) == 0.5  # past the last bound: that bound
+    assert figures["front_lag_ms_max"] is None  # a server before the watch

@@ -173,7 +173,7 @@ def test_streams_tools_and_one_metrics(proc_server: Server) -> None:
     assert max(series.values()) == 1, [k for k, v in series.items() if v > 1]
     for family in ("parley_requests_total", "parley_engine_host_seconds", "parley_decode_step_seconds",
                    "parley_kv_slots_free", "parley_admission_guard_target", "parley_api_key_refusals_total",
-                   "parley_info", "parley_token_delivery_seconds"):
+                   "parley_info", "parley_token_delivery_seconds", "parley_front_end_loop_lag_seconds"):
         assert family in helps, family
     # the tokens' hop from the engine process to the front end, timed per delta: the streamed 6 and the tool call's
     delivered = scrape_metrics(base)

@@ -27,6 +27,7 @@ import uvicorn
 from service.api.app import MAX_BODY_BYTES, create_app
 from service.api.auth import ApiKeyError, ApiKeys, announce, redact_keys_in_logs, reload_on_sighup
 from service.api.engine_client import EngineClient
+from service.api.loop_lag import watch_loop_lag
 from service.api.state import ServerState, server_state
 from service.config import ServeConfig, engine_in_own_process
 from service.runtime import build_engine, settle_process
@@ -47,6 +48,7 @@ class ParleyServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._drain_thread: threading.Thread | None = None
         self.engine_gone = False
+        self._lag_watch: asyncio.Task[None] | None = None  # service/api/loop_lag.py, from startup on
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread, between two bytecodes of the event loop: only flip flags and start a thread.
@@ -121,6 +123,7 @@ class ParleyServer(uvicorn.Server):
                      "(engine process %d)", c.host, c.port, i.model_id, i.backend, i.device, i.max_batch,
                      i.max_context, i.pid)
         if self.started:
+            self._lag_watch = asyncio.get_running_loop().create_task(watch_loop_lag(self.state.metrics.loop_lag))
             # uvicorn's "auto" takes uvloop and httptools where installed: 0.3 ms off an idle CPU server's first
             # token, none on the H100 (6.7 ms against 6.5), where its single streams ran a worse tail; not a
             # dependency (bench/NOTES.md). The log says which ran.
