@@ -126,7 +126,6 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # splits (partials and a merge) also where each (row, KV head) has one task: the default before s44 (default: one
     # split there, one pipeline fill, no merge)
     "multi-split": lambda w: KernelConfig(single_split=False),
-    "single-split-st6": lambda w: KernelConfig(attn_stages=6),
     # one (up to 2) KV heads of a row an attention task (default: up to 4, where the bucket has a task per pair)
     "attn-h1": lambda w: KernelConfig(attn_heads=1),
     "attn-h2": lambda w: KernelConfig(attn_heads=2),
