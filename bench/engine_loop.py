@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.device import describe, file_stem
-from bench.loop_metrics import GPU_IDLE, HOST, STEP_GPU, over, quantile
+from bench.loop_metrics import between
 from service.config import ServeConfig
 from service.engine.request import Delta, Request, SamplingParams
 from service.runtime import Runtime, build_engine
@@ -55,13 +55,9 @@ def window(rt: Runtime, rows: int, seconds: float, max_tokens: int) -> dict[str,
         ended.get(timeout=30)
     gaps = sorted(b - a for s in stamps for a, b in zip(s, s[1:]) if t0 <= a and b <= t1)
     out: dict[str, Any] = {"rows": rows, "tokens_per_s": round(len(gaps) / (t1 - t0), 1)}
-    for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE), ("step_gpu", STEP_GPU)):
-        h = over(before, after, name)
-        for q in (50, 99):
-            v = None if h is None else quantile(h, q / 100)
-            out[f"{key}_us_p{q}"] = None if v is None else round(v * 1e6, 1)
-        if key == "host":
-            out["iterations"] = None if h is None else int(h[float("inf")])
+    loop = between(before, after)
+    out |= {k: loop[k] for k in ("loop_iterations", "host_us_p50", "host_us_p99", "gpu_idle_us_p50", "gpu_idle_us_p99",
+                                 "step_gpu_us_p50", "step_gpu_us_p99")}
     for q in (50, 99):
         out[f"token_gap_us_p{q}"] = round(gaps[min(len(gaps) - 1, int(q / 100 * len(gaps)))] * 1e6, 1) if gaps \
             else None
@@ -71,7 +67,7 @@ def window(rt: Runtime, rows: int, seconds: float, max_tokens: int) -> dict[str,
     return out
 
 
-COLUMNS = (("rows", "rows"), ("iterations", "iterations"), ("host_us_p50", "host µs p50"),
+COLUMNS = (("rows", "rows"), ("loop_iterations", "iterations"), ("host_us_p50", "host µs p50"),
            ("host_us_p99", "host µs p99"), ("gpu_idle_us_p50", "GPU idle µs p50"),
            ("gpu_idle_us_p99", "GPU idle µs p99"),
            ("step_gpu_us_p50", "step on the GPU µs p50"), ("token_gap_us_p50", "token gap µs p50"),

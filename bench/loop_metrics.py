@@ -86,8 +86,11 @@ def figures(raw: Path, loadtest: str) -> dict[str, Any]:
     after_file, before_file = raw / f"{loadtest}{AFTER}", raw / f"{loadtest}{BEFORE}"
     if not after_file.exists():
         return {}
-    after = after_file.read_text()
-    before = before_file.read_text() if before_file.exists() else None
+    return between(before_file.read_text() if before_file.exists() else None, after_file.read_text())
+
+
+def between(before: str | None, after: str) -> dict[str, Any]:
+    """figures()'s figures from two scrapes' texts (bench engine-loop reads the engine's registry itself)."""
     out: dict[str, Any] = {}
     for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE), ("step_gpu", STEP_GPU), ("verdict", VERDICT),
                       ("received", RECEIVED), ("forecast", FORECAST), ("delivery", DELIVERY), ("front_lag", FRONT_LAG)):

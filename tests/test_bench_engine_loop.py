@@ -18,7 +18,7 @@ def test_engine_loop_reports_each_row_count(tmp_path: Path) -> None:
     one, three = doc["windows"]
     assert (one["rows"], three["rows"]) == (1, 3)
     for w in (one, three):
-        assert w["iterations"] > 10 and 0 < w["host_us_p50"] <= w["host_us_p99"]
+        assert w["loop_iterations"] > 10 and 0 < w["host_us_p50"] <= w["host_us_p99"]
         assert 0 < w["token_gap_us_p50"] <= w["token_gap_us_p99"] <= w["token_gap_us_max"]
         assert w["gpu_idle_us_p99"] is None and w["step_gpu_us_p50"] is None and w["gap_p99_over_step"] is None
     # three streams decode together: about three times the tokens a second of one (not three times the steps)
