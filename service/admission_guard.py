@@ -43,6 +43,7 @@ to 40% late).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -163,6 +164,18 @@ class AdmissionGuard:
         recent = sorted(list(own.order)[-PRIOR_SCORES:])
         seen = recent[-2] if len(recent) > 1 else PRIOR_ALONE  # the largest score never decides alone
         return (len(recent) * seen + PRIOR_SCORES * PRIOR_ALONE) / (len(recent) + PRIOR_SCORES)
+
+    def typical(self, level: Level) -> float:
+        """How far forecasts at this level run off on the whole: the median of its own scores, of the nearest levels'
+        while it has fewer than PRIOR_SCORES, 1 where there are none; never above its stretch."""
+        with self._lock:
+            pool: list[float] = []
+            for ring in self._rings(level):
+                pool += [x for lv in ring for x in self._scores[lv].ranked]
+                if len(pool) >= PRIOR_SCORES:
+                    break
+            usual = statistics.median(pool) if len(pool) >= PRIOR_SCORES else 1.0
+            return min(usual, self._stretch(level))
 
     def _rings(self, level: Level) -> Iterator[list[Level]]:
         """The levels that have scores and may stand in for `level` (beside others), by their distance from it,

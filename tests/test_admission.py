@@ -474,6 +474,39 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
         adm.check(pushing)  # its 27 ms prefill launch ahead of those steps would make it miss
 
 
+def test_a_request_late_only_at_the_stretch_holds_back_a_newcomer_that_delays_it():
+    """Forecasts here usually run to time (median score 1.0) and now and then 20% over (the stretch, 1.20). A running
+    request whose stretched forecast has drifted past its deadline, but which makes it at the usual pace, is not given
+    up: a newcomer whose prefill launch would delay it is refused; one that delays it not at all is admitted. Once it
+    is late even at the usual pace, nothing holds the newcomer back."""
+    from service.admission_guard import Level
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+
+    def drifted(left_s):
+        adm = AdmissionController(lat, 0.2, 64, 4)
+        n = adm.guard.enough
+        for i in range(n):
+            adm.guard.observe(Level(0, 0), 1.20 if i < n // 10 else 1.0, 1.20)
+        running = newcomer(state=State.RUNNING)
+        adm.check(running)
+        pushing, riding = newcomer(prompt_tokens=400), newcomer()
+        running.output_ids = [0] * 10  # 54 tokens to go: 108 ms at the usual pace, 130 ms stretched
+        running.deadline = time.perf_counter() + left_s
+        return adm, pushing, riding
+
+    adm, pushing, riding = drifted(0.119)
+    level = Level(1, 2)
+    assert adm.guard.stretch(level) == pytest.approx(1.20) and adm.guard.typical(level) == pytest.approx(1.0)
+    with pytest.raises(Rejected, match="admitted one miss"):
+        adm.check(pushing)  # its prefill launch (27 ms) would come first
+    adm.check(riding)  # rides beside it: delays it not at all
+
+    adm, pushing, _ = drifted(0.098)  # late at the usual pace too: a lost cause
+    adm.check(pushing)
+
+
 def test_a_cancelled_request_holds_nobody_back():
     """A barge-in's next turn comes as soon as response.done does, which may be before the engine has dropped the
     cancelled reply: it is judged as if that one were gone (it is, by the engine's next step)."""
