@@ -123,17 +123,11 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "ch128-all": lambda w: KernelConfig(chunk=128),
     # five chunks of K/V copied ahead instead of three (wide launches: 160 KB of shared memory)
     "attn-st6": lambda w: KernelConfig(attn_stages=6),
-    # ... two instead of three (s45: with chains2 it took 8 rows at context 2048 -1.3% bf16, -1.8% FP8, where chains
-    # do not apply)
+    # ... two instead of three (s45, two calls: never slower; 8 rows at context 2048 -1.3% bf16, -1.7% FP8)
     "attn-st3": lambda w: KernelConfig(attn_stages=3),
     # splits (partials and a merge) also where each (row, KV head) has one task: the default before s44 (default: one
     # split there, one pipeline fill, no merge)
     "multi-split": lambda w: KernelConfig(single_split=False),
-    # where a pair is one split (above), its halves as two independent online softmaxes side by side, merged at the
-    # end (KernelConfig.attn_chains; default: one chain of dependent steps a chunk)
-    "chains2": lambda w: KernelConfig(attn_chains=2),
-    # ... copying two steps (four chunks) ahead, not three (six): the 16-row launch 130 KiB of shared memory, not 194
-    "chains2-st3": lambda w: KernelConfig(attn_chains=2, attn_stages=3),
     # one (up to 2) KV heads of a row an attention task (default: up to 4, where the bucket has a task per pair)
     "attn-h1": lambda w: KernelConfig(attn_heads=1),
     "attn-h2": lambda w: KernelConfig(attn_heads=2),

@@ -7,9 +7,6 @@ software pipeline. A split's running max, sum and output restart where it starts
 a task of one head does them, so the sums are the same. (All the heads' chunks in one pipelined loop was tried: the
 pipeliner then copies q ahead too, in 4-byte `cp.async.ca` copies that go through L1, where an earlier layer's q may
 still sit: wrong logits on the H100, right in the interpreter.)
-
-Where AttnShape.chains is 2 (launches whose pairs are one split each: Megakernel.attn_shape), a split streams its two
-halves side by side as two independent online softmaxes (_two_chains). A task of several heads keeps one chain.
 """
 
 from __future__ import annotations
@@ -42,36 +39,6 @@ def _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt):
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _two_chains(q, cache, base, start, end, qk_scale, dt, D: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
-    """A split's positions [start, end) as two independent online softmaxes over its halves (cut at a chunk), a
-    chunk of each a step, merged at the end as two splits are: its running max, sum and output. A chain's chunk
-    waits on its own last chunk only (copy, QK^T, max, exp2, sum, PV), so each chain's steps fill the other's waits:
-    a long split costs per step, not per byte (KernelConfig.attn_chains). The second half may be a chunk short, or
-    empty (a split of one chunk): the running maxima start at a finite floor, so an all-masked chunk adds nothing
-    (from -inf, exp2(-inf - -inf) is NaN)."""
-    CH: tl.constexpr = ATT.chunk
-    GPAD: tl.constexpr = ATT.group_pad
-    half = tl.cdiv(tl.cdiv(end - start, 2), CH) * CH
-    m_a = tl.full([GPAD], -1e30, tl.float32)
-    l_a = tl.zeros([GPAD], tl.float32)
-    acc_a = tl.zeros([GPAD, D], tl.float32)
-    m_b = tl.full([GPAD], -1e30, tl.float32)
-    l_b = tl.zeros([GPAD], tl.float32)
-    acc_b = tl.zeros([GPAD, D], tl.float32)
-    for c0 in tl.range(start, start + half, CH, num_stages=ATT.stages):
-        ra = c0 + tl.arange(0, CH)
-        rb = ra + half
-        ka, va = _kv_chunk(cache, base, ra, ra < end, D, CG)
-        kb, vb = _kv_chunk(cache, base, rb, rb < end, D, CG)
-        m_a, l_a, acc_a = _chunk(q, ka, va, ra < end, m_a, l_a, acc_a, qk_scale, dt)
-        m_b, l_b, acc_b = _chunk(q, kb, vb, rb < end, m_b, l_b, acc_b, qk_scale, dt)
-    m_i = tl.maximum(m_a, m_b)
-    w_a = tl.exp2(m_a - m_i)
-    w_b = tl.exp2(m_b - m_i)
-    return m_i, l_a * w_a + l_b * w_b, acc_a * w_a[:, None] + acc_b * w_b[:, None]
 
 
 @triton.jit
@@ -204,17 +171,14 @@ def attention(layer, b, g0, s, S, arrive, cnt_ptr, inputs, q_ptr, cache, scratch
         for i in range(s, n_split, S):
             start = i * span
             end = tl.minimum(start + span, n_pos)
-            if ATT.chains == 2:
-                m_i, l_i, acc = _two_chains(q, cache, base, start, end, qk_scale, dt, D, ATT, CG)
-            else:
-                m_i = tl.full([GPAD], float("-inf"), tl.float32)
-                l_i = tl.zeros([GPAD], tl.float32)
-                acc = tl.zeros([GPAD, D], tl.float32)
-                for c0 in tl.range(start, end, CH, num_stages=ATT.stages):
-                    rc = c0 + tl.arange(0, CH)
-                    mc = rc < end
-                    k, v = _kv_chunk(cache, base, rc, mc, D, CG)
-                    m_i, l_i, acc = _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt)
+            m_i = tl.full([GPAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([GPAD], tl.float32)
+            acc = tl.zeros([GPAD, D], tl.float32)
+            for c0 in tl.range(start, end, CH, num_stages=ATT.stages):
+                rc = c0 + tl.arange(0, CH)
+                mc = rc < end
+                k, v = _kv_chunk(cache, base, rc, mc, D, CG)
+                m_i, l_i, acc = _chunk(q, k, v, mc, m_i, l_i, acc, qk_scale, dt)
             _split_done(b, g0, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL, ATT)
         if n_split == 1:
             done = tl.full([], 1, tl.int32)

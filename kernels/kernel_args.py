@@ -91,7 +91,7 @@ class ModelShape(NamedTuple):
 class AttnShape(NamedTuple):
     """Attention's constexprs: the query heads of a KV head padded to a power of two, positions per inner step,
     splits per (row, KV head) at most, chunks a split reads at least, KV heads a task (of one row), the K/V
-    pipeline's stages, independent online softmaxes a split of a one-head task runs side by side (1 or 2)."""
+    pipeline's stages."""
 
     group_pad: int
     chunk: int
@@ -99,7 +99,6 @@ class AttnShape(NamedTuple):
     split_min_chunks: int
     heads: int = 1
     stages: int = 4
-    chains: int = 1
 
 
 class Sched(NamedTuple):

@@ -281,11 +281,6 @@ class KernelConfig:
     # rows took 1.509 -> 1.443 ms at context 2048 (bf16), FP8 1.365 -> 1.255, 0.918 -> 0.883 at 128; 1 and 8 rows
     # unchanged (bench/NOTES.md, s44; variant `multi-split` is the old way)
     single_split: bool = True
-    # Where a launch streams each pair as one split (above) and a task takes one KV head: 2 runs the split's halves as
-    # two independent online softmaxes side by side, merged at its end (attention._two_chains). At context 2048 a
-    # 16-row pair's 16 chunks cost their chain of dependent steps, not their bytes (H200: 26 us a layer against 16 us
-    # of bytes); two chains of 8 may hide each other's waits (variant `chains2`, not timed yet)
-    attn_chains: int = 1
     min_rows: int = 1  # a launch pads its rows to max(bucket, min_rows)
     batch_invariant: bool = False  # every bucket pads its rows to the largest one: the same sums in the same order
     prefetch_ahead: int = 1  # tasks ahead whose first weights are prefetched into L2 (0: none)
@@ -541,8 +536,7 @@ class Megakernel:
         wide = rows >= c.wide_chunk_rows
         one = c.single_split and self.tiling(rows).attn_splits == 1
         return AttnShape(self.gpad, c.wide_chunk if wide else c.chunk, 1 if one else self.max_splits,
-                         c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages,
-                         c.attn_chains if one and s.tiling.attn_heads == 1 else 1)
+                         c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages)
 
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object]
                 ) -> None:

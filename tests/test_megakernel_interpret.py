@@ -123,11 +123,7 @@ MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk":
                  "mixed-llama-wide": ("mixed-llama", {"chunk": 16, "wide_chunk": 32, "wide_chunk_rows": 32}),
                  # the launches whose pairs have one task each (8 rows here) stream a pair as one split, the 32-row
                  # one keeps its two (KernelConfig.single_split, the default); here every launch splits
-                 "mixed-llama-multi": ("mixed-llama", {"chunk": 16, "single_split": False}),
-                 # ... and those launches (4 and 8 rows, one KV head a task) stream each pair's halves as two
-                 # chains merged at the end (KernelConfig.attn_chains): the next step's rows of 38 and 10 positions
-                 # give the second half one chunk of two and none; the 32-row launch (two splits) keeps one chain
-                 "mixed-llama-chains": ("mixed-llama", {"chunk": 16, "attn_chains": 2, "attn_heads": 1})}
+                 "mixed-llama-multi": ("mixed-llama", {"chunk": 16, "single_split": False})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
@@ -161,7 +157,7 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     assert r["sampled"][0] == r["mixed"]["argmax"][0] and r["sampled"][1:] != r["mixed"]["argmax"][1:], r
     assert r["chunked"]["vs_one_step"] < 1e-5, r
     assert r["refused"] == ["too many rows", "too many sampled rows"], r
-    if MIXED_STREAMS.get(case, ("", {}))[1].get("attn_heads", 1) > 1:
+    if "attn_heads" in MIXED_STREAMS.get(case, ("", {}))[1]:
         assert r["attn_heads"] == MIXED_STREAMS[case][1]["attn_heads"], r
         assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
     if case == "mixed-llama-wide":
@@ -170,10 +166,6 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
         assert r["attn_shapes"]["8"][1] == 1 and r["attn_shapes"]["32"][1] > 1, r
     if case == "mixed-llama-multi":
         assert all(splits > 1 for _, splits in r["attn_shapes"].values()), r
-    if case == "mixed-llama-chains":
-        assert r["attn_chains"] == {"32": 1, "8": 2, "4": 2}, r
-        # the next step (4 rows) has a row whose second chain is a chunk short and one whose second chain is empty
-        assert any(0 < b < a for a, b in r["next_chains"]) and any(b == 0 for _, b in r["next_chains"]), r
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -412,7 +404,6 @@ def _check_mixed(case: str) -> dict:
     from service.model.config import ModelConfig, RopeScaling
 
     base, stream = MIXED_STREAMS.get(case, (case, {}))
-    multi_head = stream.get("attn_heads", 1) > 1  # several KV heads a task
     bias, heads, kv_heads, head_dim, hidden, vocab, splits = MIXED[base]
     c = ModelConfig(
         name=f"tiny-{case}", architecture="qwen2" if bias else "llama", hidden_size=hidden, num_layers=2,
@@ -432,13 +423,13 @@ def _check_mixed(case: str) -> dict:
         d = MegakernelDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32, max_batch=4, max_rows=32,
                               kernel_config=KernelConfig(**cfg))  # type: ignore[arg-type]
         # (several heads a task: one task a pair)
-        d.kernel.attn_splits = {32: 1 if multi_head else splits, 8: 1}
+        d.kernel.attn_splits = {32: 1 if "attn_heads" in stream else splits, 8: 1}
         return d
 
     mk = decoder(**stream)
     # the same case's kernel with one KV head a task
     strided = decoder(**{k: v for k, v in stream.items() if k != "attn_heads"}, attn_heads=1) \
-        if multi_head else None
+        if "attn_heads" in stream else None
 
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -489,15 +480,6 @@ def _check_mixed(case: str) -> dict:
     # each launch's positions a step and splits at most
     out["attn_shapes"] = {n: (lambda a: [a.chunk, a.max_splits])(mk.kernel.attn_shape(mk.kernel.schedule(n)))
                           for n in (32, 8, 4)}
-    out["attn_chains"] = {n: mk.kernel.attn_shape(mk.kernel.schedule(n)).chains for n in (32, 8, 4)}
-    # the next step's rows: chunks of each chain where a pair streams as two (attention._two_chains)
-    ch = mk.kernel.attn_shape(mk.kernel.schedule(4)).chunk
-
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
-
-    halves = [cdiv(cdiv(p + 1, 2), ch) * ch for p in ps2]
-    out["next_chains"] = [(h // ch, cdiv(max(p + 1 - h, 0), ch)) for p, h in zip(ps2, halves)]
     if strided is not None:
         out["attn_heads"] = mk.kernel.schedule(32).tiling.attn_heads
         mixed_bits = torch.equal(strided.decode(sl, tk, ps, draws, sampled_rows=4).logits, b.logits)
