@@ -37,6 +37,7 @@ from service.latency_model import LatencyModel
 
 log = logging.getLogger("parley.admission")
 
+DELIVERY_SHARE = 0.05  # the most of the SLA a request's deadline leaves for its tokens' way to the front end
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
 OVER_LOG_EVERY_S = 1.0  # a score over the stretch it was admitted with is logged at most this often
@@ -122,7 +123,9 @@ class AdmissionController:
         self.planner = planner
 
     def check(self, req: Request) -> None:
-        req.deadline = req.arrival + self.sla_s
+        # room for the hop from the engine to the front end, where the client's clock reads it (api/delivery.py); at
+        # most a share of the SLA, so that a front end that stalled once cannot make an idle server refuse
+        req.deadline = req.arrival + self.sla_s - min(req.delivery_s, DELIVERY_SHARE * self.sla_s)
         with self._deciding:
             with self._lock:
                 active = self._in_flight()

@@ -195,7 +195,7 @@ class EngineService:
                                 seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
         try:
             req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.rid), session=session,
-                                     arrival=m.arrival, received=received)
+                                     arrival=m.arrival, received=received, delivery_s=m.delivery_s)
         except Rejected as r:
             return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
         except ValueError as e:

@@ -189,9 +189,9 @@ class EngineClient:
     async def submit(self, prompt_ids: list[int], params: SamplingParams, grammar: RemoteGrammar | None = None,
                      session: RemoteSession | None = None, arrival: float | None = None,
                      on_close: Callable[[], None] | None = None,
-                     on_delivered: Callable[[float], None] | None = None) -> RemoteStream:
+                     on_delivered: Callable[[float], None] | None = None, delivery_s: float = 0.0) -> RemoteStream:
         """Submit and wait for admission's verdict: the stream, or Rejected (429, 503), ValueError (a prompt the
-        engine cannot take), GrammarError (a grammar that does not compile)."""
+        engine cannot take), GrammarError (a grammar that does not compile). `delivery_s`: Engine.submit's."""
         if self.dead is not None:
             raise Rejected("engine_gone", f"the engine process is gone: {self.dead}", retry_after_s=5.0, status=503)
         rid = next(self._rids)
@@ -200,7 +200,7 @@ class EngineClient:
         p = Params(params.max_tokens, params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), params.seed,
                    list(params.stop), params.ignore_eos, None if grammar is None else grammar.lark,
                    grammar is not None and grammar.opening)
-        self._send(Submit(rid, list(prompt_ids), p, arrival, None if session is None else session.id))
+        self._send(Submit(rid, list(prompt_ids), p, arrival, None if session is None else session.id, delivery_s))
         try:
             verdict = await stream.verdict
         except BaseException:  # cancelled while waiting (the client went away): the engine must not run it

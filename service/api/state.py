@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 
+from service.api.delivery import DeliveryWatch
 from service.api.engine_client import EngineClient, RemoteGrammar, RemoteSession, RemoteStream
 from service.api.errors import APIError
 from service.api.streaming import EngineStream
@@ -31,6 +32,7 @@ class ServerState:
     failed: str | None = None  # why the runtime could not be built
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: FrontEndMetrics = field(default_factory=FrontEndMetrics)  # what the front end counts itself
+    delivery: DeliveryWatch = field(default_factory=DeliveryWatch)  # how long tokens take to get here lately
     _streams: int = 0
     _streams_changed: threading.Condition = field(default_factory=threading.Condition)
 
@@ -138,15 +140,20 @@ class ServerState:
         if self.client is not None:
             assert session is None or isinstance(session, RemoteSession)
             stream = await self.client.submit(prompt_ids, params, grammar, session=session, arrival=arrival,
-                                              on_close=self._stream_closed,
-                                              on_delivered=self.metrics.token_delivery.observe)
+                                              on_close=self._stream_closed, on_delivered=self._delivered,
+                                              delivery_s=self.delivery.allowance())
         else:
             assert grammar is None and (session is None or isinstance(session, Session))
             stream = EngineStream(self._runtime.engine, prompt_ids, params, session=session, arrival=arrival,
-                                  on_close=self._stream_closed, on_delivered=self.metrics.token_delivery.observe)
+                                  on_close=self._stream_closed, on_delivered=self._delivered,
+                                  delivery_s=self.delivery.allowance())
         with self._streams_changed:
             self._streams += 1
         return stream
+
+    def _delivered(self, seconds: float) -> None:
+        self.metrics.token_delivery.observe(seconds)
+        self.delivery.observe(seconds)
 
     def _stream_closed(self) -> None:
         with self._streams_changed:

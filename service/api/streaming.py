@@ -61,7 +61,7 @@ class EngineStream(QueuedDeltas):
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
                  session: Session | None = None, arrival: float | None = None,
                  on_close: Callable[[], None] | None = None,
-                 on_delivered: Callable[[float], None] | None = None) -> None:
+                 on_delivered: Callable[[float], None] | None = None, delivery_s: float = 0.0) -> None:
         super().__init__(on_delivered)
         self.engine = engine
         self._loop = asyncio.get_running_loop()
@@ -69,7 +69,8 @@ class EngineStream(QueuedDeltas):
         self._on_close = on_close
         # Raises Rejected (refused) or ValueError (bad input) before anything is queued.
         self.request: Request = engine.submit(prompt_ids, params, self._sink, session=session,
-                                              arrival=arrival if arrival is not None else time.perf_counter())
+                                              arrival=arrival if arrival is not None else time.perf_counter(),
+                                              delivery_s=delivery_s)
 
     def _sink(self, delta: Delta) -> None:
         """Called on the engine thread; must never raise there (that would fail the whole batch)."""

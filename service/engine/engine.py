@@ -148,9 +148,10 @@ class Engine:
     # -- the API's side (any thread) ----------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Delta], None],
                session: Session | None = None, arrival: float | None = None,
-               received: float | None = None) -> Request:
+               received: float | None = None, delivery_s: float = 0.0) -> Request:
         """Validate, admit (or raise Rejected) and enqueue. ValueError for input the model cannot take. `received`:
-        when the engine's process read the request (else now)."""
+        when the engine's process read the request (else now); `delivery_s`: how long tokens take from here to the
+        front end lately (admission leaves room for it)."""
         received = time.perf_counter() if received is None else received
         if not self.accepting:
             raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
@@ -167,6 +168,7 @@ class Engine:
                       output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
         if arrival is not None:
             req.arrival = arrival
+        req.delivery_s = delivery_s
         req.prompt_blocks = block_hashes(req.prompt_ids)
         req.cached_tokens = self.planner.slots.expected_cached(req.prompt_ids, req.prompt_blocks, session)
         req.choice = sampler.choice_of(req, self.decoder.draws_tokens)

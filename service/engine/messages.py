@@ -38,6 +38,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     params: Params
     arrival: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for every process of the host)
     session: str | None = None  # a realtime session's id: its turns share a pinned KV slot
+    delivery_s: float = 0.0  # the front end's recent token delivery (api/delivery.py): admission leaves room for it
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):

@@ -97,6 +97,7 @@ class Request:
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # when the SLA token must be out (set by admission)
+    delivery_s: float = 0.0  # how long its tokens take from the engine to the front end lately (measured there)
     sla_tokens: int = 64
     state: State = State.WAITING
     slot: int | None = None
