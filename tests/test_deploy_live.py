@@ -53,11 +53,13 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 @pytest.fixture(scope="module")
 def scraped_server(tmp_path_factory) -> Iterator[Server]:
-    """The embedded model, SLA at the 8th token and a GPU price, so that every panel has something to show."""
+    """The embedded model, SLA at the 8th token and a GPU price, so that every panel has something to show; an SLA
+    of a minute, so that every forecast is within admission's horizon and its requests leave the guard scores (the
+    guard's median panel): at 100 ms a busy CI machine forecast past it, and the panel had no data."""
     # A short context keeps the start-up calibration sweep short (no 1,024-token prefill on the CPU).
     yield from served(start_server(tmp_path_factory.mktemp("scraped") / "parley.log", "--device", "cpu",
                                    "--max-batch", "2", "--max-context", "256", "--sla-tokens", str(SLA_TOKENS),
-                                   "--gpu-hourly-usd", "2.5", timeout_s=SERVER_START_TIMEOUT_S))
+                                   "--sla-ms", "60000", "--gpu-hourly-usd", "2.5", timeout_s=SERVER_START_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
