@@ -51,6 +51,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from bench.server import ServerFailed, add_api_key_argument, api_key, auth_headers, use_api_key
 from bench.server import start as start_server
 from bench.server import stop as stop_server
+from loadtest.sse import event_lines
 
 BAD_BODIES = [  # (path, body, the status it must get)
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
@@ -155,7 +156,7 @@ async def http_request(client: httpx.AsyncClient, rng: random.Random, t: Tally) 
             t.fail(f"{where}: {r.status_code} {(await r.aread())[:200]!r}")
             return
         seen, last = 0, ""
-        async for line in r.aiter_lines():
+        async for line in event_lines(r.aiter_bytes()):
             if not line.startswith("data: "):
                 continue
             seen, last = seen + 1, line[6:]

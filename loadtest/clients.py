@@ -14,6 +14,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
 from loadtest.record import RequestRecord
+from loadtest.sse import event_lines
 from loadtest.workload import Message, prompt_text
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "realtime": "/v1/realtime"}
@@ -134,7 +135,7 @@ async def http_turn(client: httpx.AsyncClient, target: Target, conversation: lis
 async def _read_sse(resp: httpx.Response, rec: RequestRecord, t0: float, cancel_after: int | None) -> None:
     parts: list[str] = []
     usage_tokens: int | None = None
-    async for line in resp.aiter_lines():
+    async for line in event_lines(resp.aiter_bytes()):
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()

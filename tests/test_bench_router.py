@@ -173,7 +173,7 @@ def test_the_whole_script_on_the_cpu(tmp_path: Path) -> None:
 
     f = doc["phases"]["failover"]
     assert f["router_marked_down_s"] is not None and 0 <= f["router_marked_down_s"] <= 5
-    assert f["hung"] == 0 and f["failed_sent_after_kill"] == 0, f
+    assert f["hung"] == 0 and f["failed_sent_after_kill"] == 0, (f["errors"], f)  # the errors first: f is long
     assert f["victim_completed_after_restart"] >= 3 and f["restart_healthy_s"] > 0
     assert f["survivor_alone"]["requests"] > 0
 

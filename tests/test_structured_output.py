@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -144,3 +145,20 @@ def test_json_object_output_is_an_object(client: openai.OpenAI) -> None:
                                        response_format={"type": "json_object"}, temperature=0)
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.slow
+def test_unicode_line_breaks_in_a_reply_keep_each_event_one_line(shared_server: Server) -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 raw inside strings, and httpx's iter_lines (like str.splitlines) ends a
+    line there: the server escapes them, so a Python client reading its stream line by line gets whole events."""
+    value = "a\u2028b\u0085c\u2029d"
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "enum": [value]}}}
+    body = {"model": "smollm2-135m-instruct", "messages": MESSAGES, "response_format": fmt, "max_tokens": 24,
+            "stream": True}
+    with httpx.stream("POST", f"{shared_server.base}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]  # each one whole JSON event
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "\u2028" in text and json.loads(text) == value  # the model wrote the breaks raw; they arrived intact

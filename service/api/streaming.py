@@ -106,8 +106,16 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
+# JSON leaves these line breaks raw inside strings, and readers that split text at every Unicode line boundary
+# (httpx's aiter_lines, Python's str.splitlines) would cut an event there; escaped, the JSON value is the same
+UNICODE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(data: str) -> bytes:
-    """One `data:` event; `data` is one line (JSON as pydantic writes it, or [DONE])."""
+    """One `data:` event; `data` is one line (JSON as pydantic writes it, or [DONE]), kept one line for any line
+    reader."""
+    if not data.isascii():
+        data = data.translate(UNICODE_BREAKS)
     return f"data: {data}\n\n".encode()
 
 
