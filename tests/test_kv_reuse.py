@@ -149,7 +149,9 @@ def test_concurrent_requests_sharing_a_prefix_are_each_correct(tiny) -> None:
 
 # -- against servers ------------------------------------------------------------------------------------------------
 SLOTS, MAX_BATCH = 4, 2
-SERVE = ("--max-batch", str(MAX_BATCH), "--kv-slots", str(SLOTS), "--max-context", str(CTX))
+# a one-minute SLA: these tests are about the cache; at 100 ms a busy machine's admission may refuse one of four
+# prompts sent at once (seen once, on a CI box shared with two busy processes)
+SERVE = ("--max-batch", str(MAX_BATCH), "--kv-slots", str(SLOTS), "--max-context", str(CTX), "--sla-ms", "60000")
 
 
 @pytest.fixture(scope="module")
