@@ -169,12 +169,16 @@ class AdmissionGuard:
         """How far forecasts at this level run off on the whole: the median of its own scores, of the nearest levels'
         while it has fewer than PRIOR_SCORES, 1 where there are none; never above its stretch."""
         with self._lock:
-            pool: list[float] = []
-            for ring in self._rings(level):
-                pool += [x for lv in ring for x in self._scores[lv].ranked]
-                if len(pool) >= PRIOR_SCORES:
-                    break
-            usual = statistics.median(pool) if len(pool) >= PRIOR_SCORES else 1.0
+            own = self._scores.get(level)
+            if own is not None and len(own) >= PRIOR_SCORES:  # the loaded case: its window keeps them ranked
+                usual = own.median()
+            else:
+                pool: list[float] = []
+                for ring in self._rings(level):
+                    pool += [x for lv in ring for x in self._scores[lv].ranked]
+                    if len(pool) >= PRIOR_SCORES:
+                        break
+                usual = statistics.median(pool) if len(pool) >= PRIOR_SCORES else 1.0
             return min(usual, self._stretch(level))
 
     def _rings(self, level: Level) -> Iterator[list[Level]]:
