@@ -121,10 +121,10 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "wide-s8": lambda w: KernelConfig(wide_split_min_chunks=8),
     # every bucket 128 positions a step
     "ch128-all": lambda w: KernelConfig(chunk=128),
-    # five chunks of K/V copied ahead instead of three (wide launches: 160 KB of shared memory)
+    # five chunks of K/V copied ahead instead of two (wide launches: 160 KB of shared memory)
     "attn-st6": lambda w: KernelConfig(attn_stages=6),
-    # ... two instead of three (s45, two calls: never slower; 8 rows at context 2048 -1.3% bf16, -1.7% FP8)
-    "attn-st3": lambda w: KernelConfig(attn_stages=3),
+    # ... three instead of two: the default before s46 (two: never slower in s45's calls, 8 rows at 2048 -1.3/-1.7%)
+    "attn-st4": lambda w: KernelConfig(attn_stages=4),
     # splits (partials and a merge) also where each (row, KV head) has one task: the default before s44 (default: one
     # split there, one pipeline fill, no merge)
     "multi-split": lambda w: KernelConfig(single_split=False),

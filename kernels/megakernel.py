@@ -275,7 +275,10 @@ class KernelConfig:
     wide_chunk_rows: int = 8
     wide_chunk: int = 128
     wide_split_min_chunks: int = 4
-    attn_stages: int = 4  # attention's K/V pipeline: stages - 1 chunks copied ahead
+    # Attention's K/V pipeline: stages - 1 chunks copied ahead. Two, not three: on the H200 8 rows at context 2048
+    # took 1.219 -> 1.203 ms (bf16), 1.095 -> 1.076 (FP8), never slower in two calls (bench/NOTES.md, s45; variant
+    # `attn-st4` is the old way)
+    attn_stages: int = 3
     # Where a launch gives each (row, KV head) one attention task (its tiling's attn_splits 1: Llama's 16 rows), that
     # task streams all the pair's positions as one split: one pipeline fill, no partials, no merge. On the H200 16
     # rows took 1.509 -> 1.443 ms at context 2048 (bf16), FP8 1.365 -> 1.255, 0.918 -> 0.883 at 128; 1 and 8 rows
