@@ -244,3 +244,17 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert front["front_lag_ms_max"] == 500.0 and front["front_lag_us_p99"] is not None
     assert loop_metrics.longest({0.1: 0, 0.5: 0, float("inf"): 2}) == 0.5  # past the last bound: that bound
     assert figures["front_lag_ms_max"] is None  # a server before the watch
+
+
+def test_idle_gap_reads_nvidia_smi_samples_and_skips_broken_lines(tmp_path: Path) -> None:
+    from bench.idle_gap import read_samples
+
+    path = tmp_path / "clocks.csv"
+    path.write_text("2026/11/28 19:40:01.123, 1980, 3201, 312.45, P0, 0x0000000000000000\n"
+                    "2026/11/28 19:40:01.143, 345, 3201, [N/A], P0, 0x0000000000000001\n"
+                    "2026/11/28 19:40:01.1")  # cut short when the sampler stopped
+    samples = read_samples(path)
+    assert [s["sm_mhz"] for s in samples] == [1980.0, 345.0]
+    assert samples[0]["power_w"] == 312.45 and samples[1]["power_w"] is None
+    assert samples[1]["t"] - samples[0]["t"] == pytest.approx(0.020, abs=1e-6)
+    assert samples[1]["reasons"] == "0x0000000000000001"
