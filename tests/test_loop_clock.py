@@ -131,6 +131,22 @@ def test_a_failed_launch_pairs_with_nothing():
     assert observed(idle) == (0, 0)
 
 
+def test_a_step_starts_at_its_first_start_and_a_second_changes_nothing():
+    """The engine starts a step before its prefix copies, and the decoder again before its input copy: the first
+    queued work is the step's start (a second event would be recorded, and the copies' time read as idle)."""
+    clock, gpu, _, idle = fake_clock()
+    step(clock, gpu, 0.000, 0.001, consecutive=False)
+    gpu.times += [0.0012, 0.003]  # the host was 200 us late to queue the second step's first work
+    clock.step_start()  # its prefix copy
+    clock.step_start()  # the decoder's input copy: no event recorded
+    clock.step_end(consecutive=True)
+    gpu.now = 1.0
+    clock.iteration(0.0, 0.0)
+    assert observed(idle) == (1, pytest.approx(200e-6))
+    assert clock.step_gpu is not None
+    assert observed(clock.step_gpu) == (2, pytest.approx(0.001 + 0.0018))
+
+
 def test_host_time_is_the_iteration_less_the_device_and_never_negative():
     clock, _, host, _ = fake_clock()
     clock.iteration(0.003, 0.0025)
@@ -183,6 +199,36 @@ class StampingDecoder(ReferenceDecoder):
     def decode(self, *args, **kwargs):
         self.called.put(time.perf_counter())
         return super().decode(*args, **kwargs)
+
+
+class HookedDecoder(ReferenceDecoder):
+    """The reference decoder with the megakernel's `before_launch` hook, called between its preparation and its
+    compute, as the megakernel calls it before its input copy."""
+
+    before_launch = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hooked = 0
+
+    def decode(self, *args, **kwargs):
+        if self.before_launch is not None:
+            self.before_launch()
+            self.hooked += 1
+        return super().decode(*args, **kwargs)
+
+
+def test_the_engine_starts_its_step_clock_where_the_decoder_queues_its_first_work(tiny):
+    dec = HookedDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4)
+    assert dec.before_launch is not None, "the engine hands its clock's step start to a decoder that can call it"
+    eng.start()
+    try:
+        deltas = list(eng.generate(list(range(1, 33)), GREEDY))
+    finally:
+        eng.stop()
+    assert deltas[-1].finish_reason == "length"
+    assert dec.hooked >= GREEDY.max_tokens  # every step (the prompt's, then one a token) called it
 
 
 def test_an_idle_engine_starts_a_submitted_request_at_once(tiny):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,10 @@ def megakernel_available() -> bool:
 class MegakernelDecoder:
     name = "megakernel"
     draws_tokens = True  # temperature sampling runs inside the step (kernels/sampling.py)
+    # Called in decode() between the host's preparation and the step's first GPU work (the input copy): where the
+    # engine's LoopClock starts the step, so that host time spent before it while the GPU waits reads as idle, not
+    # as the step's GPU time
+    before_launch: Callable[[], None] | None = None
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -188,6 +193,9 @@ class MegakernelDecoder:
                 self._host_masks[i, :k] = allowed[:k]
                 self._host_masks[i, k:] = 0
                 self._host[6, i] = 1
+        if self.before_launch is not None:
+            self.before_launch()
+        if masks:
             self.kernel.masks[:m].copy_(self._host_masks[:m], non_blocking=True)
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:

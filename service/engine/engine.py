@@ -108,6 +108,11 @@ class Engine:
         self._clock = LoopClock(decoder.device, self.metrics.engine_host,
                                 self.metrics.track_gpu_idle() if decoder.device.type == "cuda" else None,
                                 step_gpu=self.metrics.step_gpu)
+        # where the decoder can say when its step's GPU work starts (after its host-side preparation), the clock's
+        # step starts there; else right before decode() is called
+        self._decoder_starts_clock = hasattr(decoder, "before_launch")
+        if self._decoder_starts_clock:
+            decoder.before_launch = self._clock.step_start  # type: ignore[attr-defined]
         self._slow_prefills = 0  # the decoder's count, as last exported
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
@@ -342,8 +347,9 @@ class Engine:
         t0 = time.perf_counter()
         self._busy_since = time.monotonic()
         self._launch_phases = {}
-        self._clock.step_start()
         try:
+            if plan.copies or plan.launches:
+                self._clock.step_start()  # the step's GPU work starts with them
             for c in plan.copies:
                 self.decoder.copy_prefix(c.src, c.dst, c.tokens)
             for lc in plan.launches:
@@ -355,6 +361,8 @@ class Engine:
             constrained = {i: r.constraint for i, r in enumerate(plan.sampled) if r.constraint is not None}
             collected = self._masks.collect(constrained) if constrained else None
             masked_in_step = collected is not None and self.decoder.draws_tokens
+            if not self._decoder_starts_clock:
+                self._clock.step_start()
             out = self.decoder.decode(plan.slots, rows, plan.positions, sampler.draws(plan.sampled, masked_in_step),
                                       sampled_rows=len(plan.sampled),
                                       masks=collected.masks if masked_in_step and collected else None)

@@ -2,8 +2,11 @@
 
 - the host's time: an iteration's wall time less what it spent blocked on the device (on a GPU the read of a step's
   tokens; on the CPU the step's own compute, which runs on the engine thread): plan, launch, commit, publish, gauges;
-- on CUDA, the GPU's idle time between two consecutive steps: CUDA events recorded on the step's stream before its
-  first launch and after its last, and the gap between one step's end and the next one's start, as the GPU timed them.
+- on CUDA, the GPU's idle time between two consecutive steps: CUDA events recorded on the step's stream right before
+  its first work is queued (after the host has prepared it: the megakernel decoder calls step_start between its host
+  preparation and its input copy) and after its last, and the gap between one step's end and the next one's start, as
+  the GPU timed them. A start recorded before the host's preparation completes at once on a GPU that waits, and the
+  host's lateness then read as the step's GPU time (s46: "slow GPU steps" of 1.2-1.6 ms where the kernel takes 0.75).
   A gap is read only once both events have completed (`query()`, never a synchronisation), an iteration or two later.
 
 - on CUDA, each step's own time on the GPU, between the same two events: a step the GPU itself ran slowly (beside
@@ -60,8 +63,10 @@ class LoopClock:
 
     # -- the GPU's idle time and each step's ------------------------------------------------------------------------
     def step_start(self) -> None:
-        """Before a step's first launch (prefix copies, prefills, its inputs' copy)."""
-        if self.gpu:
+        """Right before a step's first work is queued on the GPU (a prefix copy, a prefill, else its inputs' copy),
+        after the host's preparation: host time spent while the GPU has nothing queued then reads as idle, not as
+        the step's own time. Only the first call of a step counts."""
+        if self.gpu and self._start is None:
             self._start = self._record()
 
     def step_end(self, consecutive: bool) -> None:
