@@ -549,13 +549,14 @@ def test_a_slow_engine_iteration_is_logged_with_where_its_time_went(caplog):
     with caplog.at_level(logging.WARNING, logger="parley.engine"):
         slow.observe({"plan": 0.0002, "decode": 0.001})  # 1.2 ms: not slow
         slow.observe({"plan": 0.0002, "decode": 0.0068})
-        slow.observe({"plan": 0.0002, "decode": 0.0068})  # within the throttle: counted, not logged
+        slow.observe({"plan": 0.0002, "decode": 0.0118})  # within the throttle: counted, not logged
+        slow.observe({"plan": 0.0002, "decode": 0.0058})  # shorter than that one
         now[0] += 3.0
-        slow.observe({"plan": 0.006, "decode": 0.001})
+        slow.observe({"plan": 0.006, "decode": 0.001})  # due: the line describes the longest since the last
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["an engine iteration took 7.0 ms (plan 0.2, decode 6.8; 1 iterations over 5 ms since the last "
-                     "report)", "an engine iteration took 7.0 ms (plan 6.0, decode 1.0; 2 iterations over 5 ms since "
-                     "the last report)"]
+                     "report)", "an engine iteration took 12.0 ms (plan 0.2, decode 11.8; 3 iterations over 5 ms "
+                     "since the last report, this the longest)"]
 
 
 def test_a_slow_iteration_says_whether_the_thread_ran_or_waited(caplog):
