@@ -139,6 +139,18 @@ def test_eviction_takes_empty_slots_then_the_least_recently_used_unpinned_then_p
     assert kv.expected_cached(tokens(20, 7), block_hashes(tokens(20, 7)), None) == 0
 
 
+def test_counts_follow_every_change_of_the_slots():
+    kv = slots(3)
+    assert kv.counts() == (3, 0)
+    session = Session()
+    p = kv.place(tokens(20, 1), block_hashes(tokens(20, 1)), session)
+    assert kv.counts() == (2, 0) == (kv.num_free, kv.num_cached)
+    kv.release(p.slot, tokens(20, 1), session)
+    assert kv.counts() == (3, 1)
+    kv.truncate(session, 0)
+    assert kv.counts() == (3, 0) == (kv.num_free, kv.num_cached)
+
+
 def test_a_session_keeps_its_slot_truncates_it_and_leaves_it_cached_when_closed():
     kv = slots()
     session = Session()

@@ -474,16 +474,22 @@ class Engine:
             log.exception("the final delta of %s could not be sent", req.id)
 
     def _update_gauges(self) -> None:
-        p, s = self.planner, self.stats
-        with self._lock:
-            s.running = len(p.prefilling) + len(p.running)
-            s.waiting = len(p.waiting) + self._inbox.qsize()
-            s.free_slots = p.slots.num_free
-            s.cached_slots = p.slots.num_cached
-        self.metrics.running.set(s.running)
-        self.metrics.waiting.set(s.waiting)
-        self.metrics.kv_slots_free.set(s.free_slots)
-        self.metrics.kv_slots_cached.set(s.cached_slots)
+        p, s, m = self.planner, self.stats, self.metrics
+        free, cached = p.slots.counts()
+        with self._lock:  # a gauge is set only where its figure changed: most iterations change none
+            running, waiting = len(p.prefilling) + len(p.running), len(p.waiting) + self._inbox.qsize()
+            if running != s.running:
+                s.running = running
+                m.running.set(running)
+            if waiting != s.waiting:  # submit() sets both too, under this lock
+                s.waiting = waiting
+                m.waiting.set(waiting)
+            if free != s.free_slots:
+                s.free_slots = free
+                m.kv_slots_free.set(free)
+            if cached != s.cached_slots:
+                s.cached_slots = cached
+                m.kv_slots_cached.set(cached)
 
 
 def _requests_of(plan: StepPlan) -> list[Request]:
