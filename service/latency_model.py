@@ -122,8 +122,10 @@ class LatencyModel:
             if extra > 0.5 * seconds:
                 return
             learned = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
+            new = point not in self._step
             self._step[point] = min(learned, LEARN_CEILING * _interpolate(self._calibrated, point))
-            self._step = dict(sorted(self._step.items()))
+            if new:  # kept in order of rows (_interpolate bisects its keys); a known point keeps its place
+                self._step = dict(sorted(self._step.items()))
             self._bases.clear()
 
     def observe_prefill(self, tokens: int, cached: int, seconds: float) -> None:
@@ -201,9 +203,9 @@ def _bucket(n: int, buckets: list[int]) -> int:
 
 def _interpolate(table: dict[int, float], x: int) -> float:
     """Piecewise-linear through the measured points; linear extrapolation past the last two."""
-    xs = list(table)
-    if x in table:
+    if x in table:  # before listing the keys: a step's own point is the usual question
         return table[x]
+    xs = list(table)
     if len(xs) == 1:
         return table[xs[0]] * (x / xs[0] if xs[0] else 1.0)
     i = bisect.bisect_left(xs, x)
