@@ -14,9 +14,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+# here, not in consume(): imported there, they cost ~2 µs an event (~40 µs an iteration of 16 streams)
+from service.engine.commit import Event, Finished, Started, StepDone
+from service.engine.request import outcome_of
+
 if TYPE_CHECKING:
     from service.admission_guard import AdmissionGuard
-    from service.engine.commit import Event
 
 # 0.1 is an edge on purpose; dense around it.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5,
@@ -59,6 +62,7 @@ class Metrics:
         self.decode_step = Histogram(
             "parley_decode_step_seconds", "One decode step of the whole running batch", ["batch_size"],
             buckets=STEP_BUCKETS, registry=r)
+        self._decode_step_by: dict[int, Histogram] = {}  # sampled rows → decode_step's series of that batch_size
         self.engine_host = Histogram(
             "parley_engine_host_seconds", "One engine iteration's time not blocked on the device (plan, launch, "
             "commit, publish, gauges): what the host adds between two steps", buckets=LOOP_BUCKETS, registry=r)
@@ -152,13 +156,15 @@ class Metrics:
 
     def consume(self, event: Event) -> None:
         """What a step committed (service/engine/commit.py), into the series above."""
-        from service.engine.commit import Finished, Started, StepDone
-        from service.engine.request import outcome_of
-
         if isinstance(event, StepDone):
             if event.seconds > 0:
-                # by the requests it served a token (its rows, prompt tokens included, are in the latency model)
-                self.decode_step.labels(batch_size=str(event.sampled)).observe(event.seconds)
+                # by the requests it served a token (its rows, prompt tokens included, are in the latency model);
+                # each size's series kept, not looked up by its label every step
+                series = self._decode_step_by.get(event.sampled)
+                if series is None:
+                    series = self._decode_step_by[event.sampled] = self.decode_step.labels(
+                        batch_size=str(event.sampled))
+                series.observe(event.seconds)
             return
         req = event.req
         if isinstance(event, Started):
