@@ -36,11 +36,6 @@ if TYPE_CHECKING:
     from kernels.megakernel import KernelConfig
 
 
-def _int32(word: int) -> int:
-    """An unsigned 32-bit word as the int32 with the same bits."""
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
 def megakernel_available() -> bool:
     """True where the megakernel can run: a CUDA device and an importable Triton. Cheap: compiles nothing."""
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
@@ -191,9 +186,9 @@ class MegakernelDecoder:
             rest = zeros[m:]
             rows[3] = [*struct.unpack(f"<{m}i", struct.pack(f"<{m}f", *(max(0.0, d.temperature) for d in draws[:m]))),
                        *rest]
-            seeds = [d.seed for d in draws[:m]]  # each as two int32 words, (low, high): kernels.sampling.seed_words
-            rows[4] = [*(_int32(x & 0xFFFFFFFF) for x in seeds), *rest]
-            rows[5] = [*(_int32(x >> 32 & 0xFFFFFFFF) for x in seeds), *rest]
+            # each seed's int64 as its two int32 words (low, high), as kernels.sampling.seed_words views them
+            words = struct.unpack(f"<{2 * m}i", struct.pack(f"<{m}q", *(d.seed for d in draws[:m])))
+            rows[4], rows[5] = [*words[0::2], *rest], [*words[1::2], *rest]
         self._host[:, :b] = torch.tensor(rows, dtype=torch.int32)
         if masks:
             words = self._host_masks.shape[1]

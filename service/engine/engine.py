@@ -393,8 +393,9 @@ class Engine:
         n, k = plan.rows, len(plan.feed)
         if k == n <= len(chosen) and all(row == src for row, src in plan.feed.items()):
             # every row takes the token its own row chose (the same requests decoding step after step): those tokens
-            # in order, one copy on the device where the general case below takes five torch calls
-            return chosen[:n].clone()
+            # in order, as they are (a decoder only reads its token tensor), where the general case below takes five
+            # torch calls
+            return chosen[:n]
         # one copy of [tokens | fed rows | their sources] from a pinned buffer (allocating pinned memory each step
         # can stall the host); a buffer is refilled only FEED_BUFFERS steps later, long after its copy has run. As few
         # torch calls as can be: each releases the GIL, and taking it back from a thread running Python (the API's)
