@@ -187,8 +187,8 @@ class MegakernelDecoder:
             rows[3] = [*struct.unpack(f"<{m}i", struct.pack(f"<{m}f", *(max(0.0, d.temperature) for d in draws[:m]))),
                        *rest]
             # each seed's int64 as its two int32 words (low, high), as kernels.sampling.seed_words views them
-            words = struct.unpack(f"<{2 * m}i", struct.pack(f"<{m}q", *(d.seed for d in draws[:m])))
-            rows[4], rows[5] = [*words[0::2], *rest], [*words[1::2], *rest]
+            halves = struct.unpack(f"<{2 * m}i", struct.pack(f"<{m}q", *(d.seed for d in draws[:m])))
+            rows[4], rows[5] = [*halves[0::2], *rest], [*halves[1::2], *rest]
         self._host[:, :b] = torch.tensor(rows, dtype=torch.int32)
         if masks:
             words = self._host_masks.shape[1]
