@@ -78,6 +78,18 @@ def _w8a8(weights: str, ops: tuple[Op, ...] = (Op.GATEUP, Op.LMHEAD), min_rows: 
     return table
 
 
+def _lm_boxes_64(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with the 8-bit LM head under 16 sampled rows in the 64-row TMA boxes it had before the
+    128-row ones: 5 stages at 1-2 rows, 3 at 4-8."""
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(rows)
+        if weights != "bf16" and rows < 16:
+            tiles[Op.LMHEAD] = tiles[Op.LMHEAD]._replace(rows=64, stages=5 if rows <= 2 else 3)
+        return tiles
+
+    return table
+
+
 def _lm_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
     """The default tiles, with FP8's W8A8 LM head (16+ sampled rows) weight-only, as before it ran W8A8."""
     def table(rows: int) -> dict[Op, MatvecTile]:
@@ -219,10 +231,19 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # up to 16 rows: the LM head's one long stream with more bytes in flight (its TMA ring deeper; or its next row
     # tiles on their way into L2 beyond the ring: nothing else runs beside the last phase)
     "lm-st5": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=5)),
-    "lm-st3": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=3)),  # the LM head before 5 stages
+    "lm-st3": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=3)),
     "lm-st7": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), stages=7)),
     "lm-pf1": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), prefetch_tiles=1)),
     "lm-pf2": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), prefetch_tiles=2)),
+    # 8-bit under 16 sampled rows: the LM head's TMA boxes 128 rows deep (the default) over 3 / 5 stages, or two k
+    # slices; and the boxes of 64 rows before them (5 stages at 1-2 rows, 3 at 4-8)
+    "lm-r128-s3": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, stages=3)),
+    "lm-r128-s5": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, stages=5)),
+    "lm-r128-s4-ks2": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, stages=4, k_slices=2)),
+    "lm-r64": lambda w: KernelConfig(tiles=_lm_boxes_64(w)),
+    # up to 16 rows: down (one tile of K = ffn a task: its pipeline never reaches a steady state) deeper
+    "down-st6": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), stages=6)),
+    "down-st8": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), stages=8)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

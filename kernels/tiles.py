@@ -52,8 +52,11 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     rows: the same tiles over two k slices, 2-3% faster at 8 rows in three runs, even at 16, 5% slower at 1
     (bench/NOTES.md "The step at the floor, second session"). 8-bit weights at 1 and 2 rows: the LM head's 64-row
     tiles over 5 stages (its one long stream is limited by the bytes in flight): FP8 1.7-2.1% faster a step at 1 row,
-    2.1% at 2 (int8-row 1.2% at 1 row), even at 4 and 8 (+0.1-1.1%), so 3 stay there; 7 stages or the next row tile
-    prefetched into L2 are slower (bench/NOTES.md "The LM head's stream, deeper").
+    2.1% at 2 (int8-row 1.2% at 1 row); 7 stages or the next row tile prefetched into L2 are slower (bench/NOTES.md
+    "The LM head's stream, deeper"). Then boxes twice as deep (128 rows of 256 columns, 32 KB a stage) over 4
+    stages, at every 8-bit bucket under 16 sampled rows, on the H200 against those 64-row boxes: FP8 2.5 / 3.8 / 4.1
+    / 3.5% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM head 127 -> 102 us at 1 row);
+    3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM head").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
@@ -97,8 +100,10 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
                 tiles[Op.LMHEAD] = W8A8_LMHEAD
         elif rows >= 8 and not fp8:
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=2, tma=True)
-        else:  # 8-bit: the one long stream's TMA ring two stages deeper (more bytes in flight)
-            tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=5 if fp8 and rows <= 2 else stages)
+        elif fp8:  # 8-bit: the one long stream's TMA boxes 128 rows deep, 4 of them in flight (more bytes in flight)
+            tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=256, tma=True, stages=4)
+        else:
+            tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=stages)
         return tiles
     # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
     wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
