@@ -31,6 +31,7 @@ SCRIPTS = {
     "tool-speech": ("bench.tool_speech", "20 tool round trips: does each follow-up end in speech (CPU or GPU)"),
     "diag": ("bench._diag", "the megakernel's per-step logits error against the reference (GPU)"),
     "engine-loop": ("bench.engine_loop", "the engine loop alone: host time, GPU idle, token gaps at 1-16 rows"),
+    "host-profile": ("bench.host_profile", "a py-spy recording of a server (e2e --set profile=...), summarized"),
     "router": ("bench.router", "N replicas (one per GPU) behind vllm-router: goodput ratio, voice caching, failover"),
 }
 ABOUT = {

@@ -18,12 +18,12 @@ import tarfile
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from bench import loop_metrics
+from bench import host_profile, loop_metrics
 from bench.runs import Benchmark, Loadtest, Server
-from bench.server import ROOT, ServerFailed, get_text, serving
+from bench.server import ROOT, ServerFailed, get_text, start, stop
 
 REPORTS = {"e2e": "bench.e2e_report", "voice": "bench.voice_report"}  # each: write(raw, out, name) -> paths
 TAIL_LINES = 14
@@ -50,7 +50,8 @@ def plan_text(bench: Benchmark, raw: Path, out: Path, url: str | None = None) ->
             lines.append("  targets: " + ", ".join(f"{k} {v:g}" for k, v in server.targets.items()))
         for test in server.loadtests:
             cmd = loadtest_command(bench, test, url or "URL", raw)[3:]
-            lines.append(f"  ~{test.estimate_s:4.0f} s  parley-loadtest {shlex.join(cmd)}")
+            profiled = f"   (py-spy → {test.name}{host_profile.SUFFIX})" if test.profile and not url else ""
+            lines.append(f"  ~{test.estimate_s:4.0f} s  parley-loadtest {shlex.join(cmd)}{profiled}")
     return "\n".join(lines)
 
 
@@ -87,12 +88,16 @@ def scrape(base: str, path: Path) -> None:
 
 
 @contextmanager
-def _server(server: Server, raw: Path, url: str | None, timeout_s: float) -> Iterator[str]:
+def _server(server: Server, raw: Path, url: str | None, timeout_s: float) -> Iterator[tuple[str, int | None]]:
+    """The server's base URL, and its process id where this runner started it."""
     if url:
-        yield url
+        yield url, None
     else:
-        with serving(server.serve, raw / f"server-{server.label}.log", timeout_s) as base:
-            yield base
+        started = start(server.serve, raw / f"server-{server.label}.log", timeout_s)
+        try:
+            yield started.base, started.proc.pid
+        finally:
+            stop(started.proc)
 
 
 def fold(bench: Benchmark, raw: Path, out: Path) -> list[Path]:
@@ -130,7 +135,7 @@ def run(bench: Benchmark, raw: Path, out: Path, url: str | None = None, archive:
                                                                                 f"{shlex.join(server.serve)}"))
         started = time.monotonic()
         try:
-            with _server(server, raw, url, bench.start_timeout_s) as base:
+            with _server(server, raw, url, bench.start_timeout_s) as (base, pid):
                 say(t0, f"{server.label} ready at {base}")
                 if not url:
                     startup[server.label] = round(time.monotonic() - started, 1)
@@ -138,8 +143,12 @@ def run(bench: Benchmark, raw: Path, out: Path, url: str | None = None, archive:
                 for test in server.loadtests:
                     # /metrics around each loadtest: the report reads the engine loop's histograms over it
                     scrape(base, raw / f"{test.name}{loop_metrics.BEFORE}")
-                    if not run_loadtest(bench, test, base, raw, t0):
-                        failed.append(test.name)
+                    with ExitStack() as profiling:
+                        if test.profile and pid is not None:
+                            profiling.enter_context(host_profile.recording(pid, raw / f"{test.name}"
+                                                                                     f"{host_profile.SUFFIX}"))
+                        if not run_loadtest(bench, test, base, raw, t0):
+                            failed.append(test.name)
                     scrape(base, raw / f"{test.name}{loop_metrics.AFTER}")
                 for path, name in (("/v1/latency_model", f"{server.label}-latency-model.json"),
                                    ("/metrics", f"{server.label}-metrics.txt")):

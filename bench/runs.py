@@ -31,6 +31,7 @@ class Loadtest:
     name: str  # its files in the raw folder: <name>.json (every request), <name>.txt (the tables it printed)
     args: tuple[str, ...]  # parley-loadtest flags (the URL, the SLA and --json come from the runner)
     estimate_s: float  # about how long it takes on an H100, for the plan
+    profile: bool = False  # py-spy records the server's processes while it runs (bench/host_profile.py)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ ENGINE_SUFFIX = {"default": "", "thread": ".thread", "process": ".proc"}
 def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests: int = 0,
         sweep_start: float = 10.0, sweep_max_rate: float = 1024.0, sweep_bisect: int = 3, sweep_s: float = 8.0,
         sweep_workers: int = 2, extra_body: str = "", capacity: bool = True, sweep_warmup: int = 80,
-        engine: str = "default") -> Benchmark:
+        engine: str = "default", profile: str = "") -> Benchmark:
     """End to end: one server per run of E2E_RUNS (`only`: some of their labels, comma-separated), each measured
     one stream at a time (32- and 1,000-token prompts, 64-token replies) and, where the run says, by the goodput
     sweep: Poisson arrivals from `sweep_start` requests/s, doubled until fewer than 99% of all requests meet the
@@ -136,7 +137,9 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
     (`{"temperature": 0}`; none: the server's defaults, as the openai SDK sends). `engine`: `default` (as `parley
     serve` runs it: in a process of its own on a GPU, a thread on the CPU), `process` (`--engine-process`, labels
     ending `.proc`), `thread` (`--no-engine-process`, `.thread`), or `both` (thread and process), comma-separated:
-    each run measured with each engine in the same call, one server after the other on the same GPU."""
+    each run measured with each engine in the same call, one server after the other on the same GPU. `profile`:
+    loadtests (the ends of their names, comma-separated: `sweep-32`, `single-32`, `capacity-32`) during which py-spy
+    records the server's processes, into the raw folder (bench/host_profile.py: where the engine's host time goes)."""
     runs = [r for r in E2E_RUNS if not only or r.label in _names(only)]
     if only and len(runs) != len(_names(only)):
         raise ValueError(f"only: not a run of {[r.label for r in E2E_RUNS]}: {only}")
@@ -146,6 +149,10 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
     runs = [replace(r, label=r.label + ENGINE_SUFFIX[e], serve=(*r.serve, *ENGINES[e])) for r in runs
             for e in engines]
     body = ("--extra-body", extra_body) if extra_body else ()
+
+    def profiled(test: Loadtest) -> Loadtest:
+        return replace(test, profile=any(test.name.endswith(f"-{p}") for p in _names(profile)))
+
     servers = []
     for run in runs:
         n = single_requests or run.single_requests
@@ -167,10 +174,10 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
         if run.sweep:
             tests.append(Loadtest(f"{run.label}-sweep-32", sweep, sweep_estimate_s))
         serve = with_flags((*run.serve, *E2E_COMMON), serve_args)
-        servers.append(Server(run.label, serve, tuple(tests), run.targets))
+        servers.append(Server(run.label, serve, tuple(map(profiled, tests)), run.targets))
         if run.sweep and capacity:  # its loadtest is named for the run: the report pairs it with the sweep
             servers.append(Server(f"{run.label}.admissionoff", with_flags(serve, ADMISSION_OFF),
-                                  (Loadtest(f"{run.label}-capacity-32", sweep, sweep_estimate_s),),
+                                  (profiled(Loadtest(f"{run.label}-capacity-32", sweep, sweep_estimate_s)),),
                                   start_s=WARM_START_S, needs_own_server=True))
     return Benchmark(name, "e2e", tuple(servers))
 

@@ -40,6 +40,8 @@ log = logging.getLogger("parley.admission")
 DELIVERY_SHARE = 0.05  # the most of the SLA a request's deadline leaves for its tokens' way to the front end
 PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at most this often...
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
+DELAYS_NOBODY_S = 1e-6  # a newcomer that moves an admitted request's forecast by less delays it not at all (the two
+# forecasts add the same step times in runs cut differently: their sums differ in the last bits)
 OVER_LOG_EVERY_S = 1.0  # a score over the stretch it was admitted with is logged at most this often
 PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked the calibration (one timed on a busy
 # 2-core host ran 3.7x the real steps)
@@ -157,8 +159,11 @@ class AdmissionController:
         def prefill_s(tokens: int, cached: int) -> float:
             return lat.prefill(tokens, cached) * stretch
 
+        def steps_s(rows: int, kv_positions: int, grow: int, n: int) -> float:
+            return lat.steps(rows, kv_positions, grow, n) * stretch
+
         horizon = self._probe_within() * self.sla_s
-        joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon)
+        joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon, steps_s)
         t_nth = joined[id(req)]
         if self.best_effort:
             return joined
@@ -178,10 +183,10 @@ class AdmissionController:
         # first, is not needed.) The usual pace is the stretched forecast scaled: every cost in it carries the factor.
         late = [(r, r.deadline) for r in active if r.deadline is not None and r.deadline < joined[id(r)]]
         if late:
-            alone = self.planner.forecast(active, step_s, prefill_s, now, horizon)
+            alone = self.planner.forecast(active, step_s, prefill_s, now, horizon, steps_s)
             usual = self.guard.typical(level) / stretch
             for r, deadline in late:
-                if joined[id(r)] > alone[id(r)] and now + (alone[id(r)] - now) * usual <= deadline:
+                if joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and now + (alone[id(r)] - now) * usual <= deadline:
                     raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
                                    self.retry_after_s(active, now))
         return joined

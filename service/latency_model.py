@@ -66,6 +66,18 @@ class LatencyModel:
                 base = self._bases[r] = self._base(r)
             return base + self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
 
+    def steps(self, rows: int, kv_positions: int, grow: int, n: int) -> float:
+        """Seconds for n steps of `rows` rows in a row, the first attending over `kv_positions` positions and each
+        next one over `grow` more (grow >= 0): the sum of step() over them, in closed form."""
+        r = max(1, rows)
+        base = self.step(r)
+        over = kv_positions - SHORT_CONTEXT * r  # positions beyond the short context, at the first step
+        if grow <= 0:
+            return n * (base + self.step_kv_s * max(0, over))
+        first = 0 if over > 0 else min(n, -over // grow + 1)  # the first step attending beyond the short context
+        paying = n - first
+        return n * base + self.step_kv_s * (paying * over + grow * (first + n - 1) * paying / 2)
+
     def _base(self, rows: int) -> float:
         point = self._point_of(rows)
         floor = max((s for k, s in self._step.items() if k <= point), default=0.0)

@@ -330,6 +330,25 @@ def settled(adm, score):
     return adm
 
 
+def test_a_run_of_steps_costs_what_its_steps_add_up_to():
+    """LatencyModel.steps (the forecast's repeated steps in one call) equals the sum of step() over the run: rows on
+    a bucket or between two, runs that start below the short context and cross it, start beyond it, never reach it,
+    or do not grow; a bucketed model (the GPU's) and an interpolated one (the CPU's)."""
+    import random
+
+    rng = random.Random(7)
+    for buckets in (None, [1, 2, 4, 8, 16]):
+        lat = LatencyModel({1: 0.0007, 2: 0.00072, 4: 0.00078, 8: 0.00084, 16: 0.00089}, {16: 0.003}, max_rows=16,
+                           buckets=buckets, step_kv_s=1.1e-8)
+        for _ in range(300):
+            rows = rng.randint(0, 16)
+            kv = rng.choice([0, rng.randint(0, 64 * max(1, rows)), rng.randint(0, 40_000)])
+            grow = rng.choice([0, rows, rng.randint(1, 300)])
+            n = rng.randint(1, 200)
+            one_by_one = sum(lat.step(rows, kv + k * grow) for k in range(n))
+            assert lat.steps(rows, kv, grow, n) == pytest.approx(one_by_one, rel=1e-12), (rows, kv, grow, n)
+
+
 def test_prefill_is_predicted_from_the_new_and_the_cached_tokens():
     """A 1,000-token prompt on an idle server misses the SLA when fresh, and keeps it when all but 40 of its tokens
     are cached: the prediction follows new tokens and the cached length they attend over (interpolated between

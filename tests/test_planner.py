@@ -10,6 +10,7 @@ from service.engine.output import TextOutput
 from service.engine.planner import Planner
 from service.engine.prefix_cache import block_hashes
 from service.engine.request import Choice, Request, SamplingParams, State
+from service.latency_model import LatencyModel
 from service.model.synthetic import byte_tokenizer
 
 TOKENIZER = byte_tokenizer(300)
@@ -233,23 +234,30 @@ def test_forecast_a_riding_prompt_delays_nobody_a_launched_one_does():
     assert p.forecast([far], step_s, prefill_s, now=0.0, horizon_s=0.01)[id(far)] == math.inf  # past the horizon
 
 
-def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(monkeypatch):
+@pytest.mark.parametrize("closed_form", [False, True])
+def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(monkeypatch, closed_form):
     """forecast() runs the steps that repeat in one go (Planner._repeat): every seated request decoding and none to
     seat, alone or beside one prompt that rides a full chunk a step; its times must be those of planning each step in
-    turn, exactly, whatever the mix: running and waiting requests, prompts that ride, chunk or launch, replies shorter
-    than the SLA token, requests that lag, a full batch with requests waiting for a seat, up to 15 decoding beside a
-    prompt that rides a row a step, a horizon that cuts the play short."""
+    turn (exactly; to rounding where a run of steps is timed in one call, steps_s) whatever the mix: running and
+    waiting requests, prompts that ride, chunk or launch, replies shorter than the SLA token, requests that lag, a
+    full batch with requests waiting for a seat, up to 15 decoding beside a prompt that rides a row a step, a horizon
+    that cuts the play short."""
     import random
 
     rng = random.Random(35)
+    # the latency model's shape: a base per row count, and a cost per position beyond 64 a row
+    lat = LatencyModel({1: 0.001, 4: 0.00104, 16: 0.0012}, {16: 0.002}, max_rows=16, step_kv_s=1e-8)
 
     def step_s(rows, kv):
-        return 0.001 + 1e-5 * rows + 1e-8 * kv
+        return lat.step(rows, kv)
+
+    def steps_s(rows, kv, grow, n):
+        return lat.steps(rows, kv, grow, n)
 
     def prefill_s(tokens, cached):
         return 0.002 + 1e-5 * tokens + 1e-8 * cached
 
-    def one_step(decoding, rows, kv, grow, most, t, end, step_s, out, pending):
+    def one_step(decoding, rows, kv, grow, most, t, end, step_s, out, pending, steps_s=None):
         t += step_s(rows, kv)
         for s in decoding:
             s.token(t, out)
@@ -285,11 +293,16 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
         horizon = rng.choice([0.03, 0.2, 2.0])
         with monkeypatch.context() as m:
             m.setattr(Planner, "_repeat", staticmethod(counting))
-            fast = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
+            fast = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon,
+                              steps_s=steps_s if closed_form else None)
         with monkeypatch.context() as m:
             m.setattr(Planner, "_repeat", staticmethod(one_step))
             slow = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon)
-        assert fast == slow, case
+        if closed_form:
+            assert fast.keys() == slow.keys(), case
+            assert all(fast[k] == pytest.approx(slow[k], rel=1e-12) for k in fast), case
+        else:
+            assert fast == slow, case
         checked += sum(math.isfinite(v) for v in fast.values())
     assert checked > 200  # most requests reach their SLA token within the horizons
     assert repeated["steady"] > 50 and repeated["chunked"] > 20, repeated
