@@ -263,8 +263,13 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
             s.token(t, out)
         return t, 1
 
-    repeated = {"steady": 0, "chunked": 0}  # _repeat's calls that took more than one step, by kind
-    fast_repeat = Planner._repeat
+    repeated = {"steady": 0, "chunked": 0, "drained": 0}  # _repeat's calls that took more than one step, by kind;
+    fast_repeat, fast_drain = Planner._repeat, Planner._drain  # forecasts ended by _drain
+
+    def draining(*args):
+        times = fast_drain(*args)
+        repeated["drained"] += times is not None
+        return times
 
     def counting(decoding, rows, kv, grow, most, *rest):
         t, taken = fast_repeat(decoding, rows, kv, grow, most, *rest)
@@ -293,6 +298,7 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
         horizon = rng.choice([0.03, 0.2, 2.0])
         with monkeypatch.context() as m:
             m.setattr(Planner, "_repeat", staticmethod(counting))
+            m.setattr(Planner, "_drain", staticmethod(draining))
             fast = p.forecast(live + newcomers, step_s, prefill_s, now=1.0, horizon_s=horizon,
                               steps_s=steps_s if closed_form else None)
         with monkeypatch.context() as m:
@@ -306,3 +312,4 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
         checked += sum(math.isfinite(v) for v in fast.values())
     assert checked > 200  # most requests reach their SLA token within the horizons
     assert repeated["steady"] > 50 and repeated["chunked"] > 20, repeated
+    assert (repeated["drained"] > 40) == closed_form, repeated  # _drain needs steps_s
