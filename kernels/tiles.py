@@ -55,7 +55,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     2.1% at 2 (int8-row 1.2% at 1 row); 7 stages or the next row tile prefetched into L2 are slower (bench/NOTES.md
     "The LM head's stream, deeper"). Then boxes twice as deep (128 rows of 256 columns, 32 KB a stage) over 4
     stages, at every 8-bit bucket under 16 sampled rows, on the H200 against those 64-row boxes: FP8 2.5 / 3.8 / 4.1
-    / 3.5% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM head 127 -> 102 us at 1 row);
+    / 3.1% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM head 127 -> 102 us at 1 row);
     3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM head").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
