@@ -38,12 +38,12 @@ def py_spy() -> str | None:
 
 
 @contextmanager
-def recording(pid: int, out: Path, rate_hz: int = RATE_HZ) -> Iterator[bool]:
-    """py-spy records process `pid` and its children into `out` while the block runs; yields whether it started."""
+def recording(pid: int, out: Path, rate_hz: int = RATE_HZ) -> Iterator[None]:
+    """py-spy records process `pid` and its children into `out` while the block runs (where py-spy is installed)."""
     exe = py_spy()
     if exe is None:
         print("host profile: py-spy is not installed (bench/device_wheels.txt); not recorded", flush=True)
-        yield False
+        yield
         return
     log = out.with_suffix(".log")
     with open(log, "wb") as err:
@@ -51,7 +51,7 @@ def recording(pid: int, out: Path, rate_hz: int = RATE_HZ) -> Iterator[bool]:
                                  "--rate", str(rate_hz), "--format", "raw", "--output", str(out)],
                                 stdout=err, stderr=subprocess.STDOUT)
     try:
-        yield True
+        yield
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled when interrupted

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench import host_profile, loop_metrics
 from bench.runs import Benchmark, Loadtest, Server
-from bench.server import ROOT, ServerFailed, get_text, start, stop
+from bench.server import ROOT, ServerFailed, get_text, running
 
 REPORTS = {"e2e": "bench.e2e_report", "voice": "bench.voice_report"}  # each: write(raw, out, name) -> paths
 TAIL_LINES = 14
@@ -93,11 +93,8 @@ def _server(server: Server, raw: Path, url: str | None, timeout_s: float) -> Ite
     if url:
         yield url, None
     else:
-        started = start(server.serve, raw / f"server-{server.label}.log", timeout_s)
-        try:
+        with running(server.serve, raw / f"server-{server.label}.log", timeout_s) as started:
             yield started.base, started.proc.pid
-        finally:
-            stop(started.proc)
 
 
 def fold(bench: Benchmark, raw: Path, out: Path) -> list[Path]:

@@ -120,13 +120,20 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int | None:
 
 
 @contextmanager
-def serving(flags: Sequence[str], log: Path, timeout_s: float = 300.0) -> Iterator[str]:
-    """A started server's base URL for the block; stopped after it, whatever happens in it."""
+def running(flags: Sequence[str], log: Path, timeout_s: float = 300.0) -> Iterator[Started]:
+    """A started, healthy server for the block; stopped after it, whatever happens in it."""
     started = start(flags, log, timeout_s)
     try:
-        yield started.base
+        yield started
     finally:
         stop(started.proc)
+
+
+@contextmanager
+def serving(flags: Sequence[str], log: Path, timeout_s: float = 300.0) -> Iterator[str]:
+    """A started server's base URL for the block; stopped after it, whatever happens in it."""
+    with running(flags, log, timeout_s) as started:
+        yield started.base
 
 
 def get_text(base: str, path: str, timeout_s: float = 10.0) -> str | None:
