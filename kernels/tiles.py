@@ -56,7 +56,12 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     "The LM head's stream, deeper"). Then boxes twice as deep (128 rows of 256 columns, 32 KB a stage) over 4
     stages, at every 8-bit bucket under 16 sampled rows, on the H200 against those 64-row boxes: FP8 2.5 / 3.8 / 4.1
     / 3.1% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM head 127 -> 102 us at 1 row);
-    3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM head").
+    3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM head"). 8-bit gate/up
+    under 16 rows streamed at half the bandwidth (FP8 15.2 us a layer at one row, 8.1 of bytes): its 16-row tiles
+    held 8 KB a run a stage. In 32-row tiles (16 KB) the H200 took FP8 2.8-3.4% off a step at 1-8 rows (int8-row
+    0.8-2.4%, even at 4 rows); at one row, 64-row tiles through TMA (one tile a program, 4 stages of 2 x 16 KB)
+    4.3% (int8-row 3.1%), slower from 4 rows, where their accumulators spill (bench/NOTES.md "8-bit gate/up in
+    wider tiles").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
@@ -104,6 +109,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=256, tma=True, stages=4)
         else:
             tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=stages)
+        if fp8 and rows < 16:  # 8-bit gate/up: twice the bytes a stage; at one row, one TMA-fed 64-row tile a program
+            tiles[Op.GATEUP] = GATEUP_8BIT_ONE_ROW if rows == 1 else tiles[Op.GATEUP]._replace(rows=32)
         return tiles
     # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
     wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
@@ -113,6 +120,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     return wide | {Op.LMHEAD: lm_wide}
 
 
+# 8-bit weights at one row: gate/up's weights through TMA, 64-row boxes of 256 columns over 4 stages (default_tiles)
+GATEUP_8BIT_ONE_ROW = MatvecTile(rows=64, k_chunk=256, tma=True, stages=4)
 # e4m3 weights from 16 rows: gate/up W8A8, and from 16 sampled rows the LM head (default_tiles)
 W8A8_GATEUP = MatvecTile(rows=64, k_chunk=256, k_slices=1, stages=3, swap=True, w8a8=True)
 W8A8_LMHEAD = MatvecTile(rows=256, k_chunk=64, k_slices=1, stages=6, tma=True, swap=True, w8a8=True)

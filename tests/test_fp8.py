@@ -68,6 +68,31 @@ def test_w8a8_activations_round_each_run_of_columns_on_its_own_scale() -> None:
     assert torch.equal(q[5, 128:], activations_e4m3(x[5:6, 128:], 128)[0])
 
 
+def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
+    """The tile table's cases do not leak into each other (kernels/tiles.py): bf16's LM head in 64-row boxes under
+    8 sampled rows and 128-row tiles from 8; 8-bit gate/up through TMA in 64-row tiles at one row, 32-row tiles at
+    2-8, and from 16 rows its W8A8 (e4m3) or 16-row tiles (int8 with row scales), with the LM head of 16 rows W8A8
+    for e4m3 whatever gate/up took; int8 blocks keep their own tiles."""
+    from kernels.instructions import Op
+    from kernels.tiles import GATEUP_8BIT_ONE_ROW, W8A8_LMHEAD, default_tiles
+
+    for rows in (1, 2, 4, 8, 16):
+        bf16 = default_tiles(False, rows)
+        assert bf16[Op.LMHEAD].rows == (128 if rows >= 8 else 64) and bf16[Op.GATEUP].rows == 16
+        for e4m3 in (True, False):
+            t = default_tiles(True, rows, e4m3=e4m3)
+            want = GATEUP_8BIT_ONE_ROW if rows == 1 else None
+            if want is not None:
+                assert t[Op.GATEUP] == want and t[Op.GATEUP].tma
+            elif rows < 16:
+                assert t[Op.GATEUP].rows == 32 and not t[Op.GATEUP].tma
+            else:
+                assert t[Op.GATEUP].w8a8 == e4m3 and t[Op.GATEUP].rows == (64 if e4m3 else 16)
+            assert (t[Op.LMHEAD] == W8A8_LMHEAD) == (rows == 16 and e4m3)
+            assert t[Op.LMHEAD].rows == 128 and t[Op.LMHEAD].tma or rows == 16 and e4m3
+        assert default_tiles(True, rows, int8=True)[Op.GATEUP].rows == 16
+
+
 def test_w8a8_where_the_default_tiles_say() -> None:
     """e4m3 weights run gate/up W8A8 in launches of 16 rows and more, and the LM head W8A8 where it has 16 rows
     (the LM head's table is its own rows', at most the 16 sampled of any bucket: kernels/tiles.py); fewer rows, bf16

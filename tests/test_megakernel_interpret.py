@@ -50,6 +50,10 @@ CASES = {
     # KernelConfig.lm_launch); these the whole step in one launch
     "llama-one-launch": (False, True, 256, 3, 64, 1, "bf16"),
     "qwen-fp8-one-launch": (True, False, 200, 2, 32, 4, "fp8"),
+    # the tiles the GPU runs by default (kernels/tiles.py), ragged at these shapes: 8-bit gate/up in 64-row tiles
+    # through TMA at one row and 32-row tiles at four, the LM head's 128-row boxes
+    "llama-fp8-default-tiles": (False, True, 256, 3, 64, 1, "fp8"),
+    "qwen-int8-row-default-tiles": (True, False, 200, 2, 32, 4, "int8-row"),
 }
 
 
@@ -334,6 +338,8 @@ def _check(case: str) -> dict:
         tiles |= {op: tiles[op]._replace(k_splits=n, k_halves=False) for op, n in parts.items()}
     if weight_format == "int8" and k_chunk // 4 > 32:  # a k slice within one int8 block
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
+    if case.endswith("-default-tiles"):
+        tiles = None
     mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,
                            kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles,
                                                       chunk=16 if case.endswith("-chunk16") else 64,
