@@ -103,12 +103,14 @@ def test_in_kernel_sampling_draws_from_the_softmax() -> None:
 def test_megakernel_draws_match_the_drawing_function_in_interpreter() -> None:
     """The megakernel's sampled token equals the Gumbel-max draw of its own logits with the row's temperature,
     seed and position (computed over the whole row, while the kernel reduces tile by tile); greedy rows return
-    the argmax; the same seed draws the same token, other seeds other tokens."""
+    the argmax; the same seed draws the same token, other seeds other tokens. With output_views (the server's
+    decoder) the step answers the same, in the kernel's own buffers."""
     r = _run("megakernel-draws")
     assert r["sampled"] == r["expected"], r
     assert r["greedy_equal"], r
     assert r["repeat_equal"], r
     assert r["distinct_over_seeds"] >= 3, r
+    assert r["views_equal"] and r["views_are_the_buffers"], r  # output_views: the same answers, no copies
 
 
 MIXED = {
@@ -246,9 +248,15 @@ def _check_megakernel_draws() -> dict:
     again = mk.decode(slots, toks, pos, draws)  # the same step again: it rewrites the same K/V
     expected = draw(out.logits, torch.tensor([d.temperature for d in draws]), torch.tensor(seeds), torch.tensor(pos))
     hot = [int(mk.decode([3], [toks[3]], [pos[3]], [Draw(2.0, seeds[3] + 1 + i)]).sampled[0]) for i in range(8)]
+    mk.output_views = True  # as the server's decoder returns them: the kernel's buffers, no copies
+    view = mk.decode(slots, toks, pos, draws)
     return {"seed": seed, "sampled": out.sampled.tolist(), "expected": expected.tolist(),
             "greedy_equal": int(out.sampled[0]) == int(out.argmax[0]),
-            "repeat_equal": again.sampled.tolist() == out.sampled.tolist(), "distinct_over_seeds": len(set(hot))}
+            "repeat_equal": again.sampled.tolist() == out.sampled.tolist(), "distinct_over_seeds": len(set(hot)),
+            "views_equal": view.sampled.tolist() == out.sampled.tolist() and bool(torch.equal(view.logits, out.logits))
+            and view.argmax.tolist() == out.argmax.tolist(),
+            "views_are_the_buffers": view.logits.data_ptr() == mk.kernel.logits.data_ptr()
+            and view.sampled.data_ptr() == mk.kernel.sampled.data_ptr()}
 
 
 def _check_megakernel_masks() -> dict:

@@ -49,7 +49,8 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
 
         return MegakernelDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device,
                                  weight_format=weight_format, max_batch=max_batch, max_rows=max_rows,
-                                 kernel_config=KernelConfig(batch_invariant=batch_invariant))
+                                 kernel_config=KernelConfig(batch_invariant=batch_invariant),
+                                 output_views=True)  # the engine is done with a step's outputs before the next
     from service.backends.reference import ReferenceDecoder
 
     if weight_format != "bf16":

@@ -53,10 +53,14 @@ class MegakernelDecoder:
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
                  num_programs: int | None = None, kernel_config: KernelConfig | None = None,
                  use_cuda_graphs: bool | None = None, weight_format: str = "bf16",
-                 max_batch: int | None = None, max_rows: int | None = None) -> None:
+                 max_batch: int | None = None, max_rows: int | None = None, output_views: bool = False) -> None:
         """max_batch: rows a step samples at most (its decode batch; default max_slots); max_rows: rows a step
         carries at most, prompt rows included (default and limit: the largest bucket, 64). With
-        kernel_config.batch_invariant every step pads to max_rows."""
+        kernel_config.batch_invariant every step pads to max_rows. output_views: decode() returns the kernel's own
+        output buffers, valid until its next call, not copies of them: for a caller that enqueues all it does with a
+        step's outputs before the next step (the engine: its choice of tokens and their copy to the host), which
+        saves three copies a step (the logits' [rows, vocab] among them) and their launches."""
+        self.output_views = output_views
         from kernels.instructions import ModelDims
         from kernels.megakernel import Megakernel
         from service.backends.packing import pack_fp8, pack_int8, pack_weights
@@ -106,6 +110,7 @@ class MegakernelDecoder:
         n = self.kernel.bpad
         pinned = self.device.type == "cuda"
         self._host = torch.zeros(7, n, dtype=torch.int32, pin_memory=pinned)
+        self._host_rows = self._host.numpy()  # the same memory: numpy fills it from lists 3x faster than torch
         self._host_masks = torch.zeros(self.kernel.masks.shape, dtype=torch.int32, pin_memory=pinned)
         # the last asynchronous copy out of _host; _host is not rewritten before it has run
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -189,7 +194,7 @@ class MegakernelDecoder:
             # each seed's int64 as its two int32 words (low, high), as kernels.sampling.seed_words views them
             halves = struct.unpack(f"<{2 * m}i", struct.pack(f"<{m}q", *(d.seed for d in draws[:m])))
             rows[4], rows[5] = [*halves[0::2], *rest], [*halves[1::2], *rest]
-        self._host[:, :b] = torch.tensor(rows, dtype=torch.int32)
+        self._host_rows[:, :b] = rows
         if masks:
             words = self._host_masks.shape[1]
             for i, allowed in masks.items():
@@ -208,8 +213,10 @@ class MegakernelDecoder:
         if self._copied is not None:
             self._copied.record()
         self.run_step(b)
-        return DecodeOutput(self.kernel.logits[:m].clone(), self.kernel.argmax[:m].clone(),
-                            None if draws is None else self.kernel.sampled[:m].clone())
+        logits, argmax, sampled = self.kernel.logits[:m], self.kernel.argmax[:m], self.kernel.sampled[:m]
+        if self.output_views:
+            return DecodeOutput(logits, argmax, None if draws is None else sampled)
+        return DecodeOutput(logits.clone(), argmax.clone(), None if draws is None else sampled.clone())
 
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
         from kernels.sampling import draw

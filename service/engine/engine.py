@@ -97,6 +97,7 @@ class Engine:
         self._inflight: Launched | None = None
         self._feed_host = torch.zeros(FEED_BUFFERS, 3 * self.max_rows, dtype=torch.int64,
                                       pin_memory=self.overlap and torch.cuda.is_available())
+        self._feed_rows = self._feed_host.numpy()  # the same memory, filled from lists by numpy (3x faster than torch)
         self._feed_at = 0
         self._masks = StepMasks()  # where constrained rows' grammar masks go to the device
         self._last_completed = 0.0
@@ -403,7 +404,7 @@ class Engine:
         # beside a busy Python thread, 2.0 with these 5)
         self._feed_at = (self._feed_at + 1) % FEED_BUFFERS
         host = self._feed_host[self._feed_at, :n + 2 * k]
-        host.copy_(torch.tensor([*plan.tokens, *plan.feed, *plan.feed.values()], dtype=torch.int64))
+        self._feed_rows[self._feed_at, :n + 2 * k] = [*plan.tokens, *plan.feed, *plan.feed.values()]
         dev = host.to(chosen.device, non_blocking=True)
         tokens = dev[:n] if dev.dtype == chosen.dtype else dev[:n].to(chosen.dtype)
         return tokens.index_copy(0, dev[n:n + k], chosen.index_select(0, dev[n + k:]))
