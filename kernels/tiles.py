@@ -58,9 +58,9 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     / 3.1% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM head 127 -> 102 us at 1 row);
     3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM head"). 8-bit gate/up
     under 16 rows streamed at half the bandwidth (FP8 15.2 us a layer at one row, 8.1 of bytes): its 16-row tiles
-    held 8 KB a run a stage. In 32-row tiles (16 KB) the H200 took FP8 2.8-3.4% off a step at 1-8 rows (int8-row
+    held 8 KB a run a stage. In 32-row tiles (16 KB) the H200 took FP8 2.2-3.4% off a step at 1-8 rows (int8-row
     0.8-2.4%, even at 4 rows); at one row, 64-row tiles through TMA (one tile a program, 4 stages of 2 x 16 KB)
-    4.3% (int8-row 3.1%), slower from 4 rows, where their accumulators spill (bench/NOTES.md "8-bit gate/up in
+    4.3% (int8-row 3.0%), slower from 4 rows, where their accumulators spill (bench/NOTES.md "8-bit gate/up in
     wider tiles").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
