@@ -30,21 +30,13 @@ WIDE = 32  # the buckets whose default tiles differ (default_tiles)
 K_CHUNK = {"bf16": 256, "fp8": 512, "int8": 256}  # the narrow buckets' default k chunk
 
 
-def _narrow(weights: str, ops: tuple[Op, ...], **change: Any) -> Callable[[int], dict[Op, MatvecTile]]:
-    """The default tiles, with `change` applied to `ops` in launches of fewer than WIDE rows."""
+def _narrow(weights: str, ops: tuple[Op, ...], below: int = WIDE, **change: Any
+            ) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with `change` applied to `ops` in launches of fewer than `below` rows (16: under FP8's
+    W8A8 gate/up)."""
     def table(rows: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(rows)
-        return tiles if rows >= WIDE else {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
-
-    return table
-
-
-def _few(weights: str, ops: tuple[Op, ...], **change: Any) -> Callable[[int], dict[Op, MatvecTile]]:
-    """The default tiles, with `change` applied to `ops` in launches of fewer than 16 rows (16 rows: FP8's gate/up
-    runs W8A8 in swapped tiles)."""
-    def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = _tiles(weights)(rows)
-        return tiles if rows >= 16 else {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
+        return tiles if rows >= below else {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
 
     return table
 
@@ -256,10 +248,10 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "down-st8": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), stages=8)),
     # under 16 rows, 8-bit gate/up: the 16-row tiles before the wider default (32 rows; at one row 64 through TMA),
     # and 32-row tiles at one row too (bench/NOTES.md "8-bit gate/up in wider tiles")
-    "gu-r16": lambda w: KernelConfig(tiles=_few(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), rows=16,
-                                                   k_chunk=512, stages=3, tma=False)),
-    "gu-r32-1": lambda w: KernelConfig(tiles=_few(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), rows=32,
-                                                     k_chunk=512, stages=3, tma=False)),
+    "gu-r16": lambda w: KernelConfig(tiles=_narrow(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), 16, rows=16,
+                                                      k_chunk=512, stages=3, tma=False)),
+    "gu-r32-1": lambda w: KernelConfig(tiles=_narrow(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), 16, rows=32,
+                                                        k_chunk=512, stages=3, tma=False)),
     # bf16 with 8-16 sampled rows: the LM head in the 64-row boxes of 256 columns of fewer rows (4 stages, 4 k slices)
     "lm-r64-k256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,) if w == "bf16" else (), rows=64, k_chunk=256,
                                                          k_slices=4, stages=4)),
