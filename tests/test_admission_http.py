@@ -6,11 +6,13 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import httpx
 import pytest
 import websockets
 
+from tests.host_steal import judge_on_a_steady_host
 from tests.server_support import recv_event, scrape_metrics, served, sse_data, tiny_server, wait_idle
 
 SLOTS, STEP_MS, SLA_MS, SLA_TOKENS, MAX_TOKENS = 4, 20, 1500, 16, 64
@@ -176,25 +178,34 @@ async def stream_embedded(client, base, i):
 def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_cpu_server, repeat):
     """Three bursts on a fresh strict-SLA server: whatever it admits reaches its SLA token in time, every time; then
     one request on the idle server is admitted (and on time): admission never refuses what an idle server can serve.
-    Three fresh servers: each starts from the guard's prior."""
+    Three fresh servers: each starts from the guard's prior. A burst or the lone request is judged on a steady host
+    (tests/host_steal.py): one the hypervisor slowed down is tried again."""
     base = strict_cpu_server.base
 
     async def burst(n):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
             return await asyncio.gather(*(stream_embedded(client, base, i) for i in range(n)))
 
-    for b in range(BURSTS):
+    def one_burst(b: int) -> list[str]:
         results = asyncio.run(burst(BURST))
         ok = [r for r in results if r["status"] == 200]
         assert {r["status"] for r in results} <= {200, 429}
         assert ok, f"burst {b}: nothing admitted\n{strict_cpu_server.log_tail()}"
         late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > STRICT_SLA_MS]
-        assert not late, f"burst {b}: {len(ok)} admitted, these late (s): {late}\n{strict_cpu_server.log_tail()}"
         wait_idle(base)
         time.sleep(1.1)  # past the idle server's probe interval (admission.PROBE_EVERY_S)
-    [alone] = asyncio.run(burst(1))
-    assert alone["status"] == 200 and alone["sla_token_s"] * 1e3 <= STRICT_SLA_MS, \
-        f"{alone}\n{strict_cpu_server.log_tail()}"
+        return [f"burst {b}: {len(ok)} admitted, these late (s): {late}\n{strict_cpu_server.log_tail()}"] \
+            if late else []
+
+    def alone() -> list[str]:
+        [r] = asyncio.run(burst(1))
+        time.sleep(1.1)
+        on_time = r["status"] == 200 and r["sla_token_s"] * 1e3 <= STRICT_SLA_MS
+        return [] if on_time else [f"alone on the idle server: {r}\n{strict_cpu_server.log_tail()}"]
+
+    for b in range(BURSTS):
+        judge_on_a_steady_host(partial(one_burst, b))
+    judge_on_a_steady_host(alone)
 
 
 @pytest.mark.slow
@@ -203,7 +214,7 @@ def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_
     whatever CPU runs it: the old margin (5%) admitted all four, which came 1.45-1.6x their forecast, late. A fresh
     server's guard judges requests beside others with its prior (2x) until it has seen enough: whatever it admits is
     on time, burst after burst. (The calibration is measured once and shared through its cache, so the SLA matches
-    it.)"""
+    it.) Each burst is judged on a steady host (tests/host_steal.py)."""
     from tests.server_support import start_server, stop_server
 
     cache = tmp_path / "calibration"
@@ -220,12 +231,16 @@ def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_
             async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
                 return await asyncio.gather(*(stream_embedded(client, server.base, i) for i in range(n)))
 
-        for b in range(BURSTS):
+        def one_burst(b: int) -> list[str]:
             ok = [r for r in asyncio.run(burst(BURST)) if r["status"] == 200]
             late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > sla_ms]
-            assert ok and not late, f"burst {b}, SLA {sla_ms} ms: {len(ok)} admitted, late (s): {late}\n" \
-                                    f"{server.log_tail()}"
+            assert ok, f"burst {b}, SLA {sla_ms} ms: nothing admitted\n{server.log_tail()}"
             wait_idle(server.base)
             time.sleep(1.1)
+            return [f"burst {b}, SLA {sla_ms} ms: {len(ok)} admitted, late (s): {late}\n{server.log_tail()}"] \
+                if late else []
+
+        for b in range(BURSTS):
+            judge_on_a_steady_host(partial(one_burst, b))
     finally:
         assert stop_server(server) == 0, server.log_tail()

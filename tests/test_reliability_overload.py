@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from tests.host_steal import HostTooSlow, judge_on_a_steady_host
 from tests.server_support import (
     Server,
     health_status,
@@ -144,19 +145,26 @@ def p(xs: list[float], q: float) -> float:
 
 
 def test_five_times_capacity_for_a_minute(overload_server: Server) -> None:
-    # idle: the time to the 16th token, to see that the SLA fits the slowed server
-    idle = asyncio.run(_idle_times(overload_server.base))
-    assert statistics.median(idle) < SLA_MS / 2, idle
+    judge_on_a_steady_host(lambda: overload_for_a_minute(overload_server.base))
 
-    before = scrape_metrics(overload_server.base)
-    poller = HealthPoller(overload_server.base)
+
+def overload_for_a_minute(base: str) -> list[str]:
+    """One try: the idle time to the 16th token, then a minute at 5x capacity. Asserts what holds on any host; returns
+    the timing it missed (judged on a steady host: tests/host_steal.py)."""
+    idle = asyncio.run(_idle_times(base))  # the box's pace: the SLA must fit the slowed server to judge anything
+    if statistics.median(idle) >= SLA_MS / 2:
+        raise HostTooSlow(f"the idle time to token {TOKENS} is {statistics.median(idle):.0f} ms (median of {idle}), "
+                          f"over half the SLA: this box runs the slowed server too slowly to judge it")
+
+    before = scrape_metrics(base)
+    poller = HealthPoller(base)
     poller.start()
     t0 = time.monotonic()
-    res = asyncio.run(drive(overload_server.base))
+    res = asyncio.run(drive(base))
     elapsed = time.monotonic() - t0
     poller.stop.set()
     poller.join(15)
-    m = wait_idle(overload_server.base, timeout_s=60)
+    m = wait_idle(base, timeout_s=60)
 
     answered = len(res.completed_ms) + len(res.rejected_ms)
     health_ms = [ms for _, ms in poller.samples]
@@ -177,17 +185,21 @@ def test_five_times_capacity_for_a_minute(overload_server: Server) -> None:
     assert not res.errors and answered == res.sent, report  # every request answered; no error, no hang
     assert res.bad_429_headers == 0, report  # every 429: Retry-After >= 1, x-should-retry: false, type overloaded
     assert len(res.rejected_ms) > res.sent / 2, report  # overload was shed...
-    assert len(res.completed_ms) > 0.5 * CAPACITY_RPS * DURATION_S, report  # ...while capacity was used
-    assert p(res.completed_ms, 0.99) <= SLA_MS, report  # admitted requests keep the SLA (client-side)...
-    assert max(res.completed_ms) <= 2 * SLA_MS, report  # ...and none straggles far behind it
-    assert p(res.rejected_ms, 0.99) < REJECT_P99_MS, report  # refusals are fast
     assert health_ms and all(s == 200 for s, _ in poller.samples), report
-    assert max(health_ms) < HEALTH_MAX_MS, report
     # the server counts the same: no failures, and every request it saw accounted for
     assert m.requests("failed") - before.requests("failed") == 0
     assert m.requests("rejected") - before.requests("rejected") == len(res.rejected_ms)
     assert m.requests("completed") - before.requests("completed") == len(res.completed_ms)
-    assert health_status(overload_server.base) == 200
+    assert health_status(base) == 200
+
+    missed = {
+        "capacity was used while overload was shed": len(res.completed_ms) > 0.5 * CAPACITY_RPS * DURATION_S,
+        "admitted requests keep the SLA (client-side p99)": p(res.completed_ms, 0.99) <= SLA_MS,
+        "none straggles far behind it (max within 2 SLAs)": max(res.completed_ms, default=0) <= 2 * SLA_MS,
+        "refusals are fast (p99)": p(res.rejected_ms, 0.99) < REJECT_P99_MS,
+        "/health stays quick": max(health_ms) < HEALTH_MAX_MS,
+    }
+    return [f"missed: {what}{report}" for what, held in missed.items() if not held]
 
 
 async def _idle_times(base: str, n: int = 5, tries: int = 30) -> list[float]:
