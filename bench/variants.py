@@ -41,6 +41,15 @@ def _narrow(weights: str, ops: tuple[Op, ...], below: int = WIDE, **change: Any
     return table
 
 
+def _bf16_lm_head_from_8_rows(weights: str, lm_head: MatvecTile) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with bf16's LM head in `lm_head` in launches of 8 to 16 rows."""
+    def table(rows: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(rows)
+        return tiles | {Op.LMHEAD: lm_head} if weights == "bf16" and 8 <= rows < WIDE else tiles
+
+    return table
+
+
 def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[int, int], down: tuple[int, int],
           k_chunk: int = 128, k_slices: int = 1, stages: int = 4, min_rows: int = 1, swap: bool = False
           ) -> Callable[[int], dict[Op, MatvecTile]]:
@@ -252,9 +261,10 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
                                                       k_chunk=512, stages=3, tma=False)),
     "gu-r32-1": lambda w: KernelConfig(tiles=_narrow(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), 16, rows=32,
                                                         k_chunk=512, stages=3, tma=False)),
-    # bf16 with 8-16 sampled rows: the LM head in the 64-row boxes of 256 columns of fewer rows (4 stages, 4 k slices)
-    "lm-r64-k256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,) if w == "bf16" else (), rows=64, k_chunk=256,
-                                                         k_slices=4, stages=4)),
+    # bf16 with 8-16 sampled rows: the LM head's 128-row tiles of 128 columns over two k slices, its default before
+    # the 64-row boxes of every bucket under 32 rows (bench/NOTES.md "Host time a step, cut again")
+    "lm-r128-ks2": lambda w: KernelConfig(tiles=_bf16_lm_head_from_8_rows(w, MatvecTile(rows=128, k_chunk=128,
+                                                                                       k_slices=2, tma=True))),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }

@@ -40,28 +40,29 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     fp8: 8-bit weights (e4m3, or int8 with row scales, which stream alike); int8: int8 with block scales; e4m3: the
     weights are e4m3 (W8A8 possible).
 
-    Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core
-    dot) of 256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's
-    64-row tiles of 256 columns through the tensor-memory accelerator (its long stream ran at 72% of the bandwidth
-    with pointer loads, 99% with TMA). With FP8 weights each k chunk doubles, so a pipeline stage holds as many
-    weight bytes (the LM head's TMA box stays at 256 columns, its limit), over 3 stages instead of 4 (0.5-2.5%
-    faster at 1, 8 and 16 rows in four runs; bf16 slower with 3). FP8 with 16 sampled rows: the LM head in 128-row
-    tiles of 128 columns and one k slice (the same bytes a stage, half as many tile ends, each an epilogue over 16
-    rows' logits and their (max, argmax), and no sum over slices): 6.5% faster a step at 16 rows (8.4% with the 3
-    stages, against main's kernel in the same call), even at 8, 4-13% slower at 1. bf16 with 8 or more sampled
-    rows: the same tiles over two k slices, 2-3% faster at 8 rows in three runs, even at 16, 5% slower at 1
-    (bench/NOTES.md "The step at the floor, second session"). 8-bit weights at 1 and 2 rows: the LM head's 64-row
-    tiles over 5 stages (its one long stream is limited by the bytes in flight): FP8 1.7-2.1% faster a step at 1 row,
-    2.1% at 2 (int8-row 1.2% at 1 row); 7 stages or the next row tile prefetched into L2 are slower (bench/NOTES.md
-    "The LM head's stream, deeper"). Then boxes twice as deep (128 rows of 256 columns, 32 KB a stage) over 4
-    stages, at every 8-bit bucket under 16 sampled rows, on the H200 against those 64-row boxes: FP8 2.5 / 3.8 / 4.1
-    / 3.1% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM head 127 -> 102 us at 1 row);
-    3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM head"). 8-bit gate/up
-    under 16 rows streamed at half the bandwidth (FP8 15.2 us a layer at one row, 8.1 of bytes): its 16-row tiles
-    held 8 KB a run a stage. In 32-row tiles (16 KB) the H200 took FP8 2.2-3.4% off a step at 1-8 rows (int8-row
-    0.8-2.4%, even at 4 rows); at one row, 64-row tiles through TMA (one tile a program, 4 stages of 2 x 16 KB)
-    4.3% (int8-row 3.0%), slower from 4 rows, where their accumulators spill (bench/NOTES.md "8-bit gate/up in
-    wider tiles").
+    Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core dot) of
+    256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's 64-row
+    tiles of 256 columns through the tensor-memory accelerator (its long stream ran at 72% of the bandwidth with pointer
+    loads, 99% with TMA). With FP8 weights each k chunk doubles, so a pipeline stage holds as many weight bytes (the LM
+    head's TMA box stays at 256 columns, its limit), over 3 stages instead of 4 (0.5-2.5% faster at 1, 8 and 16 rows in
+    four runs; bf16 slower with 3). bf16's LM head keeps those 64-row boxes at every bucket under 32 rows: the 128-row
+    tiles of 128 columns over two k slices that it took from 8 sampled rows (2-3% faster at 8 rows on the H100 of then)
+    were 0.8-1.1% slower at 8 rows and 1.3-2.0% at 16 on the H200, at contexts 128 and 2,048, in two calls
+    (bench/NOTES.md "Host time a step, cut again"). FP8 with 16 sampled rows: the LM head in 128-row tiles of 128
+    columns and one k slice (the same bytes a stage, half as many tile ends, each an epilogue over 16 rows' logits and
+    their (max, argmax), and no sum over slices): 6.5% faster a step at 16 rows (8.4% with the 3 stages, against main's
+    kernel in the same call), even at 8, 4-13% slower at 1 (bench/NOTES.md "The step at the floor, second session").
+    8-bit weights at 1 and 2 rows: the LM head's 64-row tiles over 5 stages (its one long stream is limited by the bytes
+    in flight): FP8 1.7-2.1% faster a step at 1 row, 2.1% at 2 (int8-row 1.2% at 1 row); 7 stages or the next row tile
+    prefetched into L2 are slower (bench/NOTES.md "The LM head's stream, deeper"). Then boxes twice as deep (128 rows of
+    256 columns, 32 KB a stage) over 4 stages, at every 8-bit bucket under 16 sampled rows, on the H200 against those
+    64-row boxes: FP8 2.5 / 3.8 / 4.1 / 3.1% faster a step at 1 / 2 / 4 / 8 rows, int8-row 2.7 / 3.7% at 1 / 2 (its LM
+    head 127 -> 102 us at 1 row); 3 or 5 stages within 0.5% of 4 (bench/NOTES.md "Deeper TMA boxes for the 8-bit LM
+    head"). 8-bit gate/up under 16 rows streamed at half the bandwidth (FP8 15.2 us a layer at one row, 8.1 of bytes):
+    its 16-row tiles held 8 KB a run a stage. In 32-row tiles (16 KB) the H200 took FP8 2.2-3.4% off a step at 1-8 rows
+    (int8-row 0.8-2.4%, even at 4 rows); at one row, 64-row tiles through TMA (one tile a program, 4 stages of 2 x 16
+    KB) 4.3% (int8-row 3.0%), slower from 4 rows, where their accumulators spill (bench/NOTES.md "8-bit gate/up in wider
+    tiles").
 
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
@@ -103,8 +104,6 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
             if e4m3:
                 tiles[Op.GATEUP] = W8A8_GATEUP
                 tiles[Op.LMHEAD] = W8A8_LMHEAD
-        elif rows >= 8 and not fp8:
-            tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=2, tma=True)
         elif fp8:  # 8-bit: the one long stream's TMA boxes 128 rows deep, 4 of them in flight (more bytes in flight)
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=256, tma=True, stages=4)
         else:

@@ -69,8 +69,8 @@ def test_w8a8_activations_round_each_run_of_columns_on_its_own_scale() -> None:
 
 
 def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
-    """The tile table's cases do not leak into each other (kernels/tiles.py): bf16's LM head in 64-row boxes under
-    8 sampled rows and 128-row tiles from 8; 8-bit gate/up through TMA in 64-row tiles at one row, 32-row tiles at
+    """The tile table's cases do not leak into each other (kernels/tiles.py): bf16's LM head in 64-row boxes at every
+    bucket under 32 rows; 8-bit gate/up through TMA in 64-row tiles at one row, 32-row tiles at
     2-8, and from 16 rows its W8A8 (e4m3) or 16-row tiles (int8 with row scales), with the LM head of 16 rows W8A8
     for e4m3 whatever gate/up took; int8 blocks keep their own tiles."""
     from kernels.instructions import Op
@@ -78,7 +78,9 @@ def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
 
     for rows in (1, 2, 4, 8, 16):
         bf16 = default_tiles(False, rows)
-        assert bf16[Op.LMHEAD].rows == (128 if rows >= 8 else 64) and bf16[Op.GATEUP].rows == 16
+        assert bf16[Op.LMHEAD] == default_tiles(False, 1)[Op.LMHEAD]
+        assert bf16[Op.LMHEAD].rows == 64 and bf16[Op.LMHEAD].tma
+        assert bf16[Op.GATEUP].rows == 16
         for e4m3 in (True, False):
             t = default_tiles(True, rows, e4m3=e4m3)
             want = GATEUP_8BIT_ONE_ROW if rows == 1 else None
