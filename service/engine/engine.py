@@ -34,6 +34,7 @@ from service.engine.request import Delta, Request, SamplingParams, State
 from service.engine.sampler import StepTokens
 from service.engine.slow_steps import SlowIterations, SlowSteps, thread_clock
 from service.engine.step_plan import StepPlan
+from service.engine.token_ring import TokenRing
 from service.metrics import Metrics
 from service.model.tokenizer import Tokenizer
 
@@ -100,6 +101,7 @@ class Engine:
         self._feed_rows = self._feed_host.numpy()  # the same memory, filled from lists by numpy (3x faster than torch)
         self._feed_at = 0
         self._masks = StepMasks()  # where constrained rows' grammar masks go to the device
+        self._token_ring = TokenRing(self.max_batch) if self.overlap else None  # the tokens' trips to the host
         self._last_completed = 0.0
         self._resumed = time.perf_counter()  # when the engine last woke from waiting for work (or was made)
         self._slow_steps = SlowSteps()
@@ -368,7 +370,7 @@ class Engine:
                                       sampled_rows=len(plan.sampled),
                                       masks=collected.masks if masked_in_step and collected else None)
             t3 = time.perf_counter()
-            tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step)
+            tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step, self._token_ring)
             self._clock.step_end(consecutive=inflight is not None)
             self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}

@@ -30,6 +30,7 @@ from service.backends.decoder import DecodeOutput, Draw
 from service.engine.constraint import TokenConstraint
 from service.engine.masks import Masked, StepMasks
 from service.engine.request import Choice, Request, SamplingParams
+from service.engine.token_ring import TokenRing
 
 __all__ = ["Choice", "SamplingError", "StepTokens", "TokenConstraint", "choice_of", "choose", "draws"]
 
@@ -74,13 +75,13 @@ def draws(requests: list[Request], masked_in_step: bool = False) -> list[Draw] |
 
 
 def choose(out: DecodeOutput, requests: list[Request], collected: Masked | None = None,
-           masks: StepMasks | None = None, masked_in_step: bool = False) -> StepTokens:
+           masks: StepMasks | None = None, masked_in_step: bool = False, ring: TokenRing | None = None) -> StepTokens:
     """The tokens of a step's sampled rows (row i is requests[i]'s), chosen on the device now: the step need not have
     run. `collected`: the constrained rows' masks (masks.py; computed off this thread beforehand). Where the decoder
     applied them inside the step (masked_in_step), its logits and choices are masked already; otherwise they mask the
     logits all together here. Then the rows the step did not choose are sampled together; only rows with a seed of
-    their own are sampled one at a time, with their generator. Their trip to the host starts at once; read() waits
-    for it."""
+    their own are sampled one at a time, with their generator. Their trip to the host starts at once (through `ring`'s
+    pinned buffers where given: token_ring.py); read() waits for it."""
     chosen = out.sampled if out.sampled is not None else out.argmax
     logits = out.logits
     constrained = {i: r.constraint for i, r in enumerate(requests) if r.constraint is not None}
@@ -109,7 +110,9 @@ def choose(out: DecodeOutput, requests: list[Request], collected: Masked | None 
         at = to_device(list(rows), torch.int64, chosen.device)
         chosen = chosen.index_copy(0, at, torch.stack(list(rows.values())).to(chosen.dtype))
     tokens = StepTokens(requests, chosen, set(rows) | set(constrained), errors, mask_waits=waits, mask_wait_s=wait_s)
-    if chosen.is_cuda:  # start the tokens' trip to the host now; read() waits for it
+    if chosen.is_cuda and ring is not None:  # start the tokens' trip to the host now; read() waits for it
+        tokens.host, tokens.ready = ring.send(chosen)
+    elif chosen.is_cuda:
         tokens.host, tokens.ready = chosen.to("cpu", non_blocking=True), torch.cuda.Event()
         tokens.ready.record()
     return tokens
