@@ -30,22 +30,15 @@ WIDE = 32  # the buckets whose default tiles differ (default_tiles)
 K_CHUNK = {"bf16": 256, "fp8": 512, "int8": 256}  # the narrow buckets' default k chunk
 
 
-def _narrow(weights: str, ops: tuple[Op, ...], below: int = WIDE, **change: Any
+def _narrow(weights: str, ops: tuple[Op, ...], below: int = WIDE, at_least: int = 1, **change: Any
             ) -> Callable[[int], dict[Op, MatvecTile]]:
-    """The default tiles, with `change` applied to `ops` in launches of fewer than `below` rows (16: under FP8's
-    W8A8 gate/up)."""
+    """The default tiles, with `change` applied to `ops` in launches of at least `at_least` and fewer than `below`
+    rows (16: under FP8's W8A8 gate/up)."""
     def table(rows: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(rows)
-        return tiles if rows >= below else {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
-
-    return table
-
-
-def _bf16_lm_head_from_8_rows(weights: str, lm_head: MatvecTile) -> Callable[[int], dict[Op, MatvecTile]]:
-    """The default tiles, with bf16's LM head in `lm_head` in launches of 8 to 16 rows."""
-    def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = _tiles(weights)(rows)
-        return tiles | {Op.LMHEAD: lm_head} if weights == "bf16" and 8 <= rows < WIDE else tiles
+        if not at_least <= rows < below:
+            return tiles
+        return {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
 
     return table
 
@@ -263,8 +256,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
                                                         k_chunk=512, stages=3, tma=False)),
     # bf16 with 8-16 sampled rows: the LM head's 128-row tiles of 128 columns over two k slices, its default before
     # the 64-row boxes of every bucket under 32 rows (bench/NOTES.md "Host time a step, cut again")
-    "lm-r128-ks2": lambda w: KernelConfig(tiles=_bf16_lm_head_from_8_rows(w, MatvecTile(rows=128, k_chunk=128,
-                                                                                       k_slices=2, tma=True))),
+    "lm-r128-ks2": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,) if w == "bf16" else (), at_least=8, rows=128,
+                                                         k_chunk=128, k_slices=2)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
 }
