@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import loop_metrics
+from bench import admission_trace, loop_metrics
 from bench.device import describe, file_stem
 from bench.publish import publish, pyplot
 
@@ -104,7 +104,7 @@ def build(raw: Path) -> dict[str, Any]:
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
     return {**info, "servers": serve, "startup_s": json.loads(startup.read_text()) if startup.exists() else {},
-            "records": records, "targets": targets(servers, records)}
+            "records": records, "targets": targets(servers, records), "admission": admission_trace.of_raw(raw)}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -184,6 +184,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"| {fmt(p['rate'])} | {p.get('requests', '–')} | {fmt(p['sla_attainment'], 3)} | "
                   f"{fmt(p['sla_attainment_all'], 3)} | {fmt(p['rejection_rate'], 3)} | {fmt(p['ttf64_ms_p99'])} | "
                   f"{fmt(p.get('usd_per_1m_tokens'), 3)} | {fmt(p.get('client_lag_ms_p99'))} |" for p in r["sweep"]]
+    lines += admission_trace.markdown(doc.get("admission", {}))
     if doc["servers"]:
         startup = doc.get("startup_s", {})
         lines += ["", "Servers (seconds from start to /health 200): " + "; ".join(

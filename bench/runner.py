@@ -93,7 +93,10 @@ def _server(server: Server, raw: Path, url: str | None, timeout_s: float) -> Ite
     if url:
         yield url, None
     else:
-        with running(server.serve, raw / f"server-{server.label}.log", timeout_s) as started:
+        # every verdict and SLA token, request by request (service/admission_log.py): why a rate's requests were
+        # refused, read beside the loadtests by the report
+        serve = (*server.serve, "--admission-log", str(raw / f"admission-{server.label}.jsonl"))
+        with running(serve, raw / f"server-{server.label}.log", timeout_s) as started:
             yield started.base, started.proc.pid
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.admission_guard import AdmissionGuard, Level
+from service.admission_log import AdmissionLog
 from service.engine.admission import Rejected
 from service.engine.commit import Event, Finished, StepDone, Token
 from service.engine.kv_slots import KVSlots
@@ -71,8 +72,10 @@ class Promise:
 
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
-                 strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic) -> None:
+                 strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic,
+                 trace: AdmissionLog | None = None) -> None:
         self.latency = latency
+        self.trace = trace  # --admission-log: a line per verdict and per SLA token (service/admission_log.py)
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
         self.max_batch = max_batch  # requests seated together
         # the policy admission forecasts with: the engine's own planner once bound (Engine binds it)
@@ -136,7 +139,13 @@ class AdmissionController:
             level = self.level_of(active, req)
             # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
             stretch = 1.0 if self.best_effort else self.guard.stretch(level)
-            joined = self._decide(req, active, now, stretch, level)
+            note: dict[str, object] = {}
+            try:
+                joined = self._decide(req, active, now, stretch, level, note)
+            except Rejected as r:
+                self._trace_verdict(req, active, now, stretch, level, note, r)
+                raise
+            self._trace_verdict(req, active, now, stretch, level, note, None)
             with self._lock:
                 for r in [*active, req]:  # the forecast (unstretched) of every admitted request beside the newcomer
                     t = joined.get(id(r), math.inf)
@@ -146,11 +155,27 @@ class AdmissionController:
                         self._promises[r.id] = Promise(p.at if p is not None else now, predicted, level, stretch)
                 self._active[req.id] = req
 
+    def _trace_verdict(self, req: Request, active: list[Request], now: float, stretch: float, level: Level,
+                       note: dict[str, object], refused: Rejected | None) -> None:
+        if self.trace is None:
+            return
+        t_nth = note.get("t_nth", math.inf)
+        assert isinstance(t_nth, float)
+        left = (req.deadline if req.deadline is not None else math.inf) - now
+        self.trace.record("verdict", t=now, req=req.id, admitted=refused is None,
+                          reason=None if refused is None else refused.reason, rule=note.get("rule"),
+                          in_flight=len(active) + 1, prompt_tokens=len(req.prompt_ids),
+                          cached_tokens=req.cached_tokens, level=level.labels, stretch=stretch,
+                          since_arrival_ms=(now - req.arrival) * 1e3, left_ms=left * 1e3,
+                          forecast_ms=(t_nth - now) / stretch * 1e3, stretched_ms=(t_nth - now) * 1e3,
+                          **{k: v for k, v in note.items() if k not in ("t_nth", "rule")})
+
     def _decide(self, req: Request, active: list[Request], now: float, stretch: float,
-                level: Level) -> dict[int, float]:
+                level: Level, note: dict[str, object]) -> dict[int, float]:
         """Every admitted request's and the newcomer's predicted SLA-token time (stretched) with the newcomer
         joined, by id(); or Rejected: the newcomer would be late, or it would make late an admitted request that
-        would be on time without it."""
+        would be on time without it. `note` gets the newcomer's forecast ("t_nth") and the rule that decided
+        ("rule": late, delays, probe), for the admission log."""
         lat = self.latency
 
         def step_s(rows: int, kv_positions: int) -> float:
@@ -164,15 +189,18 @@ class AdmissionController:
 
         horizon = self._probe_within() * self.sla_s
         joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon, steps_s)
-        t_nth = joined[id(req)]
+        t_nth = note["t_nth"] = joined[id(req)]
         if self.best_effort:
             return joined
         if req.deadline is not None and t_nth > req.deadline:
+            note["rule"] = "late"
             if not active:  # an idle server refusing: say why (at most every PROBE_EVERY_S: a probe or not)
                 log.info("idle server: %s predicted %.1f ms to its SLA token (%.1f ms since arrival, forecast x "
                          "%.3f, the guard's stretch at %s)", req.id, (t_nth - req.arrival) * 1e3,
                          (now - req.arrival) * 1e3, stretch, level.labels)
-            if active or not self._probe(req, t_nth, now):
+            if not active and self._probe(req, t_nth, now):
+                note["rule"] = "probe"
+            else:
                 raise Rejected("overloaded" if active else "sla_unmeetable",
                                f"the server cannot deliver {req.sla_token_index} tokens within "
                                f"{self.sla_s * 1e3:.0f} ms now" +
@@ -181,12 +209,24 @@ class AdmissionController:
         # an admitted request late beside the newcomer: does the newcomer delay it, and would it be on time without
         # it at the usual pace? (Else nobody can be made late, and the forecast without the newcomer, as long as the
         # first, is not needed.) The usual pace is the stretched forecast scaled: every cost in it carries the factor.
-        late = [(r, r.deadline) for r in active if r.deadline is not None and r.deadline < joined[id(r)]]
+        # A request is judged over the span its score measures, from its first verdict (Promise.score): what it has
+        # spent since carries the stretch (or the usual pace) too, not only what is left.
+        since = {id(r): now - self._promises[r.id].at for r in active if r.id in self._promises}
+        typical = self.guard.typical(level)
+
+        def over(r: Request, t: float, pace: float) -> float:
+            """How far past its deadline `r` comes at `pace` (times the forecast), `t` its stretched forecast."""
+            assert r.deadline is not None
+            return now + (t - now) * pace / stretch + since.get(id(r), 0.0) * (pace - 1) - r.deadline
+
+        late = [r for r in active if r.deadline is not None and over(r, joined[id(r)], stretch) > 0]
         if late:
             alone = self.planner.forecast(active, step_s, prefill_s, now, horizon, steps_s)
-            usual = self.guard.typical(level) / stretch
-            for r, deadline in late:
-                if joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and now + (alone[id(r)] - now) * usual <= deadline:
+            for r in late:
+                if joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and over(r, alone[id(r)], typical) <= 0:
+                    note.update(rule="delays", victim_over_ms=over(r, joined[id(r)], stretch) * 1e3,
+                                victim_alone_over_ms=over(r, alone[id(r)], stretch) * 1e3,
+                                victim_since_ms=since.get(id(r), 0.0) * 1e3)
                     raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
                                    self.retry_after_s(active, now))
         return joined
@@ -231,6 +271,12 @@ class AdmissionController:
         if promise is not None and req.sla_token_index == self.sla_tokens:
             score = promise.score(at)
             self.guard.observe(promise.level, score, promise.stretch)
+            if self.trace is not None:
+                self.trace.record("sla_token", t=at, req=req.id, after_verdict_ms=(at - promise.at) * 1e3,
+                                  forecast_ms=(promise.predicted - promise.at) * 1e3, score=score,
+                                  stretch=promise.stretch, level=promise.level.labels,
+                                  late=req.deadline is not None and at > req.deadline,
+                                  since_arrival_ms=(at - req.arrival) * 1e3)
             if score > promise.stretch and at - self._over_logged_at >= OVER_LOG_EVERY_S:
                 # what the guard erred on, to line up with the engine's and the GPU's logs
                 self._over_logged_at = at

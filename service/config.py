@@ -75,6 +75,10 @@ class ServeConfig(BaseSettings):
                               "than forecast admitted requests took, as measured at each load level (0.995: a "
                               "minute of a hundred requests then shows at least 99% of them on time, not half the "
                               "minutes below it as a true 1% would)")
+    admission_log: str | None = Field(None, description="a file that gets a JSON line for every admission verdict "
+                                      "(its forecast, stretch, time left, and the rule that refused it) and every "
+                                      "admitted request's SLA token (how far its forecast was off): why a request "
+                                      "was refused, request by request. Unset: none")
     max_waiting: int = Field(64, description="admitted requests that may wait for a slot")
     gpu_hourly_usd: float = Field(0.0, description="this replica's GPU price per hour, exported as "
                                   "parley_gpu_hourly_usd for the cost panels")

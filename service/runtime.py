@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from service.admission import AdmissionController
+from service.admission_log import AdmissionLog
 from service.backends import make_decoder, resolve_backend
 from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
@@ -91,8 +92,11 @@ def build_engine(cfg: ServeConfig) -> Runtime:
                    max_batch=cfg.max_batch, max_rows=max_rows)
     log.info("warmed up in %.1f s", time.perf_counter() - t0)
     latency = calibrated_latency(cfg, decoder, model.config, backend, max_rows, seen)
+    trace = AdmissionLog(cfg.admission_log) if cfg.admission_log else None
+    if trace is not None:
+        atexit.register(trace.close)  # the last lines written at a clean exit (SIGTERM's drain)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
-                                    strict=cfg.strict_sla, target=cfg.sla_target)
+                                    strict=cfg.strict_sla, target=cfg.sla_target, trace=trace)
     metrics = Metrics(cfg.sla_tokens)
     metrics.export_guard(admission.guard)
     metrics.info.labels(model=cfg.model, backend=backend, device=device, weights=cfg.weights).set(1)

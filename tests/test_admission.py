@@ -670,3 +670,46 @@ def test_a_slow_verdict_never_stalls_the_streams_already_running(admission):
         eng.stop()
     during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= t0 and a <= t0 + verdict_s]  # gaps it overlaps
     assert len(during) > 2 and max(during) < verdict_s / 2, f"a token waited {max(during) * 1e3:.0f} ms"
+
+
+def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_verdict():
+    """The guard scores a request over the span from its first verdict to its SLA token against its latest forecast,
+    so a newcomer's verdict judges the admitted requests over that span too: 50 ms into a request's life, a stretch of
+    1.20 holds 10 ms in reserve for it that a check over the time left alone (what admitted newcomers right up to
+    its deadline, and let it come late by a few ms at FP8's 160 req/s on the H200) would give away."""
+    from dataclasses import replace
+
+    from service.admission_guard import Level
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+
+    def verdict(spent_s):
+        """A newcomer whose prefill launch delays a running request `spent_s` into its life, which ends 5 ms before
+        its deadline in the newcomer's stretched forecast; whether it was admitted."""
+        adm = AdmissionController(lat, 0.2, 64, 4)
+        n = adm.guard.enough
+        for i in range(n):
+            adm.guard.observe(Level(0, 0), 1.20 if i < n // 10 else 1.0, 1.20)
+        running = newcomer(state=State.RUNNING)
+        adm.check(running)
+        running.output_ids = [0] * 10
+        running.deadline = time.perf_counter() + 10
+        adm.check(trial := newcomer(prompt_tokens=400))
+        moved = adm._promises[running.id]
+        t_v = adm._promises[trial.id].at
+        stretched = (moved.predicted - t_v) * moved.stretch  # its SLA token beside the newcomer, from the verdict
+        assert moved.stretch == pytest.approx(1.20)
+        adm.release(trial)
+        first = adm._promises[running.id]
+        adm._promises[running.id] = replace(first, at=first.at - spent_s)
+        running.deadline = time.perf_counter() + stretched + 0.005
+        try:
+            adm.check(newcomer(prompt_tokens=400))
+        except Rejected as r:
+            assert "admitted one miss" in r.message
+            return False
+        return True
+
+    assert verdict(0.0)  # just admitted: 5 ms to spare
+    assert not verdict(0.05)  # 50 ms in: 0.2 x 50 ms = 10 ms of its span's stretch is more than the 5 ms

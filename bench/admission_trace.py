@@ -1,0 +1,114 @@
+"""What a server's admission log (`--admission-log`, service/admission_log.py) says: how many verdicts refused and by
+which rule, what the refused had left of their budget against what their forecast asked, and how far the forecasts of
+the admitted were off at each load level. The e2e report shows it for each server (bench/e2e_report.py); on its own:
+    python -m bench.admission_trace RAW/admission-LABEL.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The log's lines; a line cut short by a killed server is skipped."""
+    lines = []
+    for text in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            continue
+    return lines
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    """The q-quantile by the nearest rank (None for none)."""
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def level_name(level: dict[str, str]) -> str:
+    return f"{level['in_flight']} in flight, prompt {level['prompt']}"
+
+
+def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    verdicts = [x for x in lines if x.get("kind") == "verdict"]
+    tokens = [x for x in lines if x.get("kind") == "sla_token"]
+    refused = [v for v in verdicts if not v["admitted"]]
+    late_rule = [v for v in refused if v.get("rule") == "late" and v.get("reason") == "overloaded"]
+
+    def spread(rows: list[dict[str, Any]], key: str) -> dict[str, float | None]:
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        return {"p50": quantile(xs, 0.5), "p90": quantile(xs, 0.9), "max": max(xs, default=None)}
+
+    by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for t in tokens:
+        by_level[level_name(t["level"])].append(t)
+    return {
+        "verdicts": len(verdicts),
+        "admitted": len(verdicts) - len(refused),
+        "refused": dict(Counter(f"{v.get('reason')} ({v.get('rule') or '–'})" for v in refused)),
+        "refused_levels": dict(Counter(level_name(v["level"]) for v in refused)),
+        # refused as late beside others: the budget they had left, what the forecast asked, stretched and not
+        "late_refusals": {key: spread(late_rule, key) for key in
+                          ("since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms", "stretch", "in_flight")},
+        # ...of them, how many the unstretched forecast alone would have admitted
+        "late_refusals_by_stretch_alone": sum(1 for v in late_rule if v["forecast_ms"] is not None
+                                              and v["forecast_ms"] <= v["left_ms"]),
+        "sla_tokens": len(tokens),
+        "late": sum(1 for t in tokens if t["late"]),
+        "levels": {name: {"n": len(ts), "score_p50": quantile([t["score"] for t in ts], 0.5),
+                          "score_p99": quantile([t["score"] for t in ts], 0.99),
+                          "stretch_p50": quantile([t["stretch"] for t in ts], 0.5),
+                          "over_stretch": sum(1 for t in ts if t["score"] > t["stretch"]),
+                          "late": sum(1 for t in ts if t["late"])}
+                   for name, ts in sorted(by_level.items())},
+    }
+
+
+def of_raw(raw: Path) -> dict[str, dict[str, Any]]:
+    """Each server's summary, by its label (admission-<label>.jsonl in the raw folder)."""
+    return {p.stem.removeprefix("admission-"): summary(read(p)) for p in sorted(raw.glob("admission-*.jsonl"))}
+
+
+def _f(x: float | int | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    for label, s in summaries.items():
+        if not s["verdicts"]:
+            continue
+        refused = ", ".join(f"{n} {why}" for why, n in s["refused"].items()) or "none"
+        lines += ["", f"Admission's log, {label}: {s['verdicts']} verdicts, {s['admitted']} admitted; refused: "
+                      f"{refused}. {s['sla_tokens']} SLA tokens reached, {s['late']} late by the server's clock."]
+        late = s["late_refusals"]
+        if late["left_ms"]["p50"] is not None:
+            lines += ["", f"Refused as late beside others ({s['late_refusals_by_stretch_alone']} of them within "
+                          "their budget by the unstretched forecast): p50 / p90 / max", "",
+                      "| since arrival ms | left ms | forecast ms | stretched ms | stretch | in flight |",
+                      "|---|---|---|---|---|---|",
+                      "| " + " | ".join(" / ".join(_f(late[k][q], 2 if k == "stretch" else 1)
+                                                  for q in ("p50", "p90", "max"))
+                                         for k in ("since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms",
+                                                   "stretch", "in_flight")) + " |"]
+        if s["levels"]:
+            lines += ["", "Admitted requests' scores (time to the SLA token over its forecast) by the level they were "
+                          "last judged at; refusals at the same level", "",
+                      "| level | SLA tokens | score p50 | score p99 | stretch p50 | over their stretch | late | "
+                      "refused |", "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {name} | {v['n']} | {_f(v['score_p50'], 3)} | {_f(v['score_p99'], 3)} | "
+                      f"{_f(v['stretch_p50'], 3)} | {v['over_stretch']} | {v['late']} | "
+                      f"{s['refused_levels'].get(name, 0)} |" for name, v in s["levels"].items()]
+    return lines
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print("\n".join(markdown({Path(arg).stem: summary(read(Path(arg)))})))

@@ -1,0 +1,69 @@
+"""AdmissionLog (`--admission-log FILE`): every verdict admission gives and every admitted request's SLA token, one
+JSON object a line, so that an operator (or `bench e2e`) can say why a request was refused and how far the forecast
+was off for those admitted.
+
+The counters on /metrics say how many were refused; they cannot say whether a refusal was right. A line per verdict
+can: the forecast (unstretched and stretched), the deadline's time left, what the request had spent before the verdict,
+the level and its stretch, and which rule refused it. The lines are written by a thread of their own: the verdict runs
+on the engine thread (service/engine/handoff.py), which only formats a dict and puts it on a queue.
+
+Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one every line shares):
+- {"kind": "verdict", "t", "req", "admitted", "reason", "rule", "in_flight", "prompt_tokens", "cached_tokens",
+  "level", "stretch", "since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms"}: `rule` is what refused it
+  ("late": its own stretched forecast passes its deadline; "delays": it would make an admitted request late that is on
+  time without it; "probe": an idle server admitted it as a probe), `forecast_ms` the time from the verdict to its SLA
+  token the planner forecast, `stretched_ms` that times the stretch, `left_ms` its deadline less now;
+- {"kind": "sla_token", "t", "req", "after_verdict_ms", "forecast_ms", "score", "stretch", "level", "late",
+  "since_arrival_ms"}: an admitted request's SLA token, against its last promise (service/admission.py's Promise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("parley.admission")
+
+
+class AdmissionLog:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  # closed by close()
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="parley-admission-log", daemon=True)
+        self._writer.start()
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """One line (any thread): `kind` and the fields, floats rounded to microseconds' worth."""
+        line = {"kind": kind, **{k: _number(v) if isinstance(v, float) else v for k, v in fields.items()}}
+        self._lines.put(json.dumps(line, default=str))
+
+    def _write(self) -> None:
+        while True:
+            line = self._lines.get()
+            if line is None:
+                break
+            try:
+                self._file.write(line + "\n")
+                if self._lines.empty():  # a burst is written at once, then flushed: a reader sees whole lines
+                    self._file.flush()
+            except (OSError, ValueError):
+                log.exception("the admission log %s cannot be written: no more lines", self.path)
+                break
+
+    def close(self) -> None:
+        """What was recorded so far written, then the file closed."""
+        self._lines.put(None)
+        self._writer.join(timeout=5)
+        self._file.close()
+
+
+def _number(x: float) -> float | None:
+    """JSON has no infinity: a forecast past the horizon is null."""
+    return round(x, 4) if math.isfinite(x) else None

@@ -1,0 +1,77 @@
+"""The admission log (`--admission-log`): a line for every verdict, with the forecast, the stretch, the time left and
+the rule that refused; a line for every admitted request's SLA token; and the bench's reading of it."""
+
+import json
+import time
+
+import pytest
+
+from bench import admission_trace
+from service.admission import AdmissionController
+from service.admission_log import AdmissionLog
+from service.engine.admission import Rejected
+from service.engine.commit import Token
+from service.engine.request import State
+from service.latency_model import LatencyModel
+from tests.test_admission import newcomer, settled
+
+
+def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path)
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)  # 128 ms to token 64
+    adm = settled(AdmissionController(lat, 0.2, 64, 4, trace=trace), 1.05)
+    running = newcomer(state=State.RUNNING)
+    adm.check(running)  # admitted: 64 x 2.1 ms against 200 ms
+    riding = newcomer(prompt_tokens=100)
+    running.deadline = time.perf_counter() + 0.15  # on time alone, with 16 ms to spare
+    adm.check(riding)  # rides beside it
+    adm.release(riding)
+    with pytest.raises(Rejected):
+        adm.check(newcomer(prompt_tokens=400))  # its prefill launch would make the running one miss
+    running.deadline = time.perf_counter() + 0.01
+    running.output_ids = [0] * 10
+    late = newcomer()
+    late.arrival -= 0.15  # 150 ms spent before its verdict: 64 x 2.1 ms no longer fits
+    with pytest.raises(Rejected):
+        adm.check(late)
+    promise = adm._promises[running.id]  # its latest: each verdict beside it forecasts it again
+    adm.consume(Token(running, 7, 64, "", promise.at + 1.5 * (promise.predicted - promise.at)))
+    trace.close()
+
+    lines = [json.loads(t) for t in path.read_text().splitlines()]
+    verdicts = [x for x in lines if x["kind"] == "verdict"]
+    assert [(v["admitted"], v["reason"], v["rule"]) for v in verdicts] == [
+        (True, None, None), (True, None, None), (False, "overloaded", "delays"), (False, "overloaded", "late")]
+    first, _, delays, refused = verdicts
+    assert first["req"] == running.id and first["in_flight"] == 1 and first["level"] == {"in_flight": "1",
+                                                                                        "prompt": "step"}
+    assert first["stretch"] == pytest.approx(1.05) and first["forecast_ms"] == pytest.approx(134.4, rel=0.05)
+    assert first["stretched_ms"] == pytest.approx(first["forecast_ms"] * 1.05, rel=1e-3)
+    assert first["stretched_ms"] < first["left_ms"] <= 200
+    assert delays["victim_over_ms"] > 0 > delays["victim_alone_over_ms"]  # late beside it, on time without it
+    assert refused["since_arrival_ms"] >= 150 and refused["stretched_ms"] > refused["left_ms"]
+    assert refused["in_flight"] == 2 and refused["prompt_tokens"] == 32
+    (token,) = [x for x in lines if x["kind"] == "sla_token"]
+    assert token["req"] == running.id and token["score"] == pytest.approx(1.5, rel=1e-3)
+    assert token["late"] is True  # its deadline was moved to 10 ms from then
+
+    s = admission_trace.summary(admission_trace.read(path))
+    assert (s["verdicts"], s["admitted"], s["sla_tokens"], s["late"]) == (4, 2, 1, 1)
+    assert s["refused"] == {"overloaded (delays)": 1, "overloaded (late)": 1}
+    assert s["late_refusals"]["since_arrival_ms"]["p50"] >= 150
+    assert s["late_refusals_by_stretch_alone"] == 0  # 150 ms gone: not even the bare forecast fits
+    text = "\n".join(admission_trace.markdown({"server": s}))
+    assert "4 verdicts, 2 admitted; refused: 1 overloaded (delays), 1 overloaded (late)" in text
+
+
+def test_a_forecast_past_the_horizon_is_null_and_a_torn_last_line_is_skipped(tmp_path):
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path)
+    trace.record("verdict", t=1.0, req="r", admitted=False, forecast_ms=float("inf"), level={"in_flight": "1",
+                                                                                           "prompt": "step"})
+    trace.close()
+    with open(path, "a") as f:
+        f.write('{"kind": "verdict", "t": 2.0, "req"')  # a server killed mid-line
+    (line,) = admission_trace.read(path)
+    assert line["forecast_ms"] is None and line["req"] == "r"
