@@ -90,6 +90,11 @@ class ServeConfig(BaseSettings):
                                         "Python never holds the GIL the engine loop needs (off: the engine is a "
                                         "thread of this process); unset: on where the device is a GPU, off on the "
                                         "CPU")
+    api_workers: int = Field(1, ge=1, description="HTTP front-end processes (each with its own event loop: HTTP "
+                             "parsing, templates, tokenization, SSE and WebSocket framing) sharing the port, all "
+                             "served by one engine process (so more than 1 runs the engine in a process of its own): "
+                             "more when one front end's event loop is busy enough to delay tokens (/metrics: "
+                             "parley_front_end_loop_lag_seconds)")
     step_delay_ms: float = Field(0.0, description="testing: slow every decode step down by this much")
     fail_step: int = Field(0, description="testing: the decode step (1-based, of users' requests) that "
                            "raises, once; 0: never")
@@ -97,6 +102,14 @@ class ServeConfig(BaseSettings):
                            "(wedges the engine); 0: never")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="logging threshold")
     access_log: bool = Field(False, description="log every HTTP request")
+
+    @field_validator("api_workers")
+    @classmethod
+    def _one_engine_for_many(cls, api_workers: int, info: ValidationInfo) -> int:
+        if api_workers > 1 and info.data.get("engine_process") is False:
+            raise ValueError("more than one front end needs the engine in a process of its own: drop "
+                             "--no-engine-process")
+        return api_workers
 
     @field_validator("kv_slots")
     @classmethod
@@ -119,6 +132,8 @@ def engine_in_own_process(cfg: ServeConfig) -> bool:
     """--engine-process, or where unset: on a GPU, where the H100 measured the thread engine's goodput at 2.5-3.8
     req/s against 12.5 (bf16) and 35 (FP8) with the engine in its own process, in the same call (bench/NOTES.md);
     off on the CPU, where one process is all `parley serve` needs."""
+    if cfg.api_workers > 1:
+        return True
     if cfg.engine_process is not None:
         return cfg.engine_process
     import torch

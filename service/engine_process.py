@@ -14,8 +14,9 @@ engine loop needs. Its threads:
 - a status thread: a Status every STATUS_EVERY_S, the heartbeat /health and the drain read.
 
 Ready is sent only once build_engine has returned, i.e. after the warm-up ran every step shape (CUDA graphs, Triton
-kernels) and the calibration, in this process: the one that serves. It dies with the process that started it
-(PR_SET_PDEATHSIG) and exits on SIGTERM (sent once the front end has drained).
+kernels) and the calibration, in this process: the one that serves; to each front end that says Hello (`--api-workers
+N`: N of them, each its own socket, every answer routed by the id it names: messages.front_end_of). It dies with the
+process that started it (PR_SET_PDEATHSIG) and exits on SIGTERM (sent once the front ends have drained).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from service.engine.messages import (
     CloseSession,
     Drain,
     EngineInfo,
+    Hello,
     Out,
     Query,
     Ready,
@@ -54,6 +56,7 @@ from service.engine.messages import (
     Submit,
     Truncate,
     Verdict,
+    front_end_of,
 )
 from service.engine.request import Delta, Request, SamplingParams, State
 from service.runtime import Runtime, build_engine, settle_process
@@ -66,16 +69,16 @@ SLOW_RENDER_S = 0.02  # a /metrics render this long is logged: it shares the eng
 
 
 class EngineService:
-    """A runtime's engine, served to one front end at `addresses`."""
+    """A runtime's engine, served to `front_ends` front ends at `addresses`."""
 
-    def __init__(self, rt: Runtime, addresses: ipc.Addresses) -> None:
+    def __init__(self, rt: Runtime, addresses: ipc.Addresses, front_ends: int = 1) -> None:
         self.rt = rt
         self.engine = rt.engine
         self.ctx = zmq.Context()
         self.inbox = ipc.pull(self.ctx, addresses.engine)
-        self.out = ipc.push(self.ctx, addresses.front_end(0))
-        self._send_lock = threading.Lock()  # the engine, input, side and status threads share the socket
-        self._outbox: list[Out] = []  # the current iteration's deltas (engine thread only)
+        self.outs = [ipc.push(self.ctx, addresses.front_end(i)) for i in range(front_ends)]
+        self._send_lock = threading.Lock()  # the engine, input, side and status threads share the sockets
+        self._outboxes: list[list[Out]] = [[] for _ in self.outs]  # the iteration's deltas by front end (engine thread)
         self._live: dict[int, Request] = {}  # rid → the admitted request, until it ends
         self._live_lock = threading.Lock()
         self._undecided: set[int] = set()  # submitted, no verdict yet (handed to the engine thread, or compiling)
@@ -88,34 +91,41 @@ class EngineService:
         self.info = engine_info(rt)
 
     # -- sending ------------------------------------------------------------------------------------------------
-    def _send(self, message: object) -> None:
+    def _send(self, message: object, front_end: int | None = None) -> None:
+        """To one front end, or (None) to every one."""
         frame = ipc.ENCODER.encode(message)
         with self._send_lock:
-            self.out.send(frame, copy=False)
+            for out in self.outs if front_end is None else (self.outs[front_end],):
+                out.send(frame, copy=False)
+
+    def _to(self, id_: int) -> int:
+        """The front end a request or query id came from."""
+        return front_end_of(id_, len(self.outs))
 
     def _sink(self, rid: int, d: Delta) -> None:
-        """One request's sink (engine thread): into this iteration's outbox, sent by _flush."""
+        """One request's sink (engine thread): into this iteration's outbox of its front end, sent by _flush."""
+        outbox = self._outboxes[self._to(rid)]
         if d.finish_reason is None:
-            self._outbox.append(Out(rid, d.text, d.token_ids))
+            outbox.append(Out(rid, d.text, d.token_ids))
             return
         with self._live_lock:
             self._live.pop(rid, None)
         u, t = d.usage, d.timings
-        self._outbox.append(Out(
+        outbox.append(Out(
             rid, d.text, d.token_ids, d.finish_reason, d.error,
             None if u is None else (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
             None if t is None else (t.queue_ms, t.prefill_ms, t.ttft_ms, t.ttfn_ms, t.e2e_ms, t.n)))
 
     def _flush(self) -> None:
-        """After an iteration (engine thread): its deltas, in one message."""
-        if self._outbox:
-            box, self._outbox = self._outbox, []
-            self._send(StepOutput(box, time.perf_counter()))
+        """After an iteration (engine thread): its deltas, in one message to each front end that has some."""
+        for fe, box in enumerate(self._outboxes):
+            if box:
+                self._outboxes[fe] = []
+                self._send(StepOutput(box, time.perf_counter()), fe)
 
     # -- the input thread ---------------------------------------------------------------------------------------
     def serve(self) -> None:
-        """Take the front end's messages until stop() (SIGTERM)."""
-        self._send(Ready(self.info))
+        """Take the front ends' messages until stop() (SIGTERM)."""
         self._status_thread.start()
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
@@ -129,7 +139,9 @@ class EngineService:
             self.engine.handoff.run_stale()  # what the engine thread has not started in time (a long step, a hang)
 
     def _handle(self, m: object) -> None:
-        if isinstance(m, Submit):
+        if isinstance(m, Hello):
+            self._hello(m.front_end)
+        elif isinstance(m, Submit):
             session = None
             if m.session is not None:  # here, in the order of the front end's messages (before a later close)
                 session = self._sessions.get(m.session)
@@ -162,6 +174,22 @@ class EngineService:
         elif isinstance(m, Drain):  # after the submits handed over before it: those are decided, and counted
             self.engine.run_soon(self._stop_accepting)
 
+    def _hello(self, fe: int) -> None:
+        """A front end has started: Ready to it; and whatever a predecessor of the same number left running (it died
+        mid-stream, and nobody reads its streams now) is cancelled, its slots freed before the next step."""
+        if not 0 <= fe < len(self.outs):
+            log.error("a front end numbered %d said hello; this engine serves %d", fe, len(self.outs))
+            return
+        with self._live_lock:
+            orphans = [req for rid, req in self._live.items() if self._to(rid) == fe]
+            self._cancel_early |= {rid for rid in self._undecided if self._to(rid) == fe}
+        for req in orphans:
+            self.engine.cancel(req)
+        if orphans:
+            log.warning("front end %d restarted: cancelled the %d requests its predecessor left running", fe,
+                        len(orphans))
+        self._send(Ready(self.info), fe)
+
     def _stop_accepting(self) -> None:
         self.engine.accepting = False
 
@@ -181,7 +209,7 @@ class EngineService:
                 self._live[m.rid] = req
         if req is not None and early:
             self.engine.cancel(req)
-        self._send(verdict)
+        self._send(verdict, self._to(m.rid))
 
     def _admit(self, m: Submit, session: Session | None, received: float) -> tuple[Verdict, Request | None]:
         p = m.params
@@ -212,7 +240,7 @@ class EngineService:
         took = time.perf_counter() - t0
         if took > SLOW_RENDER_S:
             log.info("answering %r took %.1f ms", m.what, took * 1e3)
-        self._send(Answer(m.qid, body))
+        self._send(Answer(m.qid, body), self._to(m.qid))
 
     def _answer(self, what: str) -> bytes:
         if what == "metrics":
@@ -237,7 +265,7 @@ class EngineService:
         self.engine.stop()
         if self._status_thread.is_alive():
             self._status_thread.join(timeout=5)
-        for s in (self.inbox, self.out):
+        for s in (self.inbox, *self.outs):
             s.close(linger=0)
         self.ctx.term()
 
@@ -319,7 +347,7 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     t0 = time.perf_counter()
     rt = settle_process(build_engine(cfg))  # warm-up and every step shape: here, before Ready
-    service = EngineService(rt, ipc.Addresses(root))
+    service = EngineService(rt, ipc.Addresses(root), cfg.api_workers)
     warn_of_late_compiles()
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     log.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - t0)

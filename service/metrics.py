@@ -6,10 +6,11 @@ Each Metrics object owns its registry, so that several engines (tests) never col
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -238,6 +239,12 @@ class FrontEndMetrics:
             buckets=(*LOOP_BUCKETS, 0.25, 0.5, 1.0), registry=r)
 
     def render(self) -> bytes:
+        """This front end's series; with several front ends (`--api-workers`, which set PROMETHEUS_MULTIPROC_DIR for
+        them), every front end's, summed (prometheus_client's multiprocess mode)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

@@ -34,6 +34,7 @@ from service.engine.messages import (
     CloseSession,
     Drain,
     EngineInfo,
+    Hello,
     Out,
     Params,
     Query,
@@ -43,6 +44,7 @@ from service.engine.messages import (
     Submit,
     Truncate,
     Verdict,
+    first_id,
 )
 from service.engine.request import Delta, SamplingParams, Timings, Usage
 from service.model.tokenizer import Tokenizer
@@ -141,17 +143,21 @@ class RemoteStream(QueuedDeltas):
 
 class EngineClient:
     def __init__(self, info: EngineInfo, addresses: ipc.Addresses, ctx: zmq.Context,
-                 inbox: zmq.asyncio.Socket, exit_code: Callable[[], int | None] | None = None) -> None:
+                 inbox: zmq.asyncio.Socket, exit_code: Callable[[], int | str | None] | None = None,
+                 front_end: int = 0, front_ends: int = 1, out: zmq.Socket | None = None) -> None:
         self.info = info
         self.tokenizer = tokenizer_of(info)
         self.eos = frozenset(info.eos_token_ids)
         self._ctx = ctx
         self._inbox = inbox
-        self._out = ipc.push(ctx, addresses.engine)
+        self._out = out if out is not None else ipc.push(ctx, addresses.engine)
         self._send_lock = threading.Lock()  # the drain thread sends too
-        self._exit_code = exit_code  # the engine process's exit status (None while it runs)
-        self._rids = itertools.count(1)
-        self._qids = itertools.count(1)
+        self._exit_code = exit_code  # the engine process's exit status, or why it is gone (None while it runs)
+        # this front end's ids (messages.front_end_of names it in each), from a start of its own: a front end
+        # restarted after a crash never reuses an id its predecessor's requests may still hold in the engine
+        start = first_id(front_end) + front_ends * (time.time_ns() // 1_000_000 if front_ends > 1 else 0)
+        self._rids = itertools.count(start, front_ends)
+        self._qids = itertools.count(start, front_ends)
         self._streams: dict[int, RemoteStream] = {}
         self._queries: dict[int, asyncio.Future[bytes]] = {}
         self.status: Status | None = None
@@ -161,22 +167,25 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
-    async def connect(cls, addresses: ipc.Addresses,
-                      exit_code: Callable[[], int | None] | None = None) -> EngineClient:
-        """Bind the front end's socket and wait for the engine's Ready (sent once it is loaded, warm and
-        calibrated); a RuntimeError if its process exits first."""
+    async def connect(cls, addresses: ipc.Addresses, exit_code: Callable[[], int | str | None] | None = None,
+                      front_end: int = 0, front_ends: int = 1) -> EngineClient:
+        """Bind front end `front_end`'s socket (of `front_ends`), say Hello and wait for the engine's Ready (sent once
+        it is loaded, warm and calibrated); a RuntimeError if its process exits first."""
         ctx = zmq.Context()
-        inbox = zmq.asyncio.Socket.from_socket(ipc.pull(ctx, addresses.front_end(0)))
+        inbox = zmq.asyncio.Socket.from_socket(ipc.pull(ctx, addresses.front_end(front_end)))
+        out = ipc.push(ctx, addresses.engine)  # queued until the engine binds (it may still be loading)
+        out.send(ipc.ENCODER.encode(Hello(front_end)))
         while True:
             if exit_code is not None and (code := exit_code()) is not None:
                 inbox.close(linger=0)
+                out.close(linger=0)
                 ctx.term()
                 raise RuntimeError(f"the engine process exited with {code} before it was ready")
             if await inbox.poll(200):
                 message = ipc.TO_FRONT_END.decode(await inbox.recv())
                 if isinstance(message, Ready):
                     break
-        client = cls(message.info, addresses, ctx, inbox, exit_code)
+        client = cls(message.info, addresses, ctx, inbox, exit_code, front_end, front_ends, out)
         client._tasks = [asyncio.create_task(client._read()), asyncio.create_task(client._watch())]
         return client
 
@@ -311,7 +320,9 @@ class EngineClient:
         while self.dead is None:
             await asyncio.sleep(WATCH_EVERY_S)
             code = self._exit_code() if self._exit_code is not None else None
-            if code is not None:
+            if isinstance(code, str):
+                self._gone(code)
+            elif code is not None:
                 self._gone(f"it exited with {code}" if code >= 0 else f"it was killed by signal {-code}")
             elif time.monotonic() - self._status_at > HEARTBEAT_TIMEOUT_S:
                 self._gone(f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s")

@@ -20,7 +20,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -31,6 +33,9 @@ from service.api.loop_lag import watch_loop_lag
 from service.api.state import ServerState, server_state
 from service.config import ServeConfig, engine_in_own_process
 from service.runtime import build_engine, settle_process
+
+if TYPE_CHECKING:
+    from service.engine import ipc
 
 log = logging.getLogger("parley")
 
@@ -158,33 +163,48 @@ def serve(cfg: ServeConfig) -> int:
 
 def serve_with_engine_process(cfg: ServeConfig, keys: ApiKeys) -> int:
     """`parley serve --engine-process`: the engine process, started first (it loads and warms while uvicorn waits in
-    its lifespan for Ready), this process the front end; the engine process stopped last, however this ends."""
+    its lifespan for Ready), this process the front end; the engine process stopped last, however this ends. With
+    `--api-workers` over 1, this process supervises that many front-end processes instead (front_ends.py)."""
     from service import engine_process  # zmq and the process's own imports: only in this mode
     from service.engine import ipc
 
+    if cfg.api_workers > 1:
+        from service.api.front_ends import serve_with_front_ends
+
+        return serve_with_front_ends(cfg)
     addresses = ipc.Addresses.fresh()
     proc = engine_process.spawn(cfg, addresses)
+    try:
+        return run_front_end(cfg, keys, addresses, lambda: exit_status(proc))
+    finally:
+        engine_process.stop(proc)
+        addresses.remove()
+
+
+def run_front_end(cfg: ServeConfig, keys: ApiKeys, addresses: ipc.Addresses,
+                  engine_exit: Callable[[], int | str | None], front_end: int = 0,
+                  sockets: list[socket.socket] | None = None) -> int:
+    """Serve HTTP and the realtime WebSocket as front end `front_end` of `cfg.api_workers`, on `sockets` (already
+    listening; None: bind --host/--port), with the engine process at `addresses` (`engine_exit`: its exit status, or
+    why it is gone, None while it runs) until SIGTERM drains it or the engine dies; the exit status."""
     server: ParleyServer | None = None
 
     async def connect() -> EngineClient:
-        client = await EngineClient.connect(addresses, exit_code=lambda: exit_status(proc))
+        client = await EngineClient.connect(addresses, exit_code=engine_exit, front_end=front_end,
+                                            front_ends=cfg.api_workers)
         assert server is not None
         client.on_dead.append(server.on_engine_gone)
         return client
 
-    try:
-        app = create_app(api_keys=keys, connect=connect)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
-                                log_level=cfg.log_level, access_log=cfg.access_log, ws_max_size=WS_MAX_BYTES,
-                                timeout_graceful_shutdown=None)
-        server = ParleyServer(config, server_state(app), cfg.drain_timeout_s)
-        server.run()
-        if server.engine_gone:
-            return 1
-        return 0 if server.started else 1
-    finally:
-        engine_process.stop(proc)
-        addresses.remove()
+    app = create_app(api_keys=keys, connect=connect)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, workers=1, lifespan="on", log_config=None,
+                            log_level=cfg.log_level, access_log=cfg.access_log, ws_max_size=WS_MAX_BYTES,
+                            timeout_graceful_shutdown=None)
+    server = ParleyServer(config, server_state(app), cfg.drain_timeout_s)
+    server.run(sockets=sockets)
+    if server.engine_gone:
+        return 1
+    return 0 if server.started else 1
 
 
 def exit_status(proc: subprocess.Popen[bytes]) -> int | None:

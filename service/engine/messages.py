@@ -2,9 +2,13 @@
 encoded as MessagePack (ipc.py carries them over ZeroMQ). Engine → front end is one message per engine iteration
 (StepOutput: every request's delta of that iteration) or per request event (Verdict), never one per token.
 
-front end → engine: Submit, Cancel, CloseSession, Truncate, Query, Drain
-engine → front end: Ready (once, after warm-up), Verdict (per Submit), StepOutput (per iteration with output),
+front end → engine: Hello (once, at its start), Submit, Cancel, CloseSession, Truncate, Query, Drain
+engine → front end: Ready (per Hello, once warm), Verdict (per Submit), StepOutput (per iteration with output),
                     Status (a heartbeat every STATUS_EVERY_S), Answer (per Query)
+
+With `--api-workers N` there are N front ends, numbered 0..N-1: front end i numbers its requests and queries i + 1,
+i + 1 + N, i + 1 + 2N, ... (`front_end_of`), so every id names the front end its answers go back to and no message
+carries it twice.
 
 The engine detokenizes and applies stop strings, as the thread engine does (deltas carry text): the front end's work
 per token is framing alone.
@@ -31,9 +35,26 @@ class Params(msgspec.Struct, array_like=True, frozen=True):
     opening: bool = False  # the grammar holds the reply's opening only (lifted once it accepts)
 
 
+def first_id(front_end: int) -> int:
+    """The first request (and query) id of a front end: then every `front_ends`-th."""
+    return front_end + 1
+
+
+def front_end_of(id_: int, front_ends: int) -> int:
+    """The front end a request or query id belongs to."""
+    return (id_ - 1) % front_ends
+
+
 # -- front end → engine -----------------------------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    """A front end has bound its socket and waits for Ready. One that restarted after a crash says so too: what the
+    engine still runs for its predecessor (the same number) is cancelled, since nobody reads it."""
+
+    front_end: int
+
+
 class Submit(msgspec.Struct, tag=True, array_like=True):
-    rid: int  # unique within the front end
+    rid: int  # unique across front ends: front_end_of(rid) is the one that sent it
     prompt_ids: list[int]
     params: Params
     arrival: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for every process of the host)
@@ -65,7 +86,7 @@ class Drain(msgspec.Struct, tag=True, array_like=True):
     """Stop admitting (SIGTERM): what is admitted runs to its end."""
 
 
-ToEngine = Submit | Cancel | CloseSession | Truncate | Query | Drain
+ToEngine = Hello | Submit | Cancel | CloseSession | Truncate | Query | Drain
 
 
 # -- engine → front end -----------------------------------------------------------------------------------------------
