@@ -44,30 +44,6 @@ def test_beside_a_step_only_what_fits_its_budget_runs():
     assert done == [0, 1, 2]
 
 
-def test_a_task_starts_only_where_it_is_expected_to_end_within_the_budget_and_one_always_runs():
-    """Once verdicts are known to take 0.4 ms, one that would end past half a millisecond waits for the next
-    iteration (started 0.1 ms inside the budget it would end 0.3 ms past it, and the GPU would wait); and however
-    small the budget, one task runs each time, so that a verdict is never left to the patience."""
-    now = [0.0]
-    handoff = Handoff(clock=lambda: now[0])
-    done: list[int] = []
-
-    def verdict(i: int) -> None:
-        now[0] += 0.0004
-        done.append(i)
-
-    for i in range(10):
-        handoff.put(lambda i=i: verdict(i))
-    handoff.run_all()
-    assert handoff.task_s == pytest.approx(0.0004 * (1 - 0.8 ** 10))
-    for i in range(10, 13):
-        handoff.put(lambda i=i: verdict(i))
-    assert handoff.run_all(budget_s=0.0005) == pytest.approx(0.0004)
-    assert done[10:] == [10]
-    handoff.run_all(budget_s=0.0)
-    assert done[10:] == [10, 11] and handoff.pending()
-
-
 def test_only_tasks_past_their_patience_are_taken_back():
     now = [0.0]
     handoff = Handoff(patience_s=0.02, clock=lambda: now[0])

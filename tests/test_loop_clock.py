@@ -364,21 +364,3 @@ def test_a_delta_read_late_by_the_event_loop_is_timed_from_its_publication() -> 
     got = asyncio.run(read())
     assert [d.text for d in got] == ["a", "", "b"]
     assert len(waits) == 1 and 0.03 <= waits[0] < 1.0, waits
-
-
-def test_the_slack_beside_a_step_is_its_recent_gpu_time_less_the_hosts_own():
-    """What the engine may spend on handed-over work beside a launched step (its verdicts): a step's recent time on
-    the GPU less the host's recent time an iteration, none until both are known, never below zero."""
-    clock, gpu, _, _ = fake_clock()
-    assert clock.slack_s() is None
-    for i in range(40):  # 0.7 ms steps back to back, 0.3 ms of host work an iteration
-        step(clock, gpu, i * 0.0007, (i + 1) * 0.0007, consecutive=i > 0)
-        gpu.now = (i + 1) * 0.0007
-        clock.iteration(0.0003, 0.0)
-    assert clock.slack_s() == pytest.approx(0.0004, rel=0.02)
-    for _ in range(200):  # the host slows down to 0.9 ms an iteration: no slack left
-        clock.iteration(0.0009, 0.0)
-    assert clock.slack_s() == 0.0
-    cpu = LoopClock(torch.device("cpu"), histogram("host"))
-    cpu.iteration(0.001, 0.0)
-    assert cpu.slack_s() is None  # no step timed on a GPU: the engine keeps its fixed budget

@@ -41,8 +41,7 @@ from service.model.tokenizer import Tokenizer
 log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
-HANDOFF_BUDGET_S = 0.0005  # handed-over work beside a step in flight with none behind it, or before the loop has
-# timed a step and an iteration (then beside a launched step: the slack the loop clock measures)
+HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step: about half a step's slack on the H100
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
@@ -286,11 +285,8 @@ class Engine:
             return
         t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
-        # while the GPU runs the step; as much as fits in it (a step's time less the host's own, as measured
-        # recently: FP8's 0.7 ms steps left less than the fixed half millisecond), so that the GPU does not wait
-        slack = self._clock.slack_s()
-        overlapped = self.handoff.run_all(HANDOFF_BUDGET_S if slack is None else slack) \
-            if launched is not None else 0.0
+        # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
+        overlapped = self.handoff.run_all(HANDOFF_BUDGET_S) if launched is not None else 0.0
         t_launch = time.perf_counter()
         self._inflight = None
         if inflight is not None:

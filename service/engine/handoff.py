@@ -25,7 +25,6 @@ from collections.abc import Callable
 log = logging.getLogger("parley.engine")
 
 PATIENCE_S = 0.02  # a task waits this long for the engine thread before another thread runs it
-TASK_EWMA = 0.2  # the weight of the latest task in the running estimate of what a task takes
 
 
 class Handoff:
@@ -35,7 +34,6 @@ class Handoff:
         self._tasks: deque[tuple[float, Callable[[], None]]] = deque()
         self._lock = threading.Lock()  # guards the queue
         self._running = threading.Lock()  # one runner at a time: tasks keep their order
-        self.task_s = 0.0  # what a task takes, recently (an exponentially weighted mean)
 
     def put(self, task: Callable[[], None]) -> None:
         with self._lock:
@@ -45,20 +43,10 @@ class Handoff:
         return bool(self._tasks)
 
     def run_all(self, budget_s: float = math.inf) -> float:
-        """The tasks put so far (the engine thread), each only where it is the first or is expected to end within
-        `budget_s` (what a task takes, recently): the rest wait for the next call, or for run_stale. So one task
-        always runs (the queue moves however small the budget) and none starts that would end far past it (one
-        started just inside it took a whole verdict more). The seconds they took (0 where another thread is running
-        them)."""
+        """The tasks put so far (the engine thread), until they have taken `budget_s` (the rest wait for the next
+        call, or for run_stale); the seconds they took (0 where another thread is running them)."""
         started = self._clock()
-        first = [True]
-
-        def due(at: float) -> bool:
-            fits = first[0] or self._clock() - started + self.task_s <= budget_s
-            first[0] = False
-            return fits
-
-        return self._run(due)
+        return self._run(lambda at: self._clock() - started < budget_s)
 
     def run_stale(self) -> float:
         """The tasks that have waited longer than patience_s, oldest first, up to the first that has not (another
@@ -75,12 +63,10 @@ class Handoff:
                     if not self._tasks or not due(self._tasks[0][0]):
                         break
                     _, task = self._tasks.popleft()
-                began = self._clock()
                 try:
                     task()
                 except Exception:  # one failing task must not keep the others from running
                     log.exception("a task handed to the engine thread failed")
-                self.task_s += TASK_EWMA * (self._clock() - began - self.task_s)
         finally:
             self._running.release()
         return self._clock() - started

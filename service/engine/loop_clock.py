@@ -30,7 +30,6 @@ from prometheus_client import Histogram
 from service.engine.slow_steps import SlowGpuSteps
 
 MAX_PENDING = 64  # steps not yet readable (the GPU is never this far behind; a bound, not a queue that grows)
-RECENT = 0.05  # the weight of the latest step (or iteration) in the recent means slack_s reads
 
 
 class Event(Protocol):
@@ -61,8 +60,6 @@ class LoopClock:
         self._last_end: Event | None = None  # the last step read's end: where a consecutive next one's gap starts
         self._broken = False  # a launch failed since the last step: the next one starts a new run
         self._slow_gpu = SlowGpuSteps()
-        self.recent_step_s: float | None = None  # a step's time on the GPU, recently (on CUDA)
-        self.recent_host_s: float | None = None  # the host's time an iteration, recently
 
     # -- the GPU's idle time and each step's ------------------------------------------------------------------------
     def step_start(self) -> None:
@@ -121,28 +118,13 @@ class LoopClock:
             seconds = max(0.0, start.elapsed_time(end)) / 1e3
             if self.step_gpu is not None:
                 self.step_gpu.observe(seconds)
-            self.recent_step_s = _recent(self.recent_step_s, seconds)
             self._slow_gpu.observe(seconds)
             self._release(start)
             self._last_end = end
 
-    def slack_s(self) -> float | None:
-        """How long the host may spend beside a launched step before the GPU would wait for the next one: a step's
-        recent time on the GPU less the host's recent time an iteration; None until both are known (without CUDA,
-        never)."""
-        if self.recent_step_s is None or self.recent_host_s is None:
-            return None
-        return max(0.0, self.recent_step_s - self.recent_host_s)
-
     # -- the host's time -------------------------------------------------------------------------------------------
     def iteration(self, wall_s: float, device_s: float) -> None:
         """An iteration that ran or read a step: `wall_s` in all, `device_s` of it blocked on the device."""
-        host = max(0.0, wall_s - device_s)
-        self.host.observe(host)
-        self.recent_host_s = _recent(self.recent_host_s, host)
+        self.host.observe(max(0.0, wall_s - device_s))
         if self._steps:
             self._read_steps()
-
-
-def _recent(mean: float | None, x: float) -> float:
-    return x if mean is None else mean + RECENT * (x - mean)
