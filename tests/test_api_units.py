@@ -70,6 +70,19 @@ def test_chat_fields() -> None:
         ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], presence_penalty=0.5)
 
 
+def test_text_parts_by_the_realtime_apis_names_are_text_too() -> None:
+    """OpenAI's Realtime API sends a user's text as `input_text` parts and gives the assistant's back as `output_text`
+    (as Parley's response.done does): a voice client that sends them gets the same turn as with `text`; anything else
+    is still refused, naming the field."""
+    from service.api.protocol import ChatMessage
+
+    for kind in ("text", "input_text", "output_text"):
+        m = ChatMessage(role="user", content=[{"type": kind, "text": "hi "}, {"type": "text", "text": "there"}])
+        assert m.for_template() == {"role": "user", "content": "hi there"}
+    with pytest.raises(ValueError, match="input_text"):
+        ChatMessage(role="user", content=[{"type": "input_audio", "audio": "..."}])
+
+
 REQUESTS = [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": [{"role": "user",
                                                                                          "content": "x"}]})]
 

@@ -171,6 +171,9 @@ class CompletionRequest(OpenAIRequest):
         return p  # type: ignore[return-value]
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat's name, and the Realtime and Responses APIs' (OpenAI)
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
@@ -178,7 +181,7 @@ class ContentPart(BaseModel):
 
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
-        if self.type != "text" or self.text is None:
+        if self.type not in TEXT_PARTS or self.text is None:
             raise ValueError(f"only text content parts are supported (got type {self.type!r})")
         return self
 
@@ -215,9 +218,10 @@ class ChatMessage(BaseModel):
     @classmethod
     def _parts(cls, v: Any) -> Any:
         if isinstance(v, list) and not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+                isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str) for p in v):
             raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts "
-                             "(only text is supported)")
+                             "(\"input_text\" and \"output_text\" too, as OpenAI's Realtime API names them; only "
+                             "text is supported)")
         return v
 
     @model_validator(mode="after")
