@@ -142,8 +142,8 @@ class AdmissionController:
             note: dict[str, object] = {}
             try:
                 joined = self._decide(req, active, now, stretch, level, note)
-            except Rejected as r:
-                self._trace_verdict(req, active, now, stretch, level, note, r)
+            except Rejected as refusal:
+                self._trace_verdict(req, active, now, stretch, level, note, refusal)
                 raise
             self._trace_verdict(req, active, now, stretch, level, note, None)
             with self._lock:
