@@ -102,9 +102,10 @@ class EngineService:
         """The front end a request or query id came from."""
         return front_end_of(id_, len(self.outs))
 
-    def _sink(self, rid: int, d: Delta) -> None:
-        """One request's sink (engine thread): into this iteration's outbox of its front end, sent by _flush."""
-        outbox = self._outboxes[self._to(rid)]
+    def _sink(self, rid: int, fe: int, d: Delta) -> None:
+        """One request's sink (engine thread), bound to its front end `fe` when submitted (not worked out again for
+        every token): into this iteration's outbox of that front end, sent by _flush."""
+        outbox = self._outboxes[fe]
         if d.finish_reason is None:
             outbox.append(Out(rid, d.text, d.token_ids))
             return
@@ -222,8 +223,8 @@ class EngineService:
         params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                 seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
         try:
-            req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.rid), session=session,
-                                     arrival=m.arrival, received=received, delivery_s=m.delivery_s)
+            req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.rid, self._to(m.rid)),
+                                     session=session, arrival=m.arrival, received=received, delivery_s=m.delivery_s)
         except Rejected as r:
             return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
         except ValueError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -229,3 +230,33 @@ def group_pids(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":  # field 5: the process group; field 3: its state
             pids.append(int(entry))
     return pids
+
+
+def engine_pid(server: Server) -> int:
+    """The engine process (`--engine-process`, `--api-workers`): the one process of the server's group that runs
+    service.engine_process."""
+    for pid in group_pids(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"service.engine_process" in cmdline:
+            return pid
+    raise AssertionError(f"no engine process in the group of {server.proc.pid}:\n{server.log_tail()}")
+
+
+def stream_killing(server: Server, body: dict[str, Any], pid: int, after: int = 3) -> tuple[list[str], float]:
+    """A streamed completion's SSE data, SIGKILL sent to `pid` once `after` events have come; and how long the stream
+    took to end after the kill."""
+    events: list[str] = []
+    killed = None
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if (d := sse_data(line)) is not None:
+                events.append(d)
+                if len(events) == after:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = time.monotonic()
+    assert killed is not None, f"the stream ended after {len(events)} events, before the kill"
+    return events, time.monotonic() - killed

@@ -330,6 +330,17 @@ def settled(adm, score):
     return adm
 
 
+def now_and_then_over(adm):
+    """`adm` once its guard has seen forecasts run to time, and a tenth of them 20% over: every level's stretch 1.20,
+    its usual pace 1.0."""
+    from service.admission_guard import Level
+
+    n = adm.guard.enough
+    for i in range(n):
+        adm.guard.observe(Level(0, 0), 1.20 if i < n // 10 else 1.0, 1.20)
+    return adm
+
+
 def test_a_run_of_steps_costs_what_its_steps_add_up_to():
     """LatencyModel.steps (the forecast's repeated steps in one call) equals the sum of step() over the run: rows on
     a bucket or between two, runs that start below the short context and cross it, start beyond it, never reach it,
@@ -504,10 +515,7 @@ def test_a_request_late_only_at_the_stretch_holds_back_a_newcomer_that_delays_it
     lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
 
     def drifted(left_s):
-        adm = AdmissionController(lat, 0.2, 64, 4)
-        n = adm.guard.enough
-        for i in range(n):
-            adm.guard.observe(Level(0, 0), 1.20 if i < n // 10 else 1.0, 1.20)
+        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
         running = newcomer(state=State.RUNNING)
         adm.check(running)
         pushing, riding = newcomer(prompt_tokens=400), newcomer()
@@ -679,7 +687,6 @@ def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_v
     its deadline, and let it come late by a few ms at FP8's 160 req/s on the H200) would give away."""
     from dataclasses import replace
 
-    from service.admission_guard import Level
     from service.engine.request import State
 
     lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
@@ -687,10 +694,7 @@ def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_v
     def verdict(spent_s):
         """A newcomer whose prefill launch delays a running request `spent_s` into its life, which ends 5 ms before
         its deadline in the newcomer's stretched forecast; whether it was admitted."""
-        adm = AdmissionController(lat, 0.2, 64, 4)
-        n = adm.guard.enough
-        for i in range(n):
-            adm.guard.observe(Level(0, 0), 1.20 if i < n // 10 else 1.0, 1.20)
+        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
         running = newcomer(state=State.RUNNING)
         adm.check(running)
         running.output_ids = [0] * 10

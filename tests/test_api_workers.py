@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -18,11 +17,13 @@ import pytest
 from service.cli import parse
 from tests.server_support import (
     Server,
+    engine_pid,
     group_pids,
     poll,
     scrape_metrics,
     sse_data,
     stop_server,
+    stream_killing,
     tiny_server,
     wait_idle,
 )
@@ -41,16 +42,6 @@ def front_end_pids(server: Server) -> list[int]:
                  "the supervisor's line naming its front ends")
     assert found is not None
     return [int(found.group(1)), int(found.group(2))]
-
-
-def engine_pid(server: Server) -> int:
-    for pid in group_pids(server.proc.pid):
-        try:
-            if b"service.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no engine process:\n{server.log_tail()}")
 
 
 def served_by(server: Server, path: str) -> list[int]:
@@ -144,17 +135,8 @@ def test_a_killed_engine_ends_every_stream_and_the_server_exits_1(tmp_path: Path
     pids = set(group_pids(server.proc.pid))
     try:
         engine = engine_pid(server)
-        events: list[str] = []
-        killed = None
-        with httpx.stream("POST", f"{server.base}/v1/completions", json=LONG, timeout=30) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if (d := sse_data(line)) is not None:
-                    events.append(d)
-                    if len(events) == 3:
-                        os.kill(engine, signal.SIGKILL)
-                        killed = time.monotonic()
-        assert killed is not None and time.monotonic() - killed < 5, "the stream did not end at once"
+        events, ended_after = stream_killing(server, LONG, engine)
+        assert ended_after < 5, "the stream did not end at once"
         assert events[-1] == "[DONE]" and "engine process is gone" in json.loads(events[-2])["error"]["message"]
         health = httpx.get(f"{server.base}/health", timeout=10)
         assert health.status_code == 503 and "engine process gone" in health.json()["status"], health.text

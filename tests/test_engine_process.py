@@ -30,12 +30,14 @@ from service.engine_process import EngineService
 from service.runtime import build_engine
 from tests.server_support import (
     Server,
+    engine_pid,
     group_pids,
     poll,
     recv_event,
     scrape_metrics,
     sse_data,
     stop_server,
+    stream_killing,
     tiny_server,
     wait_idle,
 )
@@ -56,18 +58,6 @@ def proc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     finally:
         if server.proc.poll() is None:
             stop_server(server)
-
-
-def engine_pid(server: Server) -> int:
-    """The engine process: the one process of the server's group that runs service.engine_process."""
-    for pid in group_pids(server.proc.pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"service.engine_process" in cmdline:
-            return pid
-    raise AssertionError(f"no engine process in the group of {server.proc.pid}:\n{server.log_tail()}")
 
 
 def gone(pids: set[int]) -> bool:
@@ -283,17 +273,8 @@ def test_a_killed_engine_ends_every_stream_in_an_error(tmp_path: Path) -> None:
         socket = threading.Thread(target=lambda: asyncio.run(realtime()))
         socket.start()
         assert started.wait(30)
-        events: list[str] = []
-        killed = None
-        with httpx.stream("POST", f"{server.base}/v1/completions", json=LONG, timeout=30) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if (d := sse_data(line)) is not None:
-                    events.append(d)
-                    if len(events) == 3:
-                        os.kill(engine, signal.SIGKILL)
-                        killed = time.monotonic()
-        assert killed is not None and time.monotonic() - killed < 5, "the stream did not end at once"
+        events, ended_after = stream_killing(server, LONG, engine)
+        assert ended_after < 5, "the stream did not end at once"
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["type"] == "server_error" and "engine process is gone" in error["message"], error

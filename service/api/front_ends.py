@@ -39,6 +39,7 @@ from types import FrameType
 
 from pydantic import SecretStr
 
+from service.api.server import bound_socket, run_front_end
 from service.config import ServeConfig
 
 log = logging.getLogger("parley")
@@ -51,14 +52,7 @@ KEY_VARIABLE = "PARLEY_API_KEY"  # --api-key reaches a front end here, not on it
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """Bound and listening, and inherited by the front ends."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise SystemExit(f"parley: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock = bound_socket(host, port)
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -171,7 +165,6 @@ def serve_with_front_ends(cfg: ServeConfig) -> int:
 def main(argv: list[str]) -> int:
     """`python -m service.api.front_ends CONFIG_JSON IPC_ROOT FRONT_END SOCKET_FD ENGINE_PID PARENT_PID`"""
     from service.api.auth import ApiKeyError, ApiKeys, redact_keys_in_logs, reload_on_sighup
-    from service.api.server import run_front_end
     from service.engine import ipc
     from service.engine_process import die_with_parent
 

@@ -211,11 +211,17 @@ def exit_status(proc: subprocess.Popen[bytes]) -> int | None:
     return proc.poll()
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR), or SystemExit saying why it cannot be."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise SystemExit(f"parley: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return s
+
+
 def check_port(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise SystemExit(f"parley: cannot listen on {host}:{port}: {e.strerror or e}") from e
+    bound_socket(host, port).close()
