@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,18 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
     by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for t in tokens:
         by_level[level_name(t["level"])].append(t)
+    first_forecast: dict[str, float] = {}  # req → what its own (first) verdict forecast, for the scores against it
+    for v in verdicts:
+        if v["admitted"] and v.get("forecast_ms") and v["req"] not in first_forecast:
+            first_forecast[v["req"]] = v["forecast_ms"]
+
+    def p99(ts: list[dict[str, Any]], score: Callable[[dict[str, Any]], float | None]) -> float | None:
+        return quantile([x for x in map(score, ts) if x is not None], 0.99)
+
+    def first_score(t: dict[str, Any]) -> float | None:
+        forecast = first_forecast.get(t["req"])
+        return t["after_verdict_ms"] / forecast if forecast else None
+
     return {
         "verdicts": len(verdicts),
         "admitted": len(verdicts) - len(refused),
@@ -62,10 +75,13 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
                                               and v["forecast_ms"] <= v["left_ms"]),
         "sla_tokens": len(tokens),
         "late": sum(1 for t in tokens if t["late"]),
-        "levels": {name: {"n": len(ts), "score_p50": quantile([t["score"] for t in ts], 0.5),
-                          "score_p99": quantile([t["score"] for t in ts], 0.99),
+        "levels": {name: {"n": len(ts), "score_p50": quantile([t["score"] for t in ts if t["score"]], 0.5),
+                          "score_p99": p99(ts, lambda t: t["score"]),
+                          # the same spans against the latest forecast, and against their own verdict's
+                          "latest_score_p99": p99(ts, lambda t: t.get("latest_score")),
+                          "first_score_p99": p99(ts, first_score),
                           "stretch_p50": quantile([t["stretch"] for t in ts], 0.5),
-                          "over_stretch": sum(1 for t in ts if t["score"] > t["stretch"]),
+                          "over_stretch": sum(1 for t in ts if (t["score"] or 0) > t["stretch"]),
                           "late": sum(1 for t in ts if t["late"])}
                    for name, ts in sorted(by_level.items())},
     }
@@ -99,11 +115,14 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
                                          for k in ("since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms",
                                                    "stretch", "in_flight")) + " |"]
         if s["levels"]:
-            lines += ["", "Admitted requests' scores (time to the SLA token over its forecast) by the level they were "
-                          "last judged at; refusals at the same level", "",
-                      "| level | SLA tokens | score p50 | score p99 | stretch p50 | over their stretch | late | "
-                      "refused |", "|---|---|---|---|---|---|---|---|"]
+            lines += ["", "Admitted requests' scores (time from the first verdict to the SLA token over what the "
+                          "latency model predicted for the steps that ran; p99 also against the latest forecast and "
+                          "against their own verdict's) by the level they were last judged at; refusals at the same "
+                          "level", "",
+                      "| level | SLA tokens | score p50 | score p99 | latest p99 | own verdict's p99 | stretch p50 | "
+                      "over their stretch | late | refused |", "|---|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {name} | {v['n']} | {_f(v['score_p50'], 3)} | {_f(v['score_p99'], 3)} | "
+                      f"{_f(v.get('latest_score_p99'), 3)} | {_f(v.get('first_score_p99'), 3)} | "
                       f"{_f(v['stretch_p50'], 3)} | {v['over_stretch']} | {v['late']} | "
                       f"{s['refused_levels'].get(name, 0)} |" for name, v in s["levels"].items()]
     return lines

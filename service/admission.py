@@ -35,6 +35,7 @@ from service.engine.kv_slots import KVSlots
 from service.engine.planner import Planner
 from service.engine.request import Request, State
 from service.latency_model import LatencyModel
+from service.model_clock import ModelClock
 
 log = logging.getLogger("parley.admission")
 
@@ -52,20 +53,22 @@ PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked t
 class Promise:
     """What admission said of a request: admitted at `at`, its SLA token at `predicted` (the forecast unstretched),
     judged at `level` with `stretch`. Each later admission forecasts it again beside its newcomer and judges it at the
-    newcomer's level: the promise moves to that forecast, level and stretch. Its score is then how far the forecast
-    was off at the load it ended in, not how much load came after it (scored against its first forecast, a request
-    admitted alone in a moderate load scored 1.4x and the idle server's stretch rose until it refused requests alone:
-    the H100's voice sweep), and it is scored where it was last judged (kept at the level it was admitted at, a
-    request that ended beside four others taught the level of one, and the busy levels, short of scores of their
-    own, borrowed lighter ones': 3% of admitted requests came late on the H100 at 12-20 req/s, 12% in FP8 at 30)."""
+    newcomer's level: the promise moves to that forecast, level and stretch, and is scored where it was last judged
+    (kept at the level it was admitted at, a request that ended beside four others taught the level of one, and the
+    busy levels, short of scores of their own, borrowed lighter ones': 3% of admitted requests came late on the H100 at
+    12-20 req/s, 12% in FP8 at 30). Its score is against the model clock (service/model_clock.py): how far the latency
+    model was off on the steps that ran over its whole span, not how much load came after it (scored against its first
+    forecast, a request admitted alone in a moderate load scored 1.4x and the idle server's stretch rose until it
+    refused requests alone: the H100's voice sweep), nor only how far its latest forecast, made near its end under
+    load, was off."""
 
     at: float
     predicted: float
     level: Level
     stretch: float
 
-    def score(self, came: float) -> float:
-        """Actual over forecast time from the verdict to the SLA token."""
+    def latest_score(self, came: float) -> float:
+        """Actual over forecast time from the verdict to the SLA token by the latest forecast (for the log)."""
         span = self.predicted - self.at
         return (came - self.at) / span if span > 0 else math.inf
 
@@ -81,6 +84,7 @@ class AdmissionController:
         # the policy admission forecasts with: the engine's own planner once bound (Engine binds it)
         self.planner = Planner(KVSlots(max_batch), max_batch, latency.max_rows, max_context=1 << 30)
         self.guard = AdmissionGuard(target, clock)
+        self.model_clock = ModelClock()  # what a promise is scored against, over its span
         self._last_probe = -math.inf
         self._over_logged_at = -math.inf  # when a score over its stretch was last logged
         self.strict = strict
@@ -151,6 +155,8 @@ class AdmissionController:
                     t = joined.get(id(r), math.inf)
                     p = self._promises.get(r.id)
                     if t < math.inf and (p is not None or r is req):
+                        if p is None:
+                            self.model_clock.start(r.id, now)
                         predicted = now + (t - now) / stretch
                         self._promises[r.id] = Promise(p.at if p is not None else now, predicted, level, stretch)
                 self._active[req.id] = req
@@ -260,35 +266,45 @@ class AdmissionController:
         with self._lock:
             self._active.pop(req.id, None)
             self._promises.pop(req.id, None)
+        self.model_clock.forget(req.id)
 
     def observe_nth(self, req: Request, at: float) -> None:
         """The SLA token came out at `at`: the guard learns whether it was late, and, where it is the SLA's own token
-        (not the last of a shorter reply: a few steps' forecast errs differently), how far its promise was off."""
+        (not the last of a shorter reply: a few steps' forecast errs differently), how far the latency model was off
+        over its span (ModelClock; nothing to score where no step was committed since its verdict)."""
         with self._lock:
             promise = self._promises.pop(req.id, None)
+        model_s = self.model_clock.span(req.id)
+        self.model_clock.forget(req.id)
         if req.deadline is not None:
             self.guard.judged(at > req.deadline)
-        if promise is not None and req.sla_token_index == self.sla_tokens:
-            score = promise.score(at)
-            self.guard.observe(promise.level, score, promise.stretch)
-            if self.trace is not None:
-                self.trace.record("sla_token", t=at, req=req.id, after_verdict_ms=(at - promise.at) * 1e3,
-                                  forecast_ms=(promise.predicted - promise.at) * 1e3, score=score,
-                                  stretch=promise.stretch, level=promise.level.labels,
-                                  late=req.deadline is not None and at > req.deadline,
-                                  since_arrival_ms=(at - req.arrival) * 1e3)
-            if score > promise.stretch and at - self._over_logged_at >= OVER_LOG_EVERY_S:
-                # what the guard erred on, to line up with the engine's and the GPU's logs
-                self._over_logged_at = at
-                log.info("%s reached its SLA token %.1f ms after its verdict, forecast %.1f ms: %.2fx, over the "
-                         "stretch %.3f at %s (%.1f ms since arrival)", req.id, (at - promise.at) * 1e3,
-                         (promise.predicted - promise.at) * 1e3, score, promise.stretch, promise.level.labels,
-                         (at - req.arrival) * 1e3)
+        if promise is None or req.sla_token_index != self.sla_tokens:
+            return
+        score = (at - promise.at) / model_s if model_s else math.inf
+        self.guard.observe(promise.level, score, promise.stretch)
+        if self.trace is not None:
+            self.trace.record("sla_token", t=at, req=req.id, after_verdict_ms=(at - promise.at) * 1e3,
+                              model_ms=None if model_s is None else model_s * 1e3,
+                              forecast_ms=(promise.predicted - promise.at) * 1e3, score=score,
+                              latest_score=promise.latest_score(at), stretch=promise.stretch,
+                              level=promise.level.labels, late=req.deadline is not None and at > req.deadline,
+                              since_arrival_ms=(at - req.arrival) * 1e3)
+        if score > promise.stretch and at - self._over_logged_at >= OVER_LOG_EVERY_S:
+            # what the guard erred on, to line up with the engine's and the GPU's logs
+            self._over_logged_at = at
+            log.info("%s reached its SLA token %.1f ms after its verdict, the steps since predicted %.1f ms: %.2fx, "
+                     "over the stretch %.3f at %s (%.1f ms since arrival)", req.id, (at - promise.at) * 1e3,
+                     (model_s or 0.0) * 1e3, score, promise.stretch, promise.level.labels,
+                     (at - req.arrival) * 1e3)
 
     def consume(self, event: Event) -> None:
         """What a step committed: its time teaches the latency model (a step's, or the prefill launched before it),
         an SLA token (or an end before it) the guard, an end frees the request's place."""
         if isinstance(event, StepDone):
+            # the model clock first, with what the model predicted before it learns from this step
+            lat = self.latency
+            self.model_clock.tick(lat.step(event.rows, event.kv_positions) +
+                                  sum(lat.prefill(tokens, cached) for tokens, cached in event.launched), event.at)
             if event.seconds <= 0:
                 return
             if event.launched:  # the step's time is mostly the launches'

@@ -13,8 +13,11 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   ("late": its own stretched forecast passes its deadline; "delays": it would make an admitted request late that is on
   time without it; "probe": an idle server admitted it as a probe), `forecast_ms` the time from the verdict to its SLA
   token the planner forecast, `stretched_ms` that times the stretch, `left_ms` its deadline less now;
-- {"kind": "sla_token", "t", "req", "after_verdict_ms", "forecast_ms", "score", "stretch", "level", "late",
-  "since_arrival_ms"}: an admitted request's SLA token, against its last promise (service/admission.py's Promise).
+- {"kind": "sla_token", "t", "req", "after_verdict_ms", "model_ms", "forecast_ms", "score", "latest_score",
+  "stretch", "level", "late", "since_arrival_ms"}: an admitted request's SLA token. `score` is what the guard learns:
+  `after_verdict_ms` over `model_ms`, what the latency model predicted for the steps that ran since its first verdict
+  (service/model_clock.py); `latest_score` is against its last promise's forecast, `forecast_ms` (service/admission.py's
+  Promise), for comparison.
 """
 
 from __future__ import annotations

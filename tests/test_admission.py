@@ -40,10 +40,19 @@ def slowed():
     eng.stop()
 
 
-def step_done(rows, seconds, launched=()):
-    """A step as the engine commits it: `rows` rows at a short context, `launched` prefills before it."""
+def step_done(rows, seconds, launched=(), at=None):
+    """A step as the engine commits it: `rows` rows at a short context, `launched` prefills before it, committed at
+    `at` (now by default)."""
     return StepDone(rows=rows, sampled=rows, prompt_rows=0, kv_positions=0, launched=tuple(launched),
-                    seconds=seconds)
+                    seconds=seconds, at=time.perf_counter() if at is None else at)
+
+
+def run_steps(adm, since, n, rows, seconds):
+    """`n` steps of `rows` rows committed one after another from `since`, each taking `seconds` (unmeasured: the
+    latency model does not learn from them, and predicts each as before): when the last ended."""
+    for i in range(1, n + 1):
+        adm.consume(step_done(rows, 0.0, at=since + i * seconds))
+    return since + n * seconds
 
 
 def samples(eng, name):
@@ -197,9 +206,10 @@ def test_the_guard_learns_that_forecasts_run_pessimistic_and_stays_honest():
         adm.check(newcomer())
 
 
-def test_each_admitted_request_is_scored_against_its_own_forecast():
-    """The guard's score of a request is the time from its verdict to its SLA token over what the forecast said, at
-    the load level it was admitted at; a shorter reply (its last token is its SLA token) is judged late or not, but
+def test_each_admitted_request_is_scored_against_the_steps_that_ran_since_its_verdict():
+    """The guard's score of a request is the time from its verdict to its SLA token over what the latency model
+    predicted for the steps committed in between (the model clock; the step in flight at the verdict counts as it ran),
+    at the load level it was admitted at; a shorter reply (its last token is its SLA token) is judged late or not, but
     not scored: a few steps' forecast errs differently from the SLA's 64."""
     from service.engine.commit import Finished, Token
 
@@ -211,19 +221,41 @@ def test_each_admitted_request_is_scored_against_its_own_forecast():
     promise = adm._promises[req.id]
     assert promise.level == level and promise.stretch == pytest.approx(1.05)  # a fresh server: the prior alone
     assert promise.predicted - promise.at == pytest.approx(0.064, rel=0.05)  # 64 steps of 1 ms, unstretched
-    adm.consume(Token(req, 7, 64, "", promise.at + 1.25 * (promise.predicted - promise.at)))
-    assert adm.guard._scores[level].ranked == [pytest.approx(1.25)]
+    came = run_steps(adm, promise.at, 64, 1, 0.00125)  # each step a quarter over the model's 1 ms
+    adm.consume(Token(req, 7, 64, "", came))
+    assert adm.guard._scores[level].ranked == [pytest.approx(0.080 / 0.06425)]  # the first step as it ran
     assert adm.guard.miss_rate() == (0.0, 1.0)  # on time, but over the 1.05 it was admitted with
     short = newcomer(max_tokens=8)
     adm.check(short)
+    run_steps(adm, adm._promises[short.id].at, 8, 1, 0.001)
     adm.consume(Finished(short, "length", short.deadline + 0.01, token=7, n=8))
     assert len(adm.guard._scores[level]) == 1 and adm.guard.miss_rate()[0] == 0.5  # judged late, not scored
     assert list(adm._active) == [req.id] and not adm._promises  # the short one ended: forgotten
+    assert not adm.model_clock._origin and not adm.model_clock._waiting  # and so are their spans
+
+
+def test_the_model_clock_counts_a_span_from_its_start_with_the_step_in_flight_as_it_ran():
+    """A span begun while a step ran counts that step's part after the start at the time it took, then each step at
+    what the model predicted; a step committed before the span began (a verdict racing the engine's commit) is not in
+    it; a forgotten span reads nothing."""
+    from service.model_clock import ModelClock
+
+    clock = ModelClock()
+    clock.start("a", 10.0)
+    clock.tick(0.001, 9.9995)
+    assert clock.span("a") is None
+    clock.tick(0.002, 10.0015)
+    assert clock.span("a") == pytest.approx(0.0015)
+    clock.tick(0.001, 10.004)  # ran 2.5 ms, predicted 1
+    assert clock.span("a") == pytest.approx(0.0025)
+    clock.forget("a")
+    assert clock.span("a") is None
 
 
 def test_a_score_over_its_stretch_is_logged_with_its_level(caplog):
     """What the guard erred on is logged (at most once a second), so that a late request can be lined up with the
-    engine's and the GPU's logs: its times from the verdict, the forecast, the stretch and the level."""
+    engine's and the GPU's logs: its times from the verdict, what the steps since were predicted, the stretch and the
+    level."""
     from service.engine.commit import Token
 
     lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.002, 128: 0.003}, max_rows=64)
@@ -232,20 +264,49 @@ def test_a_score_over_its_stretch_is_logged_with_its_level(caplog):
     with caplog.at_level(logging.INFO, logger="parley.admission"):
         for req, factor in ((on_time, 1.0), (late, 1.4), (later, 1.5)):
             adm.check(req)
-            p = adm._promises[req.id]
-            adm.consume(Token(req, 7, 64, "", p.at + factor * (p.predicted - p.at)))
+            came = run_steps(adm, adm._promises[req.id].at, 64, 1, 0.001 * factor)
+            adm.consume(Token(req, 7, 64, "", came))
             adm.release(req)  # it ended: the next one is alone again
     lines = [r.getMessage() for r in caplog.records if "after its verdict" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith(f"{late.id} reached its SLA token")  # the third: within a second
-    assert "1.40x, over the stretch 1.050 at {'in_flight': '1', 'prompt': 'step'}" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"{late.id} reached its SLA token 89.6 ms after its verdict, "
+                                                   "the steps since predicted 64.4 ms")  # the third: within a second
+    assert "1.39x, over the stretch 1.050 at {'in_flight': '1', 'prompt': 'step'}" in lines[0]
 
 
-def test_a_request_is_scored_against_its_latest_forecast_where_it_was_last_judged():
+def test_the_steps_before_a_late_forecast_still_count_in_the_score():
+    """Under load a newcomer's verdict forecasts every admitted request again, so a request's latest forecast is made
+    near its end and knows how far it has come: against it, a request whose every step ran 30% over the model scored
+    about 1 (the guard's stretch read 1.02-1.04 on the H200 while such requests took 1.3-1.5x). Against the model
+    clock it scores the 1.3 its steps ran."""
+    from dataclasses import replace
+
+    from service.engine.commit import Token
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.001, 2: 0.001}, {16: 0.002, 128: 0.003}, max_rows=64)
+    adm = AdmissionController(lat, 0.5, 64, 4)
+    running = newcomer()
+    adm.check(running)
+    begun = time.perf_counter() - 60 * 0.0013  # its verdict, 60 steps of 1.3 ms ago
+    adm._promises[running.id] = replace(adm._promises[running.id], at=begun)
+    adm.model_clock.start(running.id, begun)
+    running.state, running.prefilled, running.output_ids = State.RUNNING, 32, [0] * 60
+    t = run_steps(adm, begun, 60, 1, 0.0013)
+    adm.check(newcomer())  # a verdict now: 4 steps left in its forecast
+    latest = adm._promises[running.id]
+    came = run_steps(adm, t, 4, 2, 0.0013)
+    adm.consume(Token(running, 7, 64, "", came))
+    assert latest.at == begun and (came - begun) / (latest.predicted - begun) < 1.05  # against the latest: ~1
+    assert adm.guard._scores[latest.level].ranked == [pytest.approx(1.3, rel=0.01)]
+
+
+def test_a_request_is_scored_where_it_was_last_judged_and_not_for_the_load_that_came_after_it():
     """A request admitted alone is forecast again when another joins it (its steps now carry two rows): its promise
-    moves to that forecast and to the newcomer's level and stretch, so reaching its SLA token when the joined forecast
-    said scores 1 at the level of two in flight: not the 1.3-1.4x it would score against its forecast alone (on the
-    H100 such scores raised an idle server's stretch until it refused requests alone), and not at the level of one
-    (where busy levels, short of scores, borrowed them and let late requests in)."""
+    moves to the newcomer's level and stretch, and its steps, now of two rows, are on both sides of its score. So
+    reaching its SLA token as the model said of the steps that ran scores 1 at the level of two in flight: not the
+    1.1-1.4x it would score against its forecast alone (on the H100 such scores raised an idle server's stretch until it
+    refused requests alone), and not at the level of one (where busy levels, short of scores, borrowed them and let
+    late requests in)."""
     from service.engine.commit import Token
 
     lat = LatencyModel({1: 0.001, 2: 0.0013}, {16: 0.002, 128: 0.003}, max_rows=64)
@@ -258,11 +319,11 @@ def test_a_request_is_scored_against_its_latest_forecast_where_it_was_last_judge
     assert joined.at == alone.at  # its span still runs from its own verdict
     assert joined.level == theirs.level != alone.level and joined.stretch == theirs.stretch != alone.stretch
     assert joined.predicted - joined.at > 1.25 * (alone.predicted - alone.at)  # two rows a step, and its prompt
-    adm.consume(Token(first, 7, 64, "", joined.predicted))
+    came = run_steps(adm, alone.at, 64, 2, 0.0013)  # each step as the model says
+    adm.consume(Token(first, 7, 64, "", came))
     assert adm.guard._scores[theirs.level].ranked == [pytest.approx(1.0)]
+    assert (came - alone.at) / (alone.predicted - alone.at) > 1.1  # what its first forecast would have scored
     assert alone.level not in adm.guard._scores
-
-
 def test_late_requests_at_a_busy_level_refuse_there_only_and_never_switch_admission_off():
     """On the H100 a stall under load made SLA tokens come 2x late; the old learned bias crossed the SLA and the
     server went best-effort, admitting requests that then missed. Now the lateness is scored at the level where it

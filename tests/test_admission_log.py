@@ -13,7 +13,7 @@ from service.engine.admission import Rejected
 from service.engine.commit import Token
 from service.engine.request import State
 from service.latency_model import LatencyModel
-from tests.test_admission import newcomer, settled
+from tests.test_admission import newcomer, run_steps, settled
 
 
 def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
@@ -36,7 +36,8 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     with pytest.raises(Rejected):
         adm.check(late)
     promise = adm._promises[running.id]  # its latest: each verdict beside it forecasts it again
-    adm.consume(Token(running, 7, 64, "", promise.at + 1.5 * (promise.predicted - promise.at)))
+    came = run_steps(adm, promise.at, 64, 1, 0.003)  # steps of 3 ms where the model says 2
+    adm.consume(Token(running, 7, 64, "", came))
     trace.close()
 
     lines = [json.loads(t) for t in path.read_text().splitlines()]
@@ -53,7 +54,9 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert refused["since_arrival_ms"] >= 150 and refused["stretched_ms"] > refused["left_ms"]
     assert refused["in_flight"] == 2 and refused["prompt_tokens"] == 32
     (token,) = [x for x in lines if x["kind"] == "sla_token"]
-    assert token["req"] == running.id and token["score"] == pytest.approx(1.5, rel=1e-3)
+    assert token["req"] == running.id and token["model_ms"] == pytest.approx(63 * 2 + 3)  # the first step as it ran
+    assert token["score"] == pytest.approx(64 * 3 / 129, rel=1e-3) == token["after_verdict_ms"] / token["model_ms"]
+    assert token["latest_score"] == pytest.approx(token["after_verdict_ms"] / token["forecast_ms"], abs=1e-4)
     assert token["late"] is True  # its deadline was moved to 10 ms from then
 
     s = admission_trace.summary(admission_trace.read(path))
@@ -61,6 +64,9 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert s["refused"] == {"overloaded (delays)": 1, "overloaded (late)": 1}
     assert s["late_refusals"]["since_arrival_ms"]["p50"] >= 150
     assert s["late_refusals_by_stretch_alone"] == 0  # 150 ms gone: not even the bare forecast fits
+    (level,) = s["levels"].values()
+    assert level["score_p99"] == pytest.approx(token["score"])
+    assert level["first_score_p99"] == pytest.approx(token["after_verdict_ms"] / first["forecast_ms"], abs=1e-4)
     text = "\n".join(admission_trace.markdown({"server": s}))
     assert "4 verdicts, 2 admitted; refused: 1 overloaded (delays), 1 overloaded (late)" in text
 

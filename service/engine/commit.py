@@ -14,7 +14,7 @@ from service.engine.step_plan import StepPlan
 
 @dataclass(frozen=True)
 class StepDone:
-    """A step ran: its rows, and the seconds it took in the engine's cadence (0: not measured)."""
+    """A step ran: its rows, the seconds it took in the engine's cadence (0: not measured), when it was committed."""
 
     rows: int
     sampled: int
@@ -22,6 +22,7 @@ class StepDone:
     kv_positions: int
     launched: tuple[tuple[int, int], ...]  # (new tokens, cached) of each separate prefill launch before it
     seconds: float
+    at: float
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def commit(plan: StepPlan, token_of: Callable[[int], int], eos: frozenset[int], 
     failed: that request alone ends in error), and the stop rule: EOS (unless ignored), a stop string, max_tokens, or
     a context with no position left. Rows of requests that ended while the step was in flight are dropped."""
     events: list[Event] = [StepDone(plan.rows, len(plan.sampled), plan.prompt_rows, plan.kv_positions,
-                                    tuple((lc.end - lc.start, lc.start) for lc in plan.launches), seconds)]
+                                    tuple((lc.end - lc.start, lc.start) for lc in plan.launches), seconds, now)]
     events += [Started(r, r.cached_tokens, now) for r in plan.started]
     for launch in plan.launches:
         if launch.req.state is not State.FINISHED:
