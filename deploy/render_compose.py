@@ -98,9 +98,9 @@ x-parley: &parley
     - PARLEY_PORT={replica_port}
     - PARLEY_BACKEND=${{PARLEY_BACKEND:-auto}}
     - PARLEY_MAX_BATCH=${{PARLEY_MAX_BATCH:-8}}
-    # HTTP front-end processes per replica, one engine behind them (README, "Several front ends"): 2 where one front
-    # end's event loop runs late (a voice deployment past ~50 sessions; /metrics: parley_front_end_loop_lag_seconds).
-    - PARLEY_API_WORKERS=${{PARLEY_API_WORKERS:-1}}
+    # HTTP front-end processes per replica, one engine behind them (README, "Several front ends"): 2, as `parley
+    # serve` on a GPU; more where their event loops run late (/metrics: parley_front_end_loop_lag_seconds).
+    - PARLEY_API_WORKERS=${{PARLEY_API_WORKERS:-2}}
     - PARLEY_MAX_CONTEXT=${{PARLEY_MAX_CONTEXT:-4096}}
     - PARLEY_SLA_MS=${{PARLEY_SLA_MS:-100}}
     - PARLEY_SLA_TOKENS=${{PARLEY_SLA_TOKENS:-64}}

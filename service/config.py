@@ -90,11 +90,12 @@ class ServeConfig(BaseSettings):
                                         "Python never holds the GIL the engine loop needs (off: the engine is a "
                                         "thread of this process); unset: on where the device is a GPU, off on the "
                                         "CPU")
-    api_workers: int = Field(1, ge=1, description="HTTP front-end processes (each with its own event loop: HTTP "
-                             "parsing, templates, tokenization, SSE and WebSocket framing) sharing the port, all "
-                             "served by one engine process (so more than 1 runs the engine in a process of its own): "
-                             "more when one front end's event loop is busy enough to delay tokens (/metrics: "
-                             "parley_front_end_loop_lag_seconds)")
+    api_workers: int | None = Field(None, ge=1, description="HTTP front-end processes (each with its own event "
+                                    "loop: HTTP parsing, templates, tokenization, SSE and WebSocket framing) sharing "
+                                    "the port, all served by one engine process (so more than 1 runs the engine in a "
+                                    "process of its own); unset: 2 on a GPU (unless --no-engine-process), 1 on the "
+                                    "CPU; more when one front end's event loop is busy enough to delay tokens "
+                                    "(/metrics: parley_front_end_loop_lag_seconds)")
     step_delay_ms: float = Field(0.0, description="testing: slow every decode step down by this much")
     fail_step: int = Field(0, description="testing: the decode step (1-based, of users' requests) that "
                            "raises, once; 0: never")
@@ -105,8 +106,8 @@ class ServeConfig(BaseSettings):
 
     @field_validator("api_workers")
     @classmethod
-    def _one_engine_for_many(cls, api_workers: int, info: ValidationInfo) -> int:
-        if api_workers > 1 and info.data.get("engine_process") is False:
+    def _one_engine_for_many(cls, api_workers: int | None, info: ValidationInfo) -> int | None:
+        if api_workers is not None and api_workers > 1 and info.data.get("engine_process") is False:
             raise ValueError("more than one front end needs the engine in a process of its own: drop "
                              "--no-engine-process")
         return api_workers
@@ -132,10 +133,24 @@ def engine_in_own_process(cfg: ServeConfig) -> bool:
     """--engine-process, or where unset: on a GPU, where the H100 measured the thread engine's goodput at 2.5-3.8
     req/s against 12.5 (bf16) and 35 (FP8) with the engine in its own process, in the same call (bench/NOTES.md);
     off on the CPU, where one process is all `parley serve` needs."""
-    if cfg.api_workers > 1:
+    if cfg.api_workers is not None and cfg.api_workers > 1:
         return True
     if cfg.engine_process is not None:
         return cfg.engine_process
+    return _on_gpu(cfg)
+
+
+def front_end_count(cfg: ServeConfig) -> int:
+    """--api-workers, or where unset: 2 on a GPU whose engine runs in a process of its own, where two H200 calls
+    measured a token's hop to the front end's event loop at p99 1.3-1.7 ms in FP8's sweeps against 2.3-3.6 with one, and
+    realtime barge-in cancel → response.done at p99 1.65-1.84 ms against 2.2-2.5 (bench/NOTES.md, "The guard scored
+    against the steps that ran"); 1 on the CPU, whose few cores the engine needs."""
+    if cfg.api_workers is not None:
+        return cfg.api_workers
+    return 2 if cfg.engine_process is not False and _on_gpu(cfg) else 1
+
+
+def _on_gpu(cfg: ServeConfig) -> bool:
     import torch
 
     return (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from service.config import ServeConfig
+from service.config import ServeConfig, front_end_count
 from service.engine import ipc
 from service.engine.admission import Rejected
 from service.engine.grammar import GrammarError, grammars
@@ -348,7 +348,7 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     t0 = time.perf_counter()
     rt = settle_process(build_engine(cfg))  # warm-up and every step shape: here, before Ready
-    service = EngineService(rt, ipc.Addresses(root), cfg.api_workers)
+    service = EngineService(rt, ipc.Addresses(root), front_end_count(cfg))
     warn_of_late_compiles()
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     log.info("engine process %d ready in %.1f s", os.getpid(), time.perf_counter() - t0)

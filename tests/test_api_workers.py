@@ -152,3 +152,17 @@ def test_many_front_ends_need_the_engine_in_a_process_of_its_own() -> None:
     with pytest.raises(SystemExit) as e:
         parse(["serve", "--api-workers", "2", "--no-engine-process"])
     assert e.value.code == 2
+
+
+def test_two_front_ends_on_a_gpu_and_one_on_the_cpu_unless_asked() -> None:
+    """Unset, --api-workers is 2 where the engine runs in its own process on a GPU (what the H200's calls measured
+    faster tokens and barge-ins with), 1 on the CPU (its few cores are the engine's) or with the engine a thread."""
+    from service.config import engine_in_own_process, front_end_count
+
+    assert parse(["serve"]).api_workers is None
+    assert front_end_count(parse(["serve", "--device", "cuda"])) == 2
+    assert engine_in_own_process(parse(["serve", "--device", "cuda"]))
+    assert front_end_count(parse(["serve", "--device", "cuda", "--no-engine-process"])) == 1
+    assert front_end_count(parse(["serve", "--device", "cpu"])) == 1
+    assert front_end_count(parse(["serve", "--device", "cpu", "--engine-process"])) == 1
+    assert front_end_count(parse(["serve", "--device", "cuda", "--api-workers", "3"])) == 3

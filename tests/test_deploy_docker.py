@@ -207,7 +207,7 @@ def test_compose_reserves_the_gpu_and_configures_parley(compose_config):
                  "PARLEY_SLA_TOKENS", "PARLEY_GPU_HOURLY_USD", "PARLEY_HOST", "PARLEY_PORT", "PARLEY_DRAIN_TIMEOUT_S",
                  "PARLEY_API_WORKERS"):
         assert name in env, name
-    assert env["PARLEY_API_WORKERS"] == "1"  # one front end unless the shell asks for more
+    assert env["PARLEY_API_WORKERS"] == "2"  # two front ends, as on any GPU, unless the shell asks otherwise
     assert env["PARLEY_MODEL"] is None  # unset unless the shell sets it: the embedded default model
     assert any(v.endswith(":/models:ro") for v in parley["volumes"])
     assert parley["build"]["context"] == str(ROOT)

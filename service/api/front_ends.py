@@ -40,7 +40,7 @@ from types import FrameType
 from pydantic import SecretStr
 
 from service.api.server import bound_socket, run_front_end
-from service.config import ServeConfig
+from service.config import ServeConfig, front_end_count
 
 log = logging.getLogger("parley")
 
@@ -96,7 +96,7 @@ class FrontEnds:
         return subprocess.Popen(cmd, pass_fds=(self.sock.fileno(),), env=env)
 
     def run(self) -> int:
-        self.children = [self.spawn(i) for i in range(self.cfg.api_workers)]
+        self.children = [self.spawn(i) for i in range(front_end_count(self.cfg))]
         self.started_at = [time.monotonic()] * len(self.children)
         log.info("%d front ends on http://%s:%d (pids %s), engine process %d", len(self.children), self.cfg.host,
                  self.cfg.port, ", ".join(str(c.pid) for c in self.children), self.engine.pid)

@@ -31,7 +31,7 @@ from service.api.auth import ApiKeyError, ApiKeys, announce, redact_keys_in_logs
 from service.api.engine_client import EngineClient
 from service.api.loop_lag import watch_loop_lag
 from service.api.state import ServerState, server_state
-from service.config import ServeConfig, engine_in_own_process
+from service.config import ServeConfig, engine_in_own_process, front_end_count
 from service.runtime import build_engine, settle_process
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ def serve(cfg: ServeConfig) -> int:
     announce(keys, cfg.host, cfg.port)
     reload_on_sighup(keys)
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
+    cfg = cfg.model_copy(update={"api_workers": front_end_count(cfg)})  # settled here: every process reads it as set
     if engine_in_own_process(cfg):
         return serve_with_engine_process(cfg, keys)
     app = create_app(lambda: settle_process(build_engine(cfg)), api_keys=keys)
@@ -168,7 +169,7 @@ def serve_with_engine_process(cfg: ServeConfig, keys: ApiKeys) -> int:
     from service import engine_process  # zmq and the process's own imports: only in this mode
     from service.engine import ipc
 
-    if cfg.api_workers > 1:
+    if front_end_count(cfg) > 1:
         from service.api.front_ends import serve_with_front_ends
 
         return serve_with_front_ends(cfg)
@@ -191,7 +192,7 @@ def run_front_end(cfg: ServeConfig, keys: ApiKeys, addresses: ipc.Addresses,
 
     async def connect() -> EngineClient:
         client = await EngineClient.connect(addresses, exit_code=engine_exit, front_end=front_end,
-                                            front_ends=cfg.api_workers)
+                                            front_ends=front_end_count(cfg))
         assert server is not None
         client.on_dead.append(server.on_engine_gone)
         return client
