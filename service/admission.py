@@ -232,7 +232,8 @@ class AdmissionController:
                 if joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and over(r, alone[id(r)], typical) <= 0:
                     note.update(rule="delays", victim_over_ms=over(r, joined[id(r)], stretch) * 1e3,
                                 victim_alone_over_ms=over(r, alone[id(r)], stretch) * 1e3,
-                                victim_since_ms=since.get(id(r), 0.0) * 1e3)
+                                victim_since_ms=since.get(id(r), 0.0) * 1e3,
+                                victim_model_ms=_ms(self.model_clock.span(r.id)))
                     raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
                                    self.retry_after_s(active, now))
         return joined
@@ -284,7 +285,7 @@ class AdmissionController:
         self.guard.observe(promise.level, score, promise.stretch)
         if self.trace is not None:
             self.trace.record("sla_token", t=at, req=req.id, after_verdict_ms=(at - promise.at) * 1e3,
-                              model_ms=None if model_s is None else model_s * 1e3,
+                              model_ms=_ms(model_s),
                               forecast_ms=(promise.predicted - promise.at) * 1e3, score=score,
                               latest_score=promise.latest_score(at), stretch=promise.stretch,
                               level=promise.level.labels, late=req.deadline is not None and at > req.deadline,
@@ -346,6 +347,10 @@ class AdmissionController:
                 "over_stretch_share_last_minute": round(exceeded, 4),
                 "levels": [{**s.level.labels, "stretch": round(s.stretch, 4), "scores": s.scores}
                            for s in self.guard.levels()]}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _prompt_left(r: Request) -> int:

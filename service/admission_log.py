@@ -12,7 +12,10 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   "level", "stretch", "since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms"}: `rule` is what refused it
   ("late": its own stretched forecast passes its deadline; "delays": it would make an admitted request late that is on
   time without it; "probe": an idle server admitted it as a probe), `forecast_ms` the time from the verdict to its SLA
-  token the planner forecast, `stretched_ms` that times the stretch, `left_ms` its deadline less now;
+  token the planner forecast, `stretched_ms` that times the stretch, `left_ms` its deadline less now; a `delays`
+  refusal adds its victim's `victim_over_ms` (past its deadline at the stretch beside the newcomer),
+  `victim_alone_over_ms` (without it), `victim_since_ms` (since its first verdict) and `victim_model_ms` (the model
+  clock's time since then: what its steps so far were predicted to take);
 - {"kind": "sla_token", "t", "req", "after_verdict_ms", "model_ms", "forecast_ms", "score", "latest_score",
   "stretch", "level", "late", "since_arrival_ms"}: an admitted request's SLA token. `score` is what the guard learns:
   `after_verdict_ms` over `model_ms`, what the latency model predicted for the steps that ran since its first verdict

@@ -13,7 +13,7 @@ from service.engine.admission import Rejected
 from service.engine.commit import Token
 from service.engine.request import State
 from service.latency_model import LatencyModel
-from tests.test_admission import newcomer, run_steps, settled
+from tests.test_admission import newcomer, run_steps, settled, step_done
 
 
 def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
@@ -27,6 +27,7 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     running.deadline = time.perf_counter() + 0.15  # on time alone, with 16 ms to spare
     adm.check(riding)  # rides beside it
     adm.release(riding)
+    adm.consume(step_done(1, 0.0, at=adm._promises[running.id].at + 0.002))  # a step as the model says
     with pytest.raises(Rejected):
         adm.check(newcomer(prompt_tokens=400))  # its prefill launch would make the running one miss
     running.deadline = time.perf_counter() + 0.01
@@ -51,17 +52,20 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert first["stretched_ms"] == pytest.approx(first["forecast_ms"] * 1.05, rel=1e-3)
     assert first["stretched_ms"] < first["left_ms"] <= 200
     assert delays["victim_over_ms"] > 0 > delays["victim_alone_over_ms"]  # late beside it, on time without it
+    assert delays["victim_model_ms"] == pytest.approx(2.0)  # the step it has run, as the model predicted it
     assert refused["since_arrival_ms"] >= 150 and refused["stretched_ms"] > refused["left_ms"]
     assert refused["in_flight"] == 2 and refused["prompt_tokens"] == 32
     (token,) = [x for x in lines if x["kind"] == "sla_token"]
-    assert token["req"] == running.id and token["model_ms"] == pytest.approx(63 * 2 + 3)  # the first step as it ran
-    assert token["score"] == pytest.approx(64 * 3 / 129, rel=1e-3) == token["after_verdict_ms"] / token["model_ms"]
+    assert token["req"] == running.id and token["model_ms"] == pytest.approx(2 + 64 * 2)  # every step it waited on
+    assert token["score"] == pytest.approx(64 * 3 / 130, rel=1e-3) == token["after_verdict_ms"] / token["model_ms"]
     assert token["latest_score"] == pytest.approx(token["after_verdict_ms"] / token["forecast_ms"], abs=1e-4)
     assert token["late"] is True  # its deadline was moved to 10 ms from then
 
     s = admission_trace.summary(admission_trace.read(path))
     assert (s["verdicts"], s["admitted"], s["sla_tokens"], s["late"]) == (4, 2, 1, 1)
     assert s["refused"] == {"overloaded (delays)": 1, "overloaded (late)": 1}
+    # its victim's past ran as the model said (2 ms in 2 ms): late at the stretch by either clock
+    assert (s["delays_refusals"], s["delays_on_time_by_model_clock"]) == (1, 0)
     assert s["late_refusals"]["since_arrival_ms"]["p50"] >= 150
     assert s["late_refusals_by_stretch_alone"] == 0  # 150 ms gone: not even the bare forecast fits
     (level,) = s["levels"].values()
