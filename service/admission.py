@@ -305,7 +305,8 @@ class AdmissionController:
             # the model clock first, with what the model predicted before it learns from this step
             lat = self.latency
             self.model_clock.tick(lat.step(event.rows, event.kv_positions) +
-                                  sum(lat.prefill(tokens, cached) for tokens, cached in event.launched), event.at)
+                                  sum(lat.prefill(tokens, cached) for tokens, cached in event.launched), event.at,
+                                  event.seconds)
             if event.seconds <= 0:
                 return
             if event.launched:  # the step's time is mostly the launches'

@@ -12,6 +12,7 @@ req/s, bench/NOTES.md "Admission's log").
 
 from __future__ import annotations
 
+import math
 import threading
 
 
@@ -27,14 +28,18 @@ class ModelClock:
         with self._lock:
             self._waiting[key] = at
 
-    def tick(self, predicted: float, at: float) -> None:
-        """A step committed at `at`, predicted to take `predicted` seconds. A span that began while it ran counts the
-        part of it after its start as actual time: the forecast at a verdict starts from the step in flight too."""
+    def tick(self, predicted: float, at: float, seconds: float = 0.0) -> None:
+        """A step committed at `at` after `seconds` (0: unmeasured), predicted to take `predicted` seconds. A span that
+        began before the step started has all of it, and the wait before it as it ran (an idle engine's first step
+        after a verdict, a long prompt's launch among them, is the forecast's to get right); one that began while it
+        ran counts the part after its start as it ran: the forecast at a verdict starts from the step in flight."""
         with self._lock:
+            before = self.reading
             self.reading += predicted
+            start = at - seconds if seconds > 0 else -math.inf  # unmeasured: taken as in flight at the verdict
             begun = [(key, t0) for key, t0 in self._waiting.items() if t0 <= at]
             for key, t0 in begun:
-                self._origin[key] = self.reading - (at - t0)
+                self._origin[key] = before - (start - t0) if t0 <= start else self.reading - (at - t0)
                 del self._waiting[key]
 
     def span(self, key: str) -> float | None:

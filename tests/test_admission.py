@@ -237,7 +237,8 @@ def test_each_admitted_request_is_scored_against_the_steps_that_ran_since_its_ve
 def test_the_model_clock_counts_a_span_from_its_start_with_the_step_in_flight_as_it_ran():
     """A span begun while a step ran counts that step's part after the start at the time it took, then each step at
     what the model predicted; a step committed before the span began (a verdict racing the engine's commit) is not in
-    it; a forgotten span reads nothing."""
+    it; a forgotten span reads nothing; a span begun before its first step started (an idle engine) has that step as
+    predicted."""
     from service.model_clock import ModelClock
 
     clock = ModelClock()
@@ -250,6 +251,9 @@ def test_the_model_clock_counts_a_span_from_its_start_with_the_step_in_flight_as
     assert clock.span("a") == pytest.approx(0.0025)
     clock.forget("a")
     assert clock.span("a") is None
+    clock.start("idle", 20.0)  # a verdict on an idle engine: its first step, a launch, starts 0.3 ms later
+    clock.tick(0.005, 20.0103, seconds=0.010)  # predicted 5 ms, took 10
+    assert clock.span("idle") == pytest.approx(0.0053)  # all of the launch as predicted, the wait as it ran
 
 
 def test_a_score_over_its_stretch_is_logged_with_its_level(caplog):
