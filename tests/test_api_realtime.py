@@ -193,6 +193,57 @@ def test_dropped_socket_cancels_and_frees_the_slot(shared_server: Server) -> Non
     assert after.requests("cancelled") == before + 1
 
 
+def test_items_then_a_bare_response_create_as_openai_clients_send_them(shared_server: Server) -> None:
+    """OpenAI's Realtime clients add the user's transcript (or a tool's output) as an item, then ask for a response
+    with no input: each item is answered with conversation.item.created, the response replies to the conversation,
+    the next turn reuses its K/V, and an item added while a response runs joins after that reply (so the turn after
+    it extends the cached prompt and reply)."""
+    async def go() -> list[dict[str, Any]]:
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)
+            await send(ws, {"type": "session.update", "session": {"temperature": 0, "max_tokens": 8}})
+            await recv_event(ws)
+            text = "Hi! My name is Ada. What is the capital of France?"
+            await send(ws, {"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
+            created = await recv_event(ws)
+            assert created["type"] == "conversation.item.created" and created["previous_item_id"] is None
+            first_item = created["item"]
+            assert first_item["id"].startswith("item_") and first_item["role"] == "user"
+            assert first_item["content"] == [{"type": "input_text", "text": text}]
+            await send(ws, {"type": "response.create"})
+            events, first = await until_done(ws)
+            assert events[0]["type"] == "response.created" and first["usage"]["completion_tokens"] > 0
+
+            await send(ws, {"type": "response.create", "response": {
+                "input": [{"role": "user", "content": "And of Italy?"}], "max_tokens": 24, "ignore_eos": True}})
+            assert (await recv_event(ws))["type"] == "response.created"
+            await send(ws, {"type": "conversation.item.create", "item": {
+                "id": "item_q3", "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "And of Spain?"}]}})
+            events, second = await until_done(ws)
+            (created,) = [e for e in events if e["type"] == "conversation.item.created"]
+            assert created["item"]["id"] == "item_q3" and created["previous_item_id"] == first_item["id"]
+            await send(ws, {"type": "response.create"})
+            _, third = await until_done(ws)
+
+            await send(ws, {"type": "conversation.item.create", "item": {
+                "type": "function_call_output", "call_id": "call_1", "output": '{"temp_c": 14}'}})
+            created = await recv_event(ws)
+            assert created["item"]["type"] == "function_call_output" and created["item"]["call_id"] == "call_1"
+            assert created["item"]["output"] == '{"temp_c": 14}' and created["previous_item_id"] == "item_q3"
+            return [first, second, third]
+
+    first, second, third = run(go())
+    u1, u2, u3 = first["usage"], second["usage"], third["usage"]
+    assert u2["cached_tokens"] >= u1["prompt_tokens"] - 2  # the first item and its reply were the conversation
+    # the item came during the second reply and joined after it: the third prompt extends the second's and most of
+    # its reply (a reply cut mid-word may tokenize otherwise at its end); ahead of the second turn's message, the
+    # cache would end before that message
+    assert u3["cached_tokens"] >= u2["prompt_tokens"] + u2["completion_tokens"] // 2
+    assert u3["prompt_tokens"] - u3["cached_tokens"] < 40
+
+
 def test_errors_keep_the_socket_open(shared_server: Server) -> None:
     async def go() -> None:
         async with connect(shared_server.ws) as ws:
@@ -211,10 +262,16 @@ def test_errors_keep_the_socket_open(shared_server: Server) -> None:
             await expect_error("{not json", "invalid_json")
             await expect_error(b"\x00\x01", "binary_not_supported")
             await expect_error(json.dumps({"no": "type"}), "invalid_event", "type")
-            await expect_error(json.dumps({"type": "conversation.item.create"}), "unknown_event_type")
-            await expect_error(json.dumps({"type": "response.create"}), "missing_required_parameter", "response")
-            await expect_error(json.dumps({"type": "response.create", "response": {}}),
-                               "missing_required_parameter", "response.input")
+            await expect_error(json.dumps({"type": "conversation.item.create"}), "missing_required_parameter", "item")
+            await expect_error(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": "AAAA"}]}}),
+                "invalid_value")
+            await expect_error(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "function_call_output", "output": "{}"}}), "invalid_value", "item")
+            # nothing to reply to on a fresh socket, with or without a `response` object
+            await expect_error(json.dumps({"type": "response.create"}), "empty_input", "response.input")
+            await expect_error(json.dumps({"type": "response.create", "response": {}}), "empty_input",
+                               "response.input")
             await expect_error(json.dumps({"type": "response.create", "response": {"input": 42}}),
                                "invalid_value", "response.input")
             await expect_error(json.dumps({"type": "response.create", "response": {

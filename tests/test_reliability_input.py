@@ -251,7 +251,8 @@ WS_BAD: list[tuple[str, str | bytes, str, str | None]] = [
     ("response not an object", ev("response.create", response=[1]), "invalid_value", "response"),
     ("response unknown model", ev("response.create", response={"input": "hi", "model": "gpt-9"}), "model_not_found",
      "response.model"),
-    ("input null", ev("response.create", response={"input": None}), "invalid_value", "response.input"),
+    # null is no input (a reply to the conversation), and a fresh socket's conversation is empty
+    ("input null", ev("response.create", response={"input": None}), "empty_input", "response.input"),
     ("input bad role", ev("response.create", response={"input": [{"role": "wizard", "content": "x"}]}),
      "invalid_value", "response.input.0.role"),
     ("input image part", ev("response.create", response={"input": [{"role": "user", "content": [

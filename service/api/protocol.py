@@ -410,10 +410,40 @@ SESSION_SETTINGS = set(RealtimeSessionConfig.model_fields) - {"model"}
 
 
 class RealtimeResponseConfig(RealtimeSessionConfig):
-    """response.create's `response`: the turn's input and its per-response overrides."""
+    """response.create's `response` (none at all: every default): the turn's input and its per-response overrides.
+    No input: a reply to the conversation as it stands (the items conversation.item.create added)."""
 
     id: str | None = Field(default=None, min_length=1, max_length=128)
-    input: str | list[ChatMessage]
+    input: str | list[ChatMessage] = Field(default_factory=list)
     # "none": an out-of-band response (OpenAI's name), e.g. a preemptive start on a partial transcript: it sees the
     # conversation, and neither its input nor its reply joins it
     conversation: Literal["auto", "none"] = "auto"
+
+
+class RealtimeItem(BaseModel):
+    """conversation.item.create's `item`, in OpenAI's Realtime shape: a message of text parts, or a tool's output
+    answering a call the assistant made (`function_call_output`, its `call_id`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = Field(default=None, min_length=1, max_length=128)
+    type: Literal["message", "function_call_output"] = "message"
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = Field(default=None, min_length=1)
+    output: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> RealtimeItem:
+        if self.type == "message" and (self.role is None or self.content is None):
+            raise ValueError("a message item needs a role and content")
+        if self.type == "function_call_output" and (self.call_id is None or self.output is None):
+            raise ValueError("a function_call_output item needs the call_id it answers and its output")
+        return self
+
+    def message(self) -> ChatMessage:
+        """The item as the conversation keeps it: a chat message."""
+        if self.type == "function_call_output":
+            return ChatMessage(role="tool", content=self.output, tool_call_id=self.call_id)
+        assert self.role is not None  # _complete: a message has one
+        text = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or [])
+        return ChatMessage(role=self.role, content=text)

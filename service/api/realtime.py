@@ -1,19 +1,21 @@
 """/v1/realtime: one WebSocket per voice conversation, JSON events named after OpenAI's Realtime API.
 
-client → server: session.update, response.create, response.cancel, conversation.item.truncate
-server → client: session.created, session.updated, response.created, response.output_text.delta,
-                 response.output_item.added + response.function_call_arguments.delta/.done (a tool call),
-                 response.done, conversation.item.truncated, error (the socket stays open)
+client → server: session.update, conversation.item.create, response.create, response.cancel,
+                 conversation.item.truncate
+server → client: session.created, session.updated, conversation.item.created, response.created,
+                 response.output_text.delta, response.output_item.added + response.function_call_arguments.delta/.done
+                 (a tool call), response.done, conversation.item.truncated, error (the socket stays open)
 
 The socket owns one engine Session: every turn runs in the same KV slot, so a turn whose prompt extends the
 previous one (the conversation so far + new messages) prefills only what it adds. The server keeps the
 conversation: a turn's new messages and the assistant's reply join it when the turn completes (or, on barge-in,
 with the part of the reply that was sent; conversation.item.truncate then cuts it to what the caller heard:
-truncation.py). A turn is built as a chat request's is (turn.py): tools, tool_choice and response_format
-(session.update or response.create) work as in chat completions; a call the assistant made joins the conversation
-with its reply, and the client answers it with a `role: "tool"` message in the next turn's input. The reply's text is
-spoken: tool-protocol markup never reaches output_text (reply.py). Every event sent is a model of
-realtime_events.py.
+truncation.py). An item a client adds with conversation.item.create (OpenAI's way: the transcript, or a tool's
+output, then a bare response.create) joins it at once, or after the reply in progress. A turn is built as a chat
+request's is (turn.py): tools, tool_choice and response_format (session.update or response.create) work as in chat
+completions; a call the assistant made joins the conversation with its reply, and the client answers it with a `role:
+"tool"` message in the next turn's input (or a function_call_output item). The reply's text is spoken: tool-protocol
+markup never reaches output_text (reply.py). Every event sent is a model of realtime_events.py.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from service.api.auth import KEY_SUBPROTOCOL
 from service.api.chunking import SentenceChunker
 from service.api.engine_client import RemoteSession
 from service.api.errors import APIError, from_rejected, from_unfinished, from_validation
-from service.api.protocol import RealtimeResponseConfig, RealtimeSessionConfig
+from service.api.protocol import RealtimeItem, RealtimeResponseConfig, RealtimeSessionConfig
 from service.api.realtime_events import (
     CallStatus,
     ErrorEvent,
@@ -43,6 +45,7 @@ from service.api.realtime_events import (
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
     FunctionCallItem,
+    ItemCreated,
     ItemTruncated,
     MessageItem,
     Outcome,
@@ -131,6 +134,8 @@ class RealtimeConnection:
         self.session: Session | RemoteSession = st.new_session()
         self.settings = RealtimeSessionConfig()  # session.update changes them; each response.create starts there
         self.conversation: list[dict[str, Any]] = []
+        self.added: list[dict[str, Any]] = []  # items created while a response ran: they join after its reply
+        self.last_item: str | None = None  # the id of the item created last (the next one's previous_item_id)
         self.active: ActiveResponse | None = None
         self.replies: dict[str, ReplyItem] = {}  # item id → a reply the client may truncate
         self._send_lock = asyncio.Lock()
@@ -203,6 +208,8 @@ class RealtimeConnection:
                 await self.session_update(event)
             elif kind == "response.create":
                 await self.response_create(event, received)
+            elif kind == "conversation.item.create":
+                await self.item_create(event)
             elif kind == "response.cancel":
                 await self.response_cancel(event)
             elif kind == "conversation.item.truncate":
@@ -214,7 +221,7 @@ class RealtimeConnection:
             await self.error(e.type, e.code, e.message, param=e.param, event_type=kind)
         except ValidationError as e:
             err = from_validation(e)  # type: ignore[arg-type]
-            where = "session" if kind == "session.update" else "response"
+            where = {"session.update": "session", "conversation.item.create": "item"}.get(kind, "response")
             param = f"{where}.{err.param}" if err.param else where
             message = err.message.replace(f"{err.param}:", f"{param}:", 1) if err.param else err.message
             await self.error(err.type, err.code, message, param=param, event_type=kind)
@@ -237,7 +244,7 @@ class RealtimeConnection:
         if self.active is not None:
             raise APIError(400, f"response {self.active.id} is still in progress: cancel it or wait for its "
                                 "response.done", code="conversation_already_has_active_response")
-        cfg = RealtimeResponseConfig.model_validate(_object(event, "response"))
+        cfg = RealtimeResponseConfig.model_validate(_object(event, "response", optional=True))
         self.st.check_model(cfg.model, "response.model")
         settings = self.settings.updated(cfg)
         self.st.ready()  # 503-shaped error while draining
@@ -246,11 +253,11 @@ class RealtimeConnection:
             prompt: str | Conversation = cfg.input
         else:
             new_messages = [m.for_template() for m in cfg.input]
-            if not new_messages and not self.conversation:
+            if not new_messages and not self.conversation and not self.added:
                 raise APIError(400, "response.input is empty and the conversation holds nothing to reply to",
                                param="response.input", code="empty_input")
             system = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
-            prompt = Conversation(system + self.conversation + new_messages)
+            prompt = Conversation(system + self.conversation + self.added + new_messages)
         turn = await build_turn(self.st, TurnRequest(
             prompt, settings, RESPONSE_FIELDS, spoken=True, max_tokens=settings.max_tokens, tools=settings,
             response_format=settings.response_format))
@@ -262,7 +269,8 @@ class RealtimeConnection:
             await self.error(err.type, err.code, err.message, event_type="response.create", response_id=rid,
                              retry_after_ms=max(1, round(r.retry_after_s * 1000)))
             return
-        joins = new_messages if cfg.conversation == "auto" else None  # out of band: the conversation stays as it is
+        # out of band: the conversation stays as it is (the items added since still join it, after the reply)
+        joins = new_messages if cfg.conversation == "auto" else None
         reader = turn.reader()
         assert reader is not None  # a spoken turn
         active = self.active = ActiveResponse(rid, stream, joins, reader, prompt_tokens=len(turn.ids))
@@ -284,6 +292,22 @@ class RealtimeConnection:
             raise APIError(400, f"there is no {which} in progress to cancel", param="response_id",
                            code="response_cancel_not_active")
         active.stream.cancel()  # the engine frees the slot before its next step; response.done follows
+
+    async def item_create(self, event: dict[str, Any]) -> None:
+        """An item the client adds to the conversation (a user's transcript, a tool's output): it joins at once, or,
+        while a response runs, after that response's reply."""
+        item = RealtimeItem.model_validate(_object(event, "item"))
+        message = item.message().for_template()
+        (self.conversation if self.active is None else self.added).append(message)
+        previous, self.last_item = self.last_item, item.id or f"item_{uuid.uuid4().hex[:20]}"
+        shown: dict[str, object] = {"id": self.last_item, "object": "realtime.item", "type": item.type,
+                                    "status": "completed"}
+        if item.type == "message":
+            shown |= {"role": item.role, "content": [{"type": "input_text" if item.role != "assistant" else
+                                                      "output_text", "text": message["content"]}]}
+        else:
+            shown |= {"call_id": item.call_id, "output": item.output}
+        await self.send(ItemCreated(previous_item_id=previous, item=shown))
 
     async def item_truncate(self, event: dict[str, Any]) -> None:
         """The caller heard the reply only up to `text_end` characters: the conversation and the session's cached
@@ -348,6 +372,8 @@ class RealtimeConnection:
                 if text or made or status == "completed":
                     reply.conversation_index = len(self.conversation)
                     self.conversation.append(_assistant_message(text, made))
+            self.conversation += self.added  # the client's items are the conversation's, whatever the reply did
+            self.added = []
             if status != "failed":
                 reply.text = text
                 self._keep(reply)
@@ -442,8 +468,10 @@ def _call_item(item_id: str, call: ParsedCall, status: CallStatus | None = None)
                             call_id=call.id, name=call.name, arguments=call.arguments)
 
 
-def _object(event: dict[str, Any], key: str) -> dict[str, Any]:
+def _object(event: dict[str, Any], key: str, optional: bool = False) -> dict[str, Any]:
     value = event.get(key)
+    if value is None and optional:
+        return {}
     if value is None:
         raise APIError(400, f"the event needs a `{key}` object", param=key, code="missing_required_parameter")
     if not isinstance(value, dict):

@@ -200,6 +200,14 @@ class ResponseDone(BaseModel):
     response: RealtimeResponse
 
 
+class ItemCreated(BaseModel):
+    """conversation.item.create's answer: the item as the conversation holds it, with its id."""
+
+    type: Literal["conversation.item.created"] = "conversation.item.created"
+    previous_item_id: str | None = None
+    item: dict[str, object]
+
+
 class ItemTruncated(BaseModel):
     type: Literal["conversation.item.truncated"] = "conversation.item.truncated"
     item_id: str
@@ -213,7 +221,8 @@ class ErrorEvent(BaseModel):
 
 
 ServerEvent = (SessionCreated | SessionUpdated | ResponseCreated | OutputTextDelta | OutputItemAdded
-               | FunctionCallArgumentsDelta | FunctionCallArgumentsDone | ResponseDone | ItemTruncated | ErrorEvent)
+               | FunctionCallArgumentsDelta | FunctionCallArgumentsDone | ResponseDone | ItemCreated | ItemTruncated
+               | ErrorEvent)
 
 
 def session_info(settings: RealtimeSessionConfig, id: str, model: str, max_context: int) -> SessionInfo:
