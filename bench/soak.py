@@ -204,8 +204,8 @@ async def realtime_session(ws_url: str, rng: random.Random, t: Tally, timeout_s:
         for turn in range(rng.randint(1, 3)):
             behaviour = rng.choices(["to_the_end", "cancel", "drop", "bad_event"], weights=[70, 15, 10, 5])[0]
             if behaviour == "bad_event":
-                await ws.send(rng.choice(["{not json", json.dumps({"type": "response.create", "response": {}}),
-                                          json.dumps({"type": "nope"})]))
+                await ws.send(rng.choice(["{not json", json.dumps({"type": "nope"}),
+                                          json.dumps({"type": "response.create", "response": {"input": 42}})]))
                 e = await recv()
                 if e["type"] != "error" or e["error"]["type"] != "invalid_request_error":
                     t.fail(f"realtime: a bad event got {e}")

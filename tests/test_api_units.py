@@ -123,8 +123,11 @@ def test_realtime_settings_are_the_sampling_fields() -> None:
     params = sampling_params(turn, 5)
     assert (params.max_tokens, params.temperature, params.top_k, params.stop) == (5, 0.2, 0, (".",))
     assert settings.max_tokens is None  # a response's overrides are its own
+    # no input, or a null one, replies to the conversation as it stands (the items conversation.item.create added)
+    assert RealtimeResponseConfig.model_validate({"input": None}).input == []
+    assert RealtimeResponseConfig.model_validate({}).input == []
     with pytest.raises(ValidationError):
-        RealtimeResponseConfig.model_validate({"input": None})
+        RealtimeResponseConfig.model_validate({"input": 42})
 
 
 SLA_TOKENS = 8  # not 64: the realtime timing key is named for the server's N
