@@ -253,11 +253,11 @@ class RealtimeConnection:
             prompt: str | Conversation = cfg.input
         else:
             new_messages = [m.for_template() for m in cfg.input]
-            if not new_messages and not self.conversation and not self.added:
+            if not new_messages and not self.conversation:
                 raise APIError(400, "response.input is empty and the conversation holds nothing to reply to",
                                param="response.input", code="empty_input")
             system = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
-            prompt = Conversation(system + self.conversation + self.added + new_messages)
+            prompt = Conversation(system + self.conversation + new_messages)
         turn = await build_turn(self.st, TurnRequest(
             prompt, settings, RESPONSE_FIELDS, spoken=True, max_tokens=settings.max_tokens, tools=settings,
             response_format=settings.response_format))
