@@ -395,6 +395,19 @@ def settled(adm, score):
     return adm
 
 
+@pytest.fixture
+def frozen_clock(monkeypatch) -> float:
+    """The admission clock held still: the time a test's verdicts are made at, whatever a slow host takes between
+    them (a 2-core CI host once took 25 ms, more than a test's few ms of room)."""
+    from types import SimpleNamespace
+
+    import service.admission
+
+    frozen = time.perf_counter()
+    monkeypatch.setattr(service.admission, "time", SimpleNamespace(perf_counter=lambda: frozen))
+    return frozen
+
+
 def now_and_then_over(adm):
     """`adm` once its guard has seen forecasts run to time, and a tenth of them 20% over: every level's stretch 1.20,
     its usual pace 1.0."""
@@ -569,7 +582,7 @@ def test_a_request_late_whatever_happens_holds_nobody_back():
         adm.check(pushing)  # its 27 ms prefill launch ahead of those steps would make it miss
 
 
-def test_a_request_late_only_at_the_stretch_holds_back_a_newcomer_that_delays_it():
+def test_a_request_late_only_at_the_stretch_holds_back_a_newcomer_that_delays_it(frozen_clock):
     """Forecasts here usually run to time (median score 1.0) and now and then 20% over (the stretch, 1.20). A running
     request whose stretched forecast has drifted past its deadline, but which makes it at the usual pace, is not given
     up: a newcomer whose prefill launch would delay it is refused; one that delays it not at all is admitted. Once it
@@ -585,7 +598,7 @@ def test_a_request_late_only_at_the_stretch_holds_back_a_newcomer_that_delays_it
         adm.check(running)
         pushing, riding = newcomer(prompt_tokens=400), newcomer()
         running.output_ids = [0] * 10  # 54 tokens to go: 108 ms at the usual pace, 130 ms stretched
-        running.deadline = time.perf_counter() + left_s
+        running.deadline = frozen_clock + left_s
         return adm, pushing, riding
 
     adm, pushing, riding = drifted(0.119)
@@ -745,11 +758,11 @@ def test_a_slow_verdict_never_stalls_the_streams_already_running(admission):
     assert len(during) > 2 and max(during) < verdict_s / 2, f"a token waited {max(during) * 1e3:.0f} ms"
 
 
-def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_verdict():
-    """The guard scores a request over the span from its first verdict to its SLA token against its latest forecast,
-    so a newcomer's verdict judges the admitted requests over that span too: 50 ms into a request's life, a stretch of
-    1.20 holds 10 ms in reserve for it that a check over the time left alone (what admitted newcomers right up to
-    its deadline, and let it come late by a few ms at FP8's 160 req/s on the H200) would give away."""
+def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_verdict(frozen_clock):
+    """The guard scores a request over the span from its first verdict to its SLA token, so a newcomer's verdict
+    judges the admitted requests over that span too: 50 ms into a request's life, a stretch of 1.20 holds 10 ms in
+    reserve for it that a check over the time left alone (what admitted newcomers right up to its deadline, and let it
+    come late by a few ms at FP8's 160 req/s on the H200) would give away. Only `spent_s` separates the verdicts."""
     from dataclasses import replace
 
     from service.engine.request import State
@@ -763,7 +776,7 @@ def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_v
         running = newcomer(state=State.RUNNING)
         adm.check(running)
         running.output_ids = [0] * 10
-        running.deadline = time.perf_counter() + 10
+        running.deadline = frozen_clock + 10
         adm.check(trial := newcomer(prompt_tokens=400))
         moved = adm._promises[running.id]
         t_v = adm._promises[trial.id].at
@@ -772,7 +785,7 @@ def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_v
         adm.release(trial)
         first = adm._promises[running.id]
         adm._promises[running.id] = replace(first, at=first.at - spent_s)
-        running.deadline = time.perf_counter() + stretched + 0.005
+        running.deadline = frozen_clock + stretched + 0.005
         try:
             adm.check(newcomer(prompt_tokens=400))
         except Rejected as r:
