@@ -56,8 +56,8 @@ def window(rt: Runtime, rows: int, seconds: float, max_tokens: int) -> dict[str,
     gaps = sorted(b - a for s in stamps for a, b in zip(s, s[1:]) if t0 <= a and b <= t1)
     out: dict[str, Any] = {"rows": rows, "tokens_per_s": round(len(gaps) / (t1 - t0), 1)}
     loop = between(before, after)
-    out |= {k: loop[k] for k in ("loop_iterations", "host_us_p50", "host_us_p99", "gpu_idle_us_p50", "gpu_idle_us_p99",
-                                 "step_gpu_us_p50", "step_gpu_us_p99")}
+    out |= {k: loop[k] for k in ("loop_iterations", "tokens_per_iteration", "host_us_p50", "host_us_p99",
+                                 "gpu_idle_us_p50", "gpu_idle_us_p99", "step_gpu_us_p50", "step_gpu_us_p99")}
     for q in (50, 99):
         out[f"token_gap_us_p{q}"] = round(gaps[min(len(gaps) - 1, int(q / 100 * len(gaps)))] * 1e6, 1) if gaps \
             else None
@@ -67,8 +67,8 @@ def window(rt: Runtime, rows: int, seconds: float, max_tokens: int) -> dict[str,
     return out
 
 
-COLUMNS = (("rows", "rows"), ("loop_iterations", "iterations"), ("host_us_p50", "host µs p50"),
-           ("host_us_p99", "host µs p99"), ("gpu_idle_us_p50", "GPU idle µs p50"),
+COLUMNS = (("rows", "rows"), ("loop_iterations", "iterations"), ("tokens_per_iteration", "tokens/iteration"),
+           ("host_us_p50", "host µs p50"), ("host_us_p99", "host µs p99"), ("gpu_idle_us_p50", "GPU idle µs p50"),
            ("gpu_idle_us_p99", "GPU idle µs p99"),
            ("step_gpu_us_p50", "step on the GPU µs p50"), ("token_gap_us_p50", "token gap µs p50"),
            ("token_gap_us_p99", "token gap µs p99"), ("token_gap_us_max", "token gap µs max"),

@@ -21,6 +21,7 @@ RECEIVED = "parley_engine_received_seconds"
 FORECAST = "parley_admission_forecast_seconds"
 DELIVERY = "parley_token_delivery_seconds"
 FRONT_LAG = "parley_front_end_loop_lag_seconds"
+GENERATED = "parley_generation_tokens"  # a counter: the tokens the engine's steps made
 BEFORE, AFTER = ".metrics-before.txt", ".metrics.txt"  # after the loadtest's name
 
 
@@ -35,6 +36,13 @@ def buckets(text: str, name: str) -> dict[float, float] | None:
                 le = float(s.labels["le"])
                 out[le] = out.get(le, 0.0) + s.value
     return out or None
+
+
+def total(text: str, name: str) -> float | None:
+    """A counter's value summed over its labels; None where it is absent."""
+    values = [s.value for family in text_string_to_metric_families(text) if family.name == name
+              for s in family.samples if s.name == name + "_total"]
+    return sum(values) if values else None
 
 
 def quantile(cumulative: dict[float, float], q: float) -> float | None:
@@ -104,4 +112,8 @@ def between(before: str | None, after: str) -> dict[str, Any]:
             out["front_lag_ms_max"] = None if h is None else round(longest(h) * 1e3, 1)
         if key == "step_gpu":  # how many steps took longer on the GPU than SLOW_STEP_S
             out["slow_gpu_steps"] = None if h is None else int(h[float("inf")] - h.get(SLOW_STEP_S, 0.0))
+    # the rows a step decodes, from the same two scrapes as the iterations (a window's edges count on both sides)
+    made, made_before = total(after, GENERATED), total(before, GENERATED) if before is not None else 0.0
+    out["tokens_per_iteration"] = None if made is None or made_before is None or not out["loop_iterations"] \
+        else round((made - made_before) / out["loop_iterations"], 3)
     return out
