@@ -213,6 +213,9 @@ def test_the_websocket_is_refused_at_its_handshake_without_the_right_key(keyed: 
         assert protocol is None
 
     asyncio.run(check())
+    # a refusal is the client's answer, not the server's fault: no ERROR line for it (uvicorn's websockets-sansio
+    # protocol logs one after every denial response)
+    assert "without completing handshake" not in keyed.log.read_text(errors="replace")
 
 
 # -- parley-loadtest ----------------------------------------------------------------------------------------------
@@ -267,6 +270,29 @@ def test_no_key_reaches_the_log_or_the_metrics(keyed: Server) -> None:
 
 
 # -- the pieces -----------------------------------------------------------------------------------------------------
+def test_only_a_refused_handshake_loses_uvicorns_unfinished_handshake_error() -> None:
+    """The ERROR uvicorn logs when an app returns without finishing a handshake is dropped for a connection the key
+    check answered with a 401, and kept for any other: there it is a real fault."""
+    import contextvars
+
+    from service.api import auth
+
+    def record(msg: str, name: str = "uvicorn.error") -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, None, None)
+
+    quiet = auth.QuietDeniedHandshakes()
+    unfinished = "ASGI callable returned without completing handshake."
+    assert quiet.filter(record(unfinished))  # an app that forgot to accept: logged
+
+    def refused() -> list[bool]:
+        auth._denied_handshake.set(True)
+        return [quiet.filter(record(unfinished)), quiet.filter(record("Exception in ASGI application\n")),
+                quiet.filter(record(unfinished, name="parley.api"))]
+
+    assert contextvars.copy_context().run(refused) == [False, True, True]
+    assert quiet.filter(record(unfinished))  # the refusal's context stays its own connection's
+
+
 def test_one_start_up_line_says_who_may_call(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     caplog.set_level(logging.INFO, logger="parley.auth")
     announce(ApiKeys(), "127.0.0.1", 8000)

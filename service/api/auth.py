@@ -24,6 +24,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Literal
 
@@ -193,6 +194,7 @@ class RequireApiKey:
             return
         ws = WebSocket(scope, receive, send)
         if "websocket.http.response" in scope.get("extensions", {}):
+            _denied_handshake.set(True)
             await ws.send_denial_response(error.response())  # an HTTP 401 with the error as its body
         else:
             await ws.close(code=1008)  # policy violation: a server without the extension answers 403
@@ -245,12 +247,27 @@ class RedactKeys(logging.Filter):
         return True
 
 
-def redact_keys_in_logs() -> None:
-    """RedactKeys on every handler of the root logger (where uvicorn's loggers and Parley's end up): a filter on a
-    handler sees the records of every logger under it."""
+# Set in the connection's task when its handshake was answered with a 401: uvicorn's websockets-sansio protocol then
+# logs that the app "returned without completing handshake" (uvicorn PR #3138, open), an ERROR on every refused key.
+_denied_handshake: ContextVar[bool] = ContextVar("parley_denied_handshake", default=False)
+_UNFINISHED_HANDSHAKE = "ASGI callable returned without completing handshake."
+
+
+class QuietDeniedHandshakes(logging.Filter):
+    """Drops uvicorn's handshake ERROR for a WebSocket this middleware refused with a 401 (the client got its answer;
+    the refusal is counted and logged at debug); the same line for any other connection stays, a real fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "uvicorn.error" and record.msg == _UNFINISHED_HANDSHAKE and _denied_handshake.get())
+
+
+def install_log_filters() -> None:
+    """RedactKeys and QuietDeniedHandshakes on every handler of the root logger (where uvicorn's loggers and
+    Parley's end up): a filter on a handler sees the records of every logger under it."""
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RedactKeys) for f in handler.filters):
-            handler.addFilter(RedactKeys())
+        for kind in (RedactKeys, QuietDeniedHandshakes):
+            if not any(isinstance(f, kind) for f in handler.filters):
+                handler.addFilter(kind())
 
 
 def announce(keys: ApiKeys, host: str, port: int) -> None:

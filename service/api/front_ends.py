@@ -164,7 +164,7 @@ def serve_with_front_ends(cfg: ServeConfig) -> int:
 
 def main(argv: list[str]) -> int:
     """`python -m service.api.front_ends CONFIG_JSON IPC_ROOT FRONT_END SOCKET_FD ENGINE_PID PARENT_PID`"""
-    from service.api.auth import ApiKeyError, ApiKeys, redact_keys_in_logs, reload_on_sighup
+    from service.api.auth import ApiKeyError, ApiKeys, install_log_filters, reload_on_sighup
     from service.engine import ipc
     from service.engine_process import die_with_parent
 
@@ -176,7 +176,7 @@ def main(argv: list[str]) -> int:
         cfg = cfg.model_copy(update={"api_key": SecretStr(os.environ.pop(KEY_VARIABLE))})
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper()),
                         format=f"%(asctime)s %(levelname)s %(name)s[front end {front_end}]: %(message)s")
-    redact_keys_in_logs()
+    install_log_filters()
     try:
         keys = ApiKeys.from_config(cfg)
     except ApiKeyError as e:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from service.api.app import MAX_BODY_BYTES, create_app
-from service.api.auth import ApiKeyError, ApiKeys, announce, redact_keys_in_logs, reload_on_sighup
+from service.api.auth import ApiKeyError, ApiKeys, announce, install_log_filters, reload_on_sighup
 from service.api.engine_client import EngineClient
 from service.api.loop_lag import watch_loop_lag
 from service.api.state import ServerState, server_state
@@ -143,7 +143,7 @@ def serve(cfg: ServeConfig) -> int:
         keys = ApiKeys.from_config(cfg)
     except ApiKeyError as e:
         raise SystemExit(f"parley: {e}") from None
-    redact_keys_in_logs()
+    install_log_filters()
     announce(keys, cfg.host, cfg.port)
     reload_on_sighup(keys)
     log.info("loading %s (backend %s) for http://%s:%d ...", cfg.model, cfg.backend, cfg.host, cfg.port)
