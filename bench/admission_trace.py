@@ -74,12 +74,7 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
         # ...of them, how many the unstretched forecast alone would have admitted
         "late_refusals_by_stretch_alone": sum(1 for v in late_rule if v["forecast_ms"] is not None
                                               and v["forecast_ms"] <= v["left_ms"]),
-        # refused by the delays rule: how many of their victims the stretch would have left on time had their past
-        # been counted in the model clock's time (what their steps so far were predicted to take), not the wall's
         "delays_refusals": len(delays),
-        "delays_on_time_by_model_clock": sum(1 for v in delays if v.get("victim_model_ms") is not None
-                                             and v["victim_over_ms"] - v["stretch"] * (v["victim_since_ms"]
-                                                                                      - v["victim_model_ms"]) <= 0),
         "sla_tokens": len(tokens),
         "late": sum(1 for t in tokens if t["late"]),
         "levels": {name: {"n": len(ts), "score_p50": quantile([t["score"] for t in ts if t["score"]], 0.5),
@@ -111,10 +106,6 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
         refused = ", ".join(f"{n} {why}" for why, n in s["refused"].items()) or "none"
         lines += ["", f"Admission's log, {label}: {s['verdicts']} verdicts, {s['admitted']} admitted; refused: "
                       f"{refused}. {s['sla_tokens']} SLA tokens reached, {s['late']} late by the server's clock."]
-        if s.get("delays_refusals"):
-            lines += ["", f"Of the {s['delays_refusals']} refused as delaying an admitted request, "
-                          f"{s['delays_on_time_by_model_clock']} had a victim on time at the stretch by the model "
-                          "clock's time since its verdict (where the rule counts the wall's)."]
         late = s["late_refusals"]
         if late["left_ms"]["p50"] is not None:
             lines += ["", f"Refused as late beside others ({s['late_refusals_by_stretch_alone']} of them within "

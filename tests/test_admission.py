@@ -795,3 +795,48 @@ def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_v
 
     assert verdict(0.0)  # just admitted: 5 ms to spare
     assert not verdict(0.05)  # 50 ms in: 0.2 x 50 ms = 10 ms of its span's stretch is more than the 5 ms
+
+
+def test_an_admitted_request_s_past_counts_as_the_guard_bounds_it_in_the_model_clock_s_time(frozen_clock):
+    """The guard's score is the time from a request's verdict to its SLA token over the model clock's time between
+    them, so the bound a newcomer's verdict holds an admitted request to is the stretch x (its steps so far as the model
+    predicted them + the forecast of the rest). 50 ms into its life, its steps having run 4% over the model (48 ms of
+    the clock's), that is 1.2 x 48 = 57.6 ms of its past, 2.4 ms less than the stretch x the wall's 50 ms (the rule of
+    before: 66 of bf16's 76 `delays` refusals on the H200 had a victim on time by the bound). Never less than the time
+    that really passed: steps that ran at twice the model's time are charged as they ran."""
+    from dataclasses import replace
+
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+
+    def verdict(spent_s, model_s, room_s):
+        """A newcomer whose prefill launch delays a running request `spent_s` into its life (`model_s` of it by the
+        model clock), which ends `room_s` before its deadline beside the newcomer by the rule's bound; admitted?"""
+        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+        running = newcomer(state=State.RUNNING)
+        adm.check(running)
+        running.output_ids = [0] * 10
+        running.deadline = frozen_clock + 10
+        adm.check(trial := newcomer(prompt_tokens=400))
+        moved = adm._promises[running.id]
+        stretched = (moved.predicted - adm._promises[trial.id].at) * moved.stretch
+        adm.release(trial)
+        first = adm._promises[running.id]
+        adm._promises[running.id] = replace(first, at=first.at - spent_s)
+        adm.model_clock.forget(running.id)  # its span began spent_s ago, and the steps since were predicted model_s
+        adm.model_clock.start(running.id, frozen_clock - spent_s)
+        adm.model_clock.tick(model_s, at=frozen_clock, seconds=spent_s)
+        past = max(spent_s, 1.2 * model_s)
+        running.deadline = frozen_clock - spent_s + past + stretched + room_s
+        try:
+            adm.check(newcomer(prompt_tokens=400))
+        except Rejected as r:
+            assert "admitted one miss" in r.message
+            return False
+        return True
+
+    assert verdict(0.05, 0.048, 0.0005)  # by the wall's 1.2 x 50 ms, 1.9 ms late
+    assert not verdict(0.05, 0.048, -0.0005)  # late by the bound
+    assert verdict(0.05, 0.025, 0.0005)  # its steps ran 2x the model: charged the 50 ms that passed, not 1.2 x 25
+    assert not verdict(0.05, 0.025, -0.0005)

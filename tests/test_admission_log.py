@@ -64,8 +64,7 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     s = admission_trace.summary(admission_trace.read(path))
     assert (s["verdicts"], s["admitted"], s["sla_tokens"], s["late"]) == (4, 2, 1, 1)
     assert s["refused"] == {"overloaded (delays)": 1, "overloaded (late)": 1}
-    # its victim's past ran as the model said (2 ms in 2 ms): late at the stretch by either clock
-    assert (s["delays_refusals"], s["delays_on_time_by_model_clock"]) == (1, 0)
+    assert s["delays_refusals"] == 1
     assert s["late_refusals"]["since_arrival_ms"]["p50"] >= 150
     assert s["late_refusals_by_stretch_alone"] == 0  # 150 ms gone: not even the bare forecast fits
     (level,) = s["levels"].values()
