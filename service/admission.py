@@ -237,10 +237,10 @@ class AdmissionController:
             alone = self.planner.forecast(active, step_s, prefill_s, now, horizon, steps_s)
             for r in late:
                 if joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and over(r, alone[id(r)], typical) <= 0:
+                    wall, model = spent.get(id(r), (0.0, None))
                     note.update(rule="delays", victim_over_ms=over(r, joined[id(r)], stretch) * 1e3,
                                 victim_alone_over_ms=over(r, alone[id(r)], stretch) * 1e3,
-                                victim_since_ms=spent.get(id(r), (0.0, None))[0] * 1e3,
-                                victim_model_ms=_ms(spent.get(id(r), (0.0, None))[1]))
+                                victim_since_ms=wall * 1e3, victim_model_ms=_ms(model))
                     raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
                                    self.retry_after_s(active, now))
         return joined
