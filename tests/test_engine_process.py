@@ -290,6 +290,39 @@ def test_a_killed_engine_ends_every_stream_in_an_error(tmp_path: Path) -> None:
             stop_server(server)
 
 
+def test_health_looks_at_the_engine_process_when_asked() -> None:
+    """/health checks the engine process when it is asked, not only at the front end's watchdog's next tick: with two
+    front ends, one ended a stream on the engine's death while the other's /health, asked right after, read ok (a CI
+    run). A request's own check keeps the watchdog's view (no look at /proc on its path)."""
+    rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128,
+                                  calibration_budget_s=1, sla_ms=60000))
+    addresses = ipc.Addresses.fresh()
+    service = EngineService(rt, addresses)
+    serving = threading.Thread(target=service.serve, daemon=True)
+    serving.start()
+    exit_status: list[int | None] = [None]
+
+    async def go() -> None:
+        client = await EngineClient.connect(addresses, exit_code=lambda: exit_status[0])
+        try:
+            assert client.unavailable(look=True) is None
+            exit_status[0] = -9  # gone, and the watchdog has not looked yet
+            why = client.unavailable(look=True)
+            assert why is not None and why[0] == "engine_gone" and "signal 9" in why[2]
+            assert client.unavailable() is None and client.dead is None  # what the watchdog saw last
+            await asyncio.sleep(0.3)  # its ticks are 0.1 s apart
+            assert client.dead == "it was killed by signal 9" and client.unavailable() is not None
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        service.stop()
+        serving.join(timeout=10)
+        service.close()
+
+
 def test_the_engine_gone_says_why_on_health(tmp_path: Path) -> None:
     """Between the engine's death and the front end's exit, /health is 503 with the reason, and a request gets a 503
     in OpenAI's shape, not a hang."""

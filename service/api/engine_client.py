@@ -257,11 +257,15 @@ class EngineClient:
             self._queries.pop(qid, None)
 
     # -- the engine's state ----------------------------------------------------------------------------------------
-    def unavailable(self) -> tuple[str, str, str] | None:
-        """Why no request can be served now, as (error code, error message, /health status); None when ready."""
-        if self.dead is not None:
-            return "engine_gone", f"the engine process is gone ({self.dead}); this server should be restarted", \
-                f"engine process gone: {self.dead}"
+    def unavailable(self, look: bool = False) -> tuple[str, str, str] | None:
+        """Why no request can be served now, as (error code, error message, /health status); None when ready.
+        `look`: check the engine process now (what /health asks), not only what the watchdog saw at its last tick:
+        with two front ends, one can end a stream on the engine's death while the other's /health, asked at once,
+        still read ok (a fresh-clone CI run)."""
+        dead = self.dead or (self._why_gone() if look else None)
+        if dead is not None:
+            return "engine_gone", f"the engine process is gone ({dead}); this server should be restarted", \
+                f"engine process gone: {dead}"
         s = self.status
         if s is not None and not s.accepting:
             return "draining", "the server is shutting down", "draining"
@@ -319,13 +323,21 @@ class EngineClient:
     async def _watch(self) -> None:
         while self.dead is None:
             await asyncio.sleep(WATCH_EVERY_S)
-            code = self._exit_code() if self._exit_code is not None else None
-            if isinstance(code, str):
-                self._gone(code)
-            elif code is not None:
-                self._gone(f"it exited with {code}" if code >= 0 else f"it was killed by signal {-code}")
-            elif time.monotonic() - self._status_at > HEARTBEAT_TIMEOUT_S:
-                self._gone(f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s")
+            why = self._why_gone()
+            if why is not None:
+                self._gone(why)
+
+    def _why_gone(self) -> str | None:
+        """Why the engine process is gone, by a look now (its exit status, or a heartbeat silent too long); None while
+        it runs. Reads only: any thread may ask."""
+        code = self._exit_code() if self._exit_code is not None else None
+        if isinstance(code, str):
+            return code
+        if code is not None:
+            return f"it exited with {code}" if code >= 0 else f"it was killed by signal {-code}"
+        if time.monotonic() - self._status_at > HEARTBEAT_TIMEOUT_S:
+            return f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s"
+        return None
 
     def _gone(self, why: str) -> None:
         """The engine process is gone: every stream ends in an error now, every question and verdict fails."""

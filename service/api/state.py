@@ -37,11 +37,12 @@ class ServerState:
     _streams_changed: threading.Condition = field(default_factory=threading.Condition)
 
     # -- readiness ----------------------------------------------------------------------------------------
-    def _unavailable(self) -> tuple[str, str, str] | None:
-        """Why no request can be served now, as (error code, error message, /health status); None when ready."""
+    def _unavailable(self, look: bool = False) -> tuple[str, str, str] | None:
+        """Why no request can be served now, as (error code, error message, /health status); None when ready.
+        `look`: check the engine process now (/health), not only as the front end's watchdog last saw it."""
         rt, client = self.runtime, self.client
         if client is not None:
-            why = client.unavailable()
+            why = client.unavailable(look)
             if why is None and self.draining:
                 return "draining", "the server is shutting down", "draining"
             return why
@@ -66,7 +67,7 @@ class ServerState:
             self.ready()
 
     def health(self) -> tuple[bool, str]:
-        why = self._unavailable()
+        why = self._unavailable(look=True)
         return (True, "ok") if why is None else (False, why[2])
 
     def check_model(self, model: str | None, param: str = "model") -> None:
