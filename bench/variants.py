@@ -260,4 +260,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
                                                          k_chunk=128, k_slices=2)),
     # wide buckets: 3 pipeline stages (shared memory for wider tiles)
     "w-st3": lambda w: KernelConfig(tiles=_tiles(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), WIDE, stages=3)),
+    # 8 warps a program (the default 4): at 16 rows gate/up grows 3.4 us a layer from one row where the same tiles
+    # alone grow 0.9 (the Gluon prototype's `triton-mk`), about the dot's own time unhidden at one program of 4 warps
+    # per SM; twice the warps hide more of it if the 255 registers they may each keep are enough (8 warps were slower
+    # than 4 on the kernel of V1-V3, bench/NOTES.md)
+    "warps8": lambda w: KernelConfig(num_warps=8),
 }
