@@ -758,43 +758,49 @@ def test_a_slow_verdict_never_stalls_the_streams_already_running(admission):
     assert len(during) > 2 and max(during) < verdict_s / 2, f"a token waited {max(during) * 1e3:.0f} ms"
 
 
-def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_verdict(frozen_clock):
-    """The guard scores a request over the span from its first verdict to its SLA token, so a newcomer's verdict
-    judges the admitted requests over that span too: 50 ms into a request's life, a stretch of 1.20 holds 10 ms in
-    reserve for it that a check over the time left alone (what admitted newcomers right up to its deadline, and let it
-    come late by a few ms at FP8's 160 req/s on the H200) would give away. Only `spent_s` separates the verdicts."""
+def verdict_beside_a_running_request(now: float, spent_s: float, slack_s: float, model_s: float | None = None) -> bool:
+    """Whether a newcomer is admitted whose prefill launch delays a running request `spent_s` into its life
+    (`model_s` of it by the model clock; None: no step has ended in its span). The running request's deadline is
+    `slack_s` after its SLA token beside the newcomer, as the stretched forecast from now puts it (its past aside).
+    The guard's stretch is 1.20, its usual pace 1.0; `now` is the frozen admission clock."""
     from dataclasses import replace
 
     from service.engine.request import State
 
     lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+    adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+    running = newcomer(state=State.RUNNING)
+    adm.check(running)
+    running.output_ids = [0] * 10
+    running.deadline = now + 10
+    adm.check(trial := newcomer(prompt_tokens=400))
+    moved = adm._promises[running.id]
+    stretched = (moved.predicted - adm._promises[trial.id].at) * moved.stretch  # its SLA token beside the newcomer
+    assert moved.stretch == pytest.approx(1.20)
+    adm.release(trial)
+    first = adm._promises[running.id]
+    adm._promises[running.id] = replace(first, at=first.at - spent_s)
+    if model_s is not None:  # its span began spent_s ago, and the steps since were predicted model_s
+        adm.model_clock.forget(running.id)
+        adm.model_clock.start(running.id, now - spent_s)
+        adm.model_clock.tick(model_s, at=now, seconds=spent_s)
+    running.deadline = now + stretched + slack_s
+    try:
+        adm.check(newcomer(prompt_tokens=400))
+    except Rejected as r:
+        assert "admitted one miss" in r.message
+        return False
+    return True
 
-    def verdict(spent_s):
-        """A newcomer whose prefill launch delays a running request `spent_s` into its life, which ends 5 ms before
-        its deadline in the newcomer's stretched forecast; whether it was admitted."""
-        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
-        running = newcomer(state=State.RUNNING)
-        adm.check(running)
-        running.output_ids = [0] * 10
-        running.deadline = frozen_clock + 10
-        adm.check(trial := newcomer(prompt_tokens=400))
-        moved = adm._promises[running.id]
-        t_v = adm._promises[trial.id].at
-        stretched = (moved.predicted - t_v) * moved.stretch  # its SLA token beside the newcomer, from the verdict
-        assert moved.stretch == pytest.approx(1.20)
-        adm.release(trial)
-        first = adm._promises[running.id]
-        adm._promises[running.id] = replace(first, at=first.at - spent_s)
-        running.deadline = frozen_clock + stretched + 0.005
-        try:
-            adm.check(newcomer(prompt_tokens=400))
-        except Rejected as r:
-            assert "admitted one miss" in r.message
-            return False
-        return True
 
-    assert verdict(0.0)  # just admitted: 5 ms to spare
-    assert not verdict(0.05)  # 50 ms in: 0.2 x 50 ms = 10 ms of its span's stretch is more than the 5 ms
+def test_an_admitted_request_keeps_the_stretch_over_all_it_has_spent_since_its_verdict(frozen_clock):
+    """The guard scores a request over the span from its first verdict to its SLA token, so a newcomer's verdict
+    judges the admitted requests over that span too: 50 ms into a request's life, a stretch of 1.20 holds 10 ms in
+    reserve for it that a check over the time left alone (what admitted newcomers right up to its deadline, and let it
+    come late by a few ms at FP8's 160 req/s on the H200) would give away. Only `spent_s` separates the verdicts."""
+    assert verdict_beside_a_running_request(frozen_clock, 0.0, 0.005)  # just admitted: 5 ms to spare
+    # 50 ms in: 0.2 x 50 ms = 10 ms of its span's stretch is more than the 5 ms
+    assert not verdict_beside_a_running_request(frozen_clock, 0.05, 0.005)
 
 
 def test_an_admitted_request_s_past_counts_as_the_guard_bounds_it_in_the_model_clock_s_time(frozen_clock):
@@ -804,37 +810,12 @@ def test_an_admitted_request_s_past_counts_as_the_guard_bounds_it_in_the_model_c
     the clock's), that is 1.2 x 48 = 57.6 ms of its past, 2.4 ms less than the stretch x the wall's 50 ms (the rule of
     before: 66 of bf16's 76 `delays` refusals on the H200 had a victim on time by the bound). Never less than the time
     that really passed: steps that ran at twice the model's time are charged as they ran."""
-    from dataclasses import replace
-
-    from service.engine.request import State
-
-    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
 
     def verdict(spent_s, model_s, room_s):
-        """A newcomer whose prefill launch delays a running request `spent_s` into its life (`model_s` of it by the
-        model clock), which ends `room_s` before its deadline beside the newcomer by the rule's bound; admitted?"""
-        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
-        running = newcomer(state=State.RUNNING)
-        adm.check(running)
-        running.output_ids = [0] * 10
-        running.deadline = frozen_clock + 10
-        adm.check(trial := newcomer(prompt_tokens=400))
-        moved = adm._promises[running.id]
-        stretched = (moved.predicted - adm._promises[trial.id].at) * moved.stretch
-        adm.release(trial)
-        first = adm._promises[running.id]
-        adm._promises[running.id] = replace(first, at=first.at - spent_s)
-        adm.model_clock.forget(running.id)  # its span began spent_s ago, and the steps since were predicted model_s
-        adm.model_clock.start(running.id, frozen_clock - spent_s)
-        adm.model_clock.tick(model_s, at=frozen_clock, seconds=spent_s)
+        """Admitted beside a request `spent_s` into its life (`model_s` by the model clock) that ends `room_s` before
+        its deadline by the rule's bound?"""
         past = max(spent_s, 1.2 * model_s)
-        running.deadline = frozen_clock - spent_s + past + stretched + room_s
-        try:
-            adm.check(newcomer(prompt_tokens=400))
-        except Rejected as r:
-            assert "admitted one miss" in r.message
-            return False
-        return True
+        return verdict_beside_a_running_request(frozen_clock, spent_s, past - spent_s + room_s, model_s)
 
     assert verdict(0.05, 0.048, 0.0005)  # by the wall's 1.2 x 50 ms, 1.9 ms late
     assert not verdict(0.05, 0.048, -0.0005)  # late by the bound

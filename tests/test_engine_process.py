@@ -6,6 +6,7 @@ either process killed mid-stream: clean errors, /health 503 and why, no hang, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -84,18 +85,29 @@ async def until_done(ws: ClientConnection, errors: list[dict[str, Any]] | None =
     return e["response"]
 
 
-def test_the_client_and_the_service_in_one_process() -> None:
-    """EngineService on threads, EngineClient on this event loop (no server): a delta's usage and timings cross; a
-    grammar the engine process cannot compile is a GrammarError, a prompt it cannot take a ValueError (the turn's
-    400s); a cancel ends the stream at once with the usage so far; after Drain, a submit is refused 503."""
+@contextlib.contextmanager
+def engine_service() -> Iterator[ipc.Addresses]:
+    """The tiny model's EngineService on threads of this process (no server), its addresses for an EngineClient."""
     rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128,
                                   calibration_budget_s=1, sla_ms=60000))
     addresses = ipc.Addresses.fresh()
     service = EngineService(rt, addresses)
     serving = threading.Thread(target=service.serve, daemon=True)
     serving.start()
+    try:
+        yield addresses
+    finally:
+        service.stop()
+        serving.join(timeout=10)
+        service.close()
 
-    async def go() -> None:
+
+def test_the_client_and_the_service_in_one_process() -> None:
+    """EngineService on threads, EngineClient on this event loop (no server): a delta's usage and timings cross; a
+    grammar the engine process cannot compile is a GrammarError, a prompt it cannot take a ValueError (the turn's
+    400s); a cancel ends the stream at once with the usage so far; after Drain, a submit is refused 503."""
+
+    async def go(addresses: ipc.Addresses) -> None:
         client = await EngineClient.connect(addresses)
         try:
             assert client.info.max_context == 128 and client.tokenizer.encode("hi")
@@ -127,12 +139,8 @@ def test_the_client_and_the_service_in_one_process() -> None:
         finally:
             await client.close()
 
-    try:
-        asyncio.run(go())
-    finally:
-        service.stop()
-        serving.join(timeout=10)
-        service.close()
+    with engine_service() as addresses:
+        asyncio.run(go(addresses))
 
 
 def test_streams_tools_and_one_metrics(proc_server: Server) -> None:
@@ -294,15 +302,9 @@ def test_health_looks_at_the_engine_process_when_asked() -> None:
     """/health checks the engine process when it is asked, not only at the front end's watchdog's next tick: with two
     front ends, one ended a stream on the engine's death while the other's /health, asked right after, read ok (a CI
     run). A request's own check keeps the watchdog's view (no look at /proc on its path)."""
-    rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128,
-                                  calibration_budget_s=1, sla_ms=60000))
-    addresses = ipc.Addresses.fresh()
-    service = EngineService(rt, addresses)
-    serving = threading.Thread(target=service.serve, daemon=True)
-    serving.start()
     exit_status: list[int | None] = [None]
 
-    async def go() -> None:
+    async def go(addresses: ipc.Addresses) -> None:
         client = await EngineClient.connect(addresses, exit_code=lambda: exit_status[0])
         try:
             assert client.unavailable(look=True) is None
@@ -315,12 +317,8 @@ def test_health_looks_at_the_engine_process_when_asked() -> None:
         finally:
             await client.close()
 
-    try:
-        asyncio.run(go())
-    finally:
-        service.stop()
-        serving.join(timeout=10)
-        service.close()
+    with engine_service() as addresses:
+        asyncio.run(go(addresses))
 
 
 def test_the_engine_gone_says_why_on_health(tmp_path: Path) -> None:
