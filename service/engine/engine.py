@@ -268,7 +268,7 @@ class Engine:
             self.handoff.run_all()
         self._take_inbox()
         now = time.perf_counter()
-        self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
+        self._end_cancelled(now)
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
         if not plan:  # nothing to run now: read what is in flight, or wait for work
@@ -276,6 +276,7 @@ class Engine:
             if inflight is not None:
                 overlapped = self.handoff.run_all(HANDOFF_BUDGET_S)  # while the GPU finishes the step in flight
                 self._complete(inflight)
+                self._end_cancelled(time.perf_counter())
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
                 self._update_gauges()
@@ -296,6 +297,7 @@ class Engine:
                 self._inflight = launched
             else:
                 self._complete(launched)
+        self._end_cancelled(time.perf_counter())
         t_complete = time.perf_counter()
         self._update_gauges()
         end = time.perf_counter()
@@ -303,6 +305,14 @@ class Engine:
                                        "complete": t_complete - t_launch, "gauges": end - t_complete}, thread)
         # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
         self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
+
+    def _end_cancelled(self, now: float) -> None:
+        """End the requests cancelled so far (a barge-in, a dropped stream): their slots free, their last delta
+        out. Also after each step's commit, not only before the next plan: a cancel that came while the step ran
+        then goes out with this iteration's deltas (on_iteration), not one iteration (a step's wait) later."""
+        cancelled = self.planner.take_cancelled()
+        if cancelled:
+            self._publish([Finished(r, "cancelled", now) for r in cancelled])
 
     def _step_compute(self) -> float:
         """The launch's time that was the step's own compute: none on a GPU (launches return at once); on the CPU the
