@@ -170,24 +170,32 @@ def test_cancel_frees_the_slot_within_a_step(tiny):
         eng.stop()
 
 
-def test_a_cancel_during_a_step_goes_out_with_that_step_s_deltas(tiny):
-    """A barge-in that comes while a step runs: the cancelled request's last delta goes out with that step's deltas
-    (one message to its front end per engine iteration, on_iteration), not one step later, after the next step of
-    the requests beside it has run too."""
+@pytest.mark.parametrize("when", ["during a step", "between steps"])
+def test_a_cancel_goes_out_before_another_step_runs(tiny, when):
+    """A barge-in: the cancelled request's last delta goes out (one message to its front end, on_iteration) before
+    the engine runs another step of the requests beside it, whether the cancel came while a step ran (it goes out
+    with that step's deltas) or while the engine sent them (it goes out before the next step)."""
     cancel_at = 3
 
     class CancelDuringStep(FaultInjectingDecoder):
         def decode(self, *args, **kwargs):
             out = super().decode(*args, **kwargs)
-            if self.steps == cancel_at:
+            if when == "during a step" and self.steps == cancel_at:
                 eng.cancel(barged_in)
             return out
 
     dec = CancelDuringStep(ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=256))
     eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=8)
-    sent: list[tuple[int, list[str | None]]] = []  # per iteration's message: steps run by then, its finish reasons
+    sent: list[tuple[int, list[str | None]]] = []  # per message out: the steps run by then, its finish reasons
     deltas: list[Delta] = []
-    eng.on_iteration = lambda: (sent.append((dec.steps, [d.finish_reason for d in deltas])), deltas.clear())
+
+    def send_out():
+        sent.append((dec.steps, [d.finish_reason for d in deltas]))
+        deltas.clear()
+        if when == "between steps" and dec.steps == cancel_at:
+            eng.cancel(barged_in)
+
+    eng.on_iteration = send_out
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     barged_in = eng.submit([1, 2, 3], params, deltas.append)
     eng.submit([4, 5, 6], params, deltas.append)

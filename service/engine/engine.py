@@ -254,11 +254,16 @@ class Engine:
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
                 self._fail_all()
-            if self.on_iteration is not None:
-                try:
-                    self.on_iteration()
-                except Exception:
-                    log.exception("sending an iteration's output failed")
+            self._send_out()
+
+    def _send_out(self) -> None:
+        """What the engine has published so far, to the front ends (on_iteration; the thread engine's sinks have
+        it already)."""
+        if self.on_iteration is not None:
+            try:
+                self.on_iteration()
+            except Exception:
+                log.exception("sending an iteration's output failed")
 
     def _iteration(self) -> None:
         started = time.perf_counter()
@@ -268,7 +273,8 @@ class Engine:
             self.handoff.run_all()
         self._take_inbox()
         now = time.perf_counter()
-        self._end_cancelled(now)
+        if self._end_cancelled(now):
+            self._send_out()  # before this iteration's step and its wait: a barge-in's end goes out now
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
         if not plan:  # nothing to run now: read what is in flight, or wait for work
@@ -306,13 +312,14 @@ class Engine:
         # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
         self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
 
-    def _end_cancelled(self, now: float) -> None:
+    def _end_cancelled(self, now: float) -> bool:
         """End the requests cancelled so far (a barge-in, a dropped stream): their slots free, their last delta
-        out. Also after each step's commit, not only before the next plan: a cancel that came while the step ran
-        then goes out with this iteration's deltas (on_iteration), not one iteration (a step's wait) later."""
+        published; whether there were any. Also after each step's commit, not only before the next plan: a cancel
+        that came while the step ran goes out with this iteration's deltas, not one iteration (a step's wait) later."""
         cancelled = self.planner.take_cancelled()
         if cancelled:
             self._publish([Finished(r, "cancelled", now) for r in cancelled])
+        return bool(cancelled)
 
     def _step_compute(self) -> float:
         """The launch's time that was the step's own compute: none on a GPU (launches return at once); on the CPU the
