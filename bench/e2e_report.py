@@ -150,6 +150,17 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"{fmt(r.get('delivery_us_p50'))} | {fmt(r.get('delivery_us_p99'))} | "
                   f"{fmt(r.get('front_lag_us_p99'))} | {fmt(r.get('front_lag_ms_max'))} |"
                   for r in looped]
+    gapped = [r for r in looped if r.get("idle_gaps")]
+    if gapped:
+        lines += ["", "The GPU's idle gaps over 100 µs between consecutive steps, by the phase of the engine thread's "
+                      "path to the step that took longest where the GPU could not hide it (service/engine/host_path.py"
+                      "; what ran before a wait on the GPU is not a cause): gaps, and their ms in all", "",
+                  "| backend | run | gaps | idle ms | by phase: gaps (ms) |", "|---|---|---|---|---|"]
+        for r in gapped:
+            by = r["idle_gaps"]
+            lines.append(f"| {r['backend']} | {r['kind']} | {sum(n for n, _ in by.values())} | "
+                         f"{fmt(sum(ms for _, ms in by.values()), 1)} | "
+                         + ", ".join(f"{k} {n} ({ms:.1f})" for k, (n, ms) in by.items()) + " |")
     paired = [r for r in doc["records"] if "capacity_rps" in r]
     if paired:
         lines += ["", "Goodput beside capacity: the highest rate with 99% of all requests on time, with admission on "

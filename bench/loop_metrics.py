@@ -3,7 +3,8 @@
 histograms, parley_engine_host_seconds, parley_gpu_idle_seconds, parley_step_gpu_seconds,
 parley_admission_verdict_seconds (and its parts, parley_engine_received_seconds and parley_admission_forecast_seconds)
 and parley_token_delivery_seconds, as quantiles
-(interpolated within a bucket, as Prometheus' histogram_quantile does). The loadtest's warm-up requests are in it."""
+(interpolated within a bucket, as Prometheus' histogram_quantile does), and the GPU's idle gaps over 100 us by the host
+phase that made them (parley_gpu_idle_gaps_total and its seconds). The loadtest's warm-up requests are in it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ FORECAST = "parley_admission_forecast_seconds"
 DELIVERY = "parley_token_delivery_seconds"
 FRONT_LAG = "parley_front_end_loop_lag_seconds"
 GENERATED = "parley_generation_tokens"  # a counter: the tokens the engine's steps made
+IDLE_GAPS, IDLE_GAP_SECONDS = "parley_gpu_idle_gaps", "parley_gpu_idle_gap_seconds"  # counters, by `after`
 BEFORE, AFTER = ".metrics-before.txt", ".metrics.txt"  # after the loadtest's name
 
 
@@ -43,6 +45,22 @@ def total(text: str, name: str) -> float | None:
     values = [s.value for family in text_string_to_metric_families(text) if family.name == name
               for s in family.samples if s.name == name + "_total"]
     return sum(values) if values else None
+
+
+def by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """A counter's values by one of its labels."""
+    return {s.labels[label]: s.value for family in text_string_to_metric_families(text) if family.name == name
+            for s in family.samples if s.name == name + "_total"}
+
+
+def idle_gaps(before: str | None, after: str) -> dict[str, tuple[int, float]]:
+    """The GPU's long idle gaps between two scrapes by the host phase that made them: phase → (gaps, seconds),
+    the most seconds first."""
+    n, s = by_label(after, IDLE_GAPS, "after"), by_label(after, IDLE_GAP_SECONDS, "after")
+    n0 = by_label(before, IDLE_GAPS, "after") if before is not None else {}
+    s0 = by_label(before, IDLE_GAP_SECONDS, "after") if before is not None else {}
+    out = {k: (int(n[k] - n0.get(k, 0.0)), s.get(k, 0.0) - s0.get(k, 0.0)) for k in n}
+    return dict(sorted(((k, v) for k, v in out.items() if v[0] > 0), key=lambda kv: -kv[1][1]))
 
 
 def quantile(cumulative: dict[float, float], q: float) -> float | None:
@@ -116,4 +134,5 @@ def between(before: str | None, after: str) -> dict[str, Any]:
     made, made_before = total(after, GENERATED), total(before, GENERATED) if before is not None else 0.0
     out["tokens_per_iteration"] = None if made is None or made_before is None or not out["loop_iterations"] \
         else round((made - made_before) / out["loop_iterations"], 3)
+    out["idle_gaps"] = {k: [n, round(sec * 1e3, 2)] for k, (n, sec) in idle_gaps(before, after).items()}
     return out

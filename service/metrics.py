@@ -80,6 +80,8 @@ class Metrics:
             "parley_admission_verdict_seconds after parley_engine_received_seconds is the wait for the engine "
             "thread to take the request", buckets=LOOP_BUCKETS, registry=r)
         self.gpu_idle: Histogram | None = None  # only where a GPU is measured (track_gpu_idle): absent, not zeros
+        self.idle_gaps: Counter | None = None  # with gpu_idle
+        self.idle_gap_seconds: Counter | None = None
         self.step_gpu: Histogram | None = None  # the same
         self.gc_pause = Histogram(
             "parley_gc_pause_seconds", "Python garbage-collector pauses: every stream stalls during one",
@@ -149,6 +151,13 @@ class Metrics:
                 "parley_step_gpu_seconds", "One engine step's time on the GPU (its prefix copies, prefills and decode, "
                 "from its first launch to its last as CUDA events on the step's stream timed them)",
                 buckets=STEP_BUCKETS, registry=self.registry)
+            self.idle_gaps = Counter(
+                "parley_gpu_idle_gaps", "Gaps over 100 us the GPU waited through before a step, by the phase of the "
+                "engine thread's path to that step that took longest where the GPU could not hide it "
+                "(service/engine/host_path.py)", ["after"], registry=self.registry)
+            self.idle_gap_seconds = Counter(
+                "parley_gpu_idle_gap_seconds", "The seconds of those gaps, by the same phase", ["after"],
+                registry=self.registry)
         return self.gpu_idle
 
     def export_guard(self, guard: AdmissionGuard) -> None:

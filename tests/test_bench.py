@@ -246,6 +246,26 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert figures["front_lag_ms_max"] is None  # a server before the watch
 
 
+def test_loop_metrics_reads_the_gpu_s_idle_gaps_by_the_host_phase_that_made_them() -> None:
+    """The report's table of long idle gaps: each phase's gaps and seconds between two scrapes of the server's own
+    counters, the most idle time first; a phase with none since the first scrape is left out."""
+    from bench import loop_metrics
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.track_gpu_idle()
+    assert metrics.idle_gaps is not None and metrics.idle_gap_seconds is not None
+    metrics.idle_gaps.labels(after="commit").inc()
+    metrics.idle_gap_seconds.labels(after="commit").inc(0.0002)
+    before = metrics.render().decode()
+    for after, seconds in (("handed over", 0.0006), ("handed over", 0.0004), ("send out", 0.0003)):
+        metrics.idle_gaps.labels(after=after).inc()
+        metrics.idle_gap_seconds.labels(after=after).inc(seconds)
+    gaps = loop_metrics.between(before, metrics.render().decode())["idle_gaps"]
+    assert list(gaps) == ["handed over", "send out"]  # commit's gap came before the first scrape
+    assert gaps["handed over"] == [2, 1.0] and gaps["send out"] == [1, 0.3]
+
+
 def test_idle_gap_reads_nvidia_smi_samples_and_skips_broken_lines(tmp_path: Path) -> None:
     from bench.idle_gap import read_samples
 

@@ -10,11 +10,12 @@ import time
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends.reference import ReferenceDecoder
 from service.engine.engine import Engine
+from service.engine.host_path import HIDDEN, LAUNCH_PREP, READ_WAIT, HostPath, IdleGaps, cause
 from service.engine.loop_clock import LoopClock
 from service.engine.request import SamplingParams
 from service.metrics import LOOP_BUCKETS, Metrics
@@ -364,3 +365,58 @@ def test_a_delta_read_late_by_the_event_loop_is_timed_from_its_publication() -> 
     got = asyncio.run(read())
     assert [d.text for d in got] == ["a", "", "b"]
     assert len(waits) == 1 and 0.03 <= waits[0] < 1.0, waits
+
+
+class Ticks:
+    """A host clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_host_path_keeps_what_ran_before_a_wait_on_the_gpu_apart():
+    ticks = Ticks()
+    path = HostPath(clock=ticks)
+    for phase, seconds in (("choose", 50e-6), ("handed over", 400e-6), (READ_WAIT, 300e-6), ("commit", 150e-6),
+                           ("plan", 60e-6)):
+        ticks.now += seconds
+        path.mark(phase)
+    ticks.now += 40e-6
+    to_launch = path.launched()
+    assert to_launch == pytest.approx({HIDDEN: 450e-6, READ_WAIT: 300e-6, "commit": 150e-6, "plan": 60e-6,
+                                       LAUNCH_PREP: 40e-6})
+    assert cause(to_launch) == "commit"  # the verdict (handed over) ran while the GPU was busy: not the cause
+    ticks.now += 400e-6
+    path.mark("handed over")
+    ticks.now += 5e-6
+    path.mark(READ_WAIT)  # the step was done already: nothing was hidden
+    assert cause(path.launched()) == "handed over"
+
+
+def test_a_long_gap_is_counted_by_the_phase_that_made_it():
+    registry = CollectorRegistry()
+    gaps = Counter("gaps", "gaps", ["after"], registry=registry)
+    gap_seconds = Counter("gap_seconds", "gap seconds", ["after"], registry=registry)
+    gpu, ticks = FakeGPU(), Ticks()
+    clock = LoopClock(torch.device("cpu"), histogram("host"), histogram("idle"), new_event=gpu.event,
+                      idle_gaps=IdleGaps(gaps, gap_seconds), path=HostPath(clock=ticks))
+
+    def launch(start: float, end: float, *phases: tuple[str, float]) -> None:
+        for phase, seconds in phases:
+            ticks.now += seconds
+            clock.mark(phase)
+        step(clock, gpu, start, end, consecutive=True)
+
+    launch(0.000, 0.001)
+    launch(0.00105, 0.002, ("commit", 200e-6), ("plan", 50e-6))  # 50 us: not counted
+    launch(0.0023, 0.003, ("handed over", 700e-6), (READ_WAIT, 5e-6), ("commit", 200e-6))  # 300 us
+    launch(0.0035, 0.004, ("handed over", 700e-6), (READ_WAIT, 400e-6), ("send out", 600e-6))  # 500 us
+    gpu.now = 1.0
+    clock.iteration(0.0, 0.0)
+    assert registry.get_sample_value("gaps_total", {"after": "handed over"}) == 1
+    assert registry.get_sample_value("gap_seconds_total", {"after": "handed over"}) == pytest.approx(300e-6)
+    assert registry.get_sample_value("gaps_total", {"after": "send out"}) == 1
+    assert registry.get_sample_value("gaps_total", {"after": "commit"}) is None

@@ -24,6 +24,7 @@ from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
 from service.engine.handoff import Handoff
+from service.engine.host_path import READ_WAIT, IdleGaps
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.loop_clock import LoopClock
 from service.engine.masks import StepMasks
@@ -110,7 +111,8 @@ class Engine:
         self._read_wait = 0.0  # this iteration's time blocked reading a step's tokens (the host waiting on the device)
         self._clock = LoopClock(decoder.device, self.metrics.engine_host,
                                 self.metrics.track_gpu_idle() if decoder.device.type == "cuda" else None,
-                                step_gpu=self.metrics.step_gpu)
+                                step_gpu=self.metrics.step_gpu,
+                                idle_gaps=IdleGaps(self.metrics.idle_gaps, self.metrics.idle_gap_seconds))
         # where the decoder can say when its step's GPU work starts (after its host-side preparation), the clock's
         # step starts there; else right before decode() is called
         self._decoder_starts_clock = hasattr(decoder, "before_launch")
@@ -255,6 +257,7 @@ class Engine:
                 log.exception("engine iteration failed")
                 self._fail_all()
             self._send_out()
+            self._clock.mark("send out")
 
     def _send_out(self) -> None:
         """What the engine has published so far, to the front ends (on_iteration; the thread engine's sinks have
@@ -275,25 +278,31 @@ class Engine:
         now = time.perf_counter()
         if self._end_cancelled(now):
             self._send_out()  # before this iteration's step and its wait: a barge-in's end goes out now
+        self._clock.mark("inbox")
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
+        self._clock.mark("plan")
         if not plan:  # nothing to run now: read what is in flight, or wait for work
             self._inflight = None
             if inflight is not None:
                 overlapped = self.handoff.run_all(HANDOFF_BUDGET_S)  # while the GPU finishes the step in flight
+                self._clock.mark("handed over")
                 self._complete(inflight)
                 self._end_cancelled(time.perf_counter())
+                self._clock.mark("commit")
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
                 self._update_gauges()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 self._resumed = time.perf_counter()
+                self._clock.mark("idle")
             return
         t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
         # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
         overlapped = self.handoff.run_all(HANDOFF_BUDGET_S) if launched is not None else 0.0
+        self._clock.mark("handed over")
         t_launch = time.perf_counter()
         self._inflight = None
         if inflight is not None:
@@ -304,8 +313,10 @@ class Engine:
             else:
                 self._complete(launched)
         self._end_cancelled(time.perf_counter())
+        self._clock.mark("commit")
         t_complete = time.perf_counter()
         self._update_gauges()
+        self._clock.mark("gauges")
         end = time.perf_counter()
         self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases, "handed over": overlapped,
                                        "complete": t_complete - t_launch, "gauges": end - t_complete}, thread)
@@ -375,8 +386,10 @@ class Engine:
             for lc in plan.launches:
                 self.decoder.prefill(_slot(lc.req), lc.req.prompt_ids[lc.start:lc.end], lc.start)
             t1 = time.perf_counter()
+            self._clock.mark("prefills")
             rows = self._row_tokens(plan, inflight)
             t2 = time.perf_counter()
+            self._clock.mark("feed")
             # constrained rows' masks (computed off this thread): into the step where the decoder masks there
             constrained = {i: r.constraint for i, r in enumerate(plan.sampled) if r.constraint is not None}
             collected = self._masks.collect(constrained) if constrained else None
@@ -387,10 +400,12 @@ class Engine:
                                       sampled_rows=len(plan.sampled),
                                       masks=collected.masks if masked_in_step and collected else None)
             t3 = time.perf_counter()
+            self._clock.mark("launch")
             tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step, self._token_ring)
             self._clock.step_end(consecutive=inflight is not None)
             self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}
+            self._clock.mark("choose")
             if tokens.mask_waits:  # grammar masks not ready in time: the engine thread waited (part of choose)
                 self._launch_phases["mask wait"] = tokens.mask_wait_s
                 self.metrics.grammar_mask_waits.inc(tokens.mask_waits)
@@ -443,6 +458,7 @@ class Engine:
         finally:
             self._busy_since = None
             self._read_wait += time.perf_counter() - t0
+            self._clock.mark(READ_WAIT)
         now = time.perf_counter()
         # The step as a client sees it: from the last step's end while the engine ran step after step (the host's
         # work and stalls between steps included: the cadence tokens come at, which admission must learn), from its

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from prometheus_client import Histogram
 
+from service.engine.host_path import HostPath, IdleGaps
 from service.engine.slow_steps import SlowGpuSteps
 
 MAX_PENDING = 64  # steps not yet readable (the GPU is never this far behind; a bound, not a queue that grows)
@@ -44,10 +45,13 @@ class Event(Protocol):
 
 class LoopClock:
     def __init__(self, device: torch.device, host: Histogram, gpu_idle: Histogram | None = None,
-                 new_event: Callable[[], Event] | None = None, step_gpu: Histogram | None = None) -> None:
+                 new_event: Callable[[], Event] | None = None, step_gpu: Histogram | None = None,
+                 idle_gaps: IdleGaps | None = None, path: HostPath | None = None) -> None:
         """`gpu_idle`: where the gaps go; None, or a device that is not CUDA, measures the host's time only.
         `step_gpu`: where each step's time on the GPU goes (with gpu_idle). `new_event`: a maker of timing events,
-        for tests without a GPU (default: CUDA events with timing)."""
+        for tests without a GPU (default: CUDA events with timing). `idle_gaps`: the long gaps counted by the host's
+        phase that made them (host_path.py; default: logged only); `path`: the host's path between steps (tests: one on
+        a clock of their own)."""
         self.host = host
         self.gpu = gpu_idle is not None and (device.type == "cuda" or new_event is not None)
         self.gpu_idle = gpu_idle
@@ -56,7 +60,11 @@ class LoopClock:
         self._stream = torch.cuda.current_stream(device) if self.gpu and device.type == "cuda" else None
         self._free: list[Event] = []
         self._start: Event | None = None  # the step being launched
-        self._steps: deque[tuple[Event, Event, bool]] = deque()  # launched, not read yet: (start, end, consecutive)
+        # launched, not read yet: (start, end, consecutive, the host's path to its start)
+        self._steps: deque[tuple[Event, Event, bool, dict[str, float]]] = deque()
+        self._path = path or HostPath()
+        self._start_path: dict[str, float] = {}
+        self.idle_gaps = idle_gaps or IdleGaps()
         self._last_end: Event | None = None  # the last step read's end: where a consecutive next one's gap starts
         self._broken = False  # a launch failed since the last step: the next one starts a new run
         self._slow_gpu = SlowGpuSteps()
@@ -68,16 +76,22 @@ class LoopClock:
         the step's own time. Only the first call of a step counts."""
         if self.gpu and self._start is None:
             self._start = self._record()
+            self._start_path = self._path.launched()
+
+    def mark(self, phase: str) -> None:
+        """A phase of the engine thread's work ended now (host_path.py): on a GPU, part of the path to the next step."""
+        if self.gpu:
+            self._path.mark(phase)
 
     def step_end(self, consecutive: bool) -> None:
         """After a step's last launch; `consecutive`: launched while the step before it was still in flight."""
         if not self.gpu or self._start is None:
             return
         start, self._start = self._start, None
-        self._steps.append((start, self._record(), consecutive and not self._broken))
+        self._steps.append((start, self._record(), consecutive and not self._broken, self._start_path))
         self._broken = False
         if len(self._steps) > MAX_PENDING:  # never read (no GPU is this far behind): dropped, not kept growing
-            old_start, old_end, _ = self._steps.popleft()
+            old_start, old_end, _, _ = self._steps.popleft()
             self._release(old_start, *(() if self._last_end is None else (self._last_end,)))
             self._last_end = old_end
 
@@ -101,18 +115,20 @@ class LoopClock:
         before each step launched while the last one ran, once the GPU has started it; each step's time on the GPU,
         once it has finished."""
         while self._steps:
-            start, end, consecutive = self._steps[0]
+            start, end, consecutive, path = self._steps[0]
             if not start.query():
                 return
             if consecutive and self._last_end is not None and self.gpu_idle is not None:
                 # on one stream the next step's start completes after the last one's end: a negative reading is the
                 # timer's resolution (~0.5 us), not time
-                self.gpu_idle.observe(max(0.0, self._last_end.elapsed_time(start)) / 1e3)
+                gap = max(0.0, self._last_end.elapsed_time(start)) / 1e3
+                self.gpu_idle.observe(gap)
+                self.idle_gaps.observe(gap, path)
             if self._last_end is not None:
                 self._release(self._last_end)
                 self._last_end = None
             if not end.query():
-                self._steps[0] = (start, end, False)  # its gap is read: only its own time is left
+                self._steps[0] = (start, end, False, path)  # its gap is read: only its own time is left
                 return
             self._steps.popleft()
             seconds = max(0.0, start.elapsed_time(end)) / 1e3

@@ -20,7 +20,7 @@ SLOW_STEP_S = 0.05
 REPORT_EVERY_S = 60.0
 
 
-class _Throttled:
+class Throttled:
     """Counts occurrences over `slow_s`; due() says when one may be logged (at most once every `every_s`)."""
 
     def __init__(self, slow_s: float, every_s: float, clock: Callable[[], float]) -> None:
@@ -40,7 +40,7 @@ class _Throttled:
         return count
 
 
-class SlowSteps(_Throttled):
+class SlowSteps(Throttled):
     def __init__(self, slow_s: float = SLOW_STEP_S, every_s: float = REPORT_EVERY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(slow_s, every_s, clock)
@@ -75,7 +75,7 @@ def thread_clock() -> ThreadClock:
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
 
-class SlowIterations(_Throttled):
+class SlowIterations(Throttled):
     """Where an engine iteration's time went, when one took longer than SLOW_ITERATION_S (each phase in ms: plan, the
     launch's parts, complete, gauges), at most once every `every_s`: what a stall between two tokens is made of. With
     the thread's clock at the iteration's start, also how much of it the thread ran on a CPU, how often it blocked and
@@ -112,7 +112,7 @@ SLOW_GPU_FACTOR = 1.5  # a step this many times the GPU's recent median took lon
 RECENT_GPU_STEPS = 256
 
 
-class SlowGpuSteps(_Throttled):
+class SlowGpuSteps(Throttled):
     """Steps the GPU itself ran slowly (CUDA events: not the host, not a wait), against the median of its recent
     steps: a request alone on an idle H100 reached its 64th token 40% late with every step slower and no host stall,
     so the log says when and how much, to line up with the GPU's clocks. At most once every `every_s`."""
