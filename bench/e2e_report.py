@@ -152,10 +152,10 @@ def markdown(doc: dict[str, Any]) -> str:
                   for r in looped]
     gapped = [r for r in looped if r.get("idle_gaps")]
     if gapped:
-        lines += ["", "The GPU's idle gaps over 100 µs between consecutive steps, by the phase of the engine thread's "
-                      "path to the step that took longest where the GPU could not hide it (service/engine/host_path.py"
-                      "; what ran before a wait on the GPU is not a cause): gaps, and their ms in all", "",
-                  "| backend | run | gaps | idle ms | by phase: gaps (ms) |", "|---|---|---|---|---|"]
+        lines += ["", "The GPU's idle gaps over 100 µs between consecutive steps and the engine thread's phases they "
+                      "overlapped (a gap is the end of the host's path to the step: service/engine/host_path.py): "
+                      "gaps counted by the phase each overlapped most, and the idle ms each phase overlapped", "",
+                  "| backend | run | gaps | idle ms | by phase: gaps (idle ms) |", "|---|---|---|---|---|"]
         for r in gapped:
             by = r["idle_gaps"]
             lines.append(f"| {r['backend']} | {r['kind']} | {sum(n for n, _ in by.values())} | "

@@ -153,11 +153,11 @@ class Metrics:
                 buckets=STEP_BUCKETS, registry=self.registry)
             self.idle_gaps = Counter(
                 "parley_gpu_idle_gaps", "Gaps over 100 us the GPU waited through before a step, by the phase of the "
-                "engine thread's path to that step that took longest where the GPU could not hide it "
-                "(service/engine/host_path.py)", ["after"], registry=self.registry)
-            self.idle_gap_seconds = Counter(
-                "parley_gpu_idle_gap_seconds", "The seconds of those gaps, by the same phase", ["after"],
+                "engine thread's path to that step the gap overlapped most (service/engine/host_path.py)", ["after"],
                 registry=self.registry)
+            self.idle_gap_seconds = Counter(
+                "parley_gpu_idle_gap_seconds", "The seconds of those gaps, split among the phases they overlapped",
+                ["after"], registry=self.registry)
         return self.gpu_idle
 
     def export_guard(self, guard: AdmissionGuard) -> None:

@@ -15,9 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends.reference import ReferenceDecoder
 from service.engine.engine import Engine
-from service.engine.host_path import HIDDEN, LAUNCH_PREP, READ_WAIT, HostPath, IdleGaps, cause
+from service.engine.host_path import LAUNCH_PREP, READ, HostPath, IdleGaps
 from service.engine.loop_clock import LoopClock
 from service.engine.request import SamplingParams
+from service.engine.slow_steps import ThreadClock
 from service.metrics import LOOP_BUCKETS, Metrics
 from service.model.loader import load_model
 
@@ -368,41 +369,49 @@ def test_a_delta_read_late_by_the_event_loop_is_timed_from_its_publication() -> 
 
 
 class Ticks:
-    """A host clock the test moves by hand."""
+    """A host clock the test moves by hand, and the engine thread's own clock beside it."""
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.cpu_s = 0.0
 
     def __call__(self) -> float:
         return self.now
 
+    def thread(self) -> ThreadClock:
+        return ThreadClock(self.cpu_s, 0, 0)
 
-def test_the_host_path_keeps_what_ran_before_a_wait_on_the_gpu_apart():
+
+def test_a_gap_is_the_end_of_the_host_s_path_to_the_step():
+    """The GPU finished the last step `gap` before this one's start: the host spent that time in the path's last
+    phases, whatever came before (a verdict handed over while the GPU was busy)."""
     ticks = Ticks()
-    path = HostPath(clock=ticks)
-    for phase, seconds in (("choose", 50e-6), ("handed over", 400e-6), (READ_WAIT, 300e-6), ("commit", 150e-6),
-                           ("plan", 60e-6)):
+    path = HostPath(clock=ticks, thread=ticks.thread)
+    for phase, seconds in (("choose", 50e-6), ("handed over", 400e-6), (READ, 300e-6), ("commit", 150e-6),
+                           ("plan", 60e-6), ("feed", 90e-6), ("feed", 10e-6)):
         ticks.now += seconds
         path.mark(phase)
     ticks.now += 40e-6
+    ticks.cpu_s = 0.0008
     to_launch = path.launched()
-    assert to_launch == pytest.approx({HIDDEN: 450e-6, READ_WAIT: 300e-6, "commit": 150e-6, "plan": 60e-6,
-                                       LAUNCH_PREP: 40e-6})
-    assert cause(to_launch) == "commit"  # the verdict (handed over) ran while the GPU was busy: not the cause
-    ticks.now += 400e-6
-    path.mark("handed over")
-    ticks.now += 5e-6
-    path.mark(READ_WAIT)  # the step was done already: nothing was hidden
-    assert cause(path.launched()) == "handed over"
+    assert [p for p, _ in to_launch.phases] == ["choose", "handed over", READ, "commit", "plan", "feed",
+                                                LAUNCH_PREP]
+    assert to_launch.ran_s == pytest.approx(0.0008)
+    assert to_launch.within(250e-6) == pytest.approx({LAUNCH_PREP: 40e-6, "feed": 100e-6, "plan": 60e-6,
+                                                      "commit": 50e-6})
+    assert to_launch.cause(250e-6) == "feed"
+    assert to_launch.cause(1000e-6) == "handed over"  # the GPU waited since before the read: the verdict was late
+    ticks.now += 30e-6
+    assert path.launched().phases == [(LAUNCH_PREP, pytest.approx(30e-6))]  # a new path from the last start
 
 
-def test_a_long_gap_is_counted_by_the_phase_that_made_it():
+def test_a_long_gap_is_counted_by_the_phase_it_overlapped_most():
     registry = CollectorRegistry()
     gaps = Counter("gaps", "gaps", ["after"], registry=registry)
     gap_seconds = Counter("gap_seconds", "gap seconds", ["after"], registry=registry)
     gpu, ticks = FakeGPU(), Ticks()
     clock = LoopClock(torch.device("cpu"), histogram("host"), histogram("idle"), new_event=gpu.event,
-                      idle_gaps=IdleGaps(gaps, gap_seconds), path=HostPath(clock=ticks))
+                      idle_gaps=IdleGaps(gaps, gap_seconds), path=HostPath(clock=ticks, thread=ticks.thread))
 
     def launch(start: float, end: float, *phases: tuple[str, float]) -> None:
         for phase, seconds in phases:
@@ -412,11 +421,13 @@ def test_a_long_gap_is_counted_by_the_phase_that_made_it():
 
     launch(0.000, 0.001)
     launch(0.00105, 0.002, ("commit", 200e-6), ("plan", 50e-6))  # 50 us: not counted
-    launch(0.0023, 0.003, ("handed over", 700e-6), (READ_WAIT, 5e-6), ("commit", 200e-6))  # 300 us
-    launch(0.0035, 0.004, ("handed over", 700e-6), (READ_WAIT, 400e-6), ("send out", 600e-6))  # 500 us
+    launch(0.0023, 0.003, ("handed over", 700e-6), (READ, 5e-6), ("commit", 200e-6))  # 300 us
+    launch(0.0035, 0.004, ("handed over", 700e-6), (READ, 400e-6), ("send out", 450e-6), ("feed", 50e-6))
     gpu.now = 1.0
     clock.iteration(0.0, 0.0)
-    assert registry.get_sample_value("gaps_total", {"after": "handed over"}) == 1
-    assert registry.get_sample_value("gap_seconds_total", {"after": "handed over"}) == pytest.approx(300e-6)
-    assert registry.get_sample_value("gaps_total", {"after": "send out"}) == 1
-    assert registry.get_sample_value("gaps_total", {"after": "commit"}) is None
+    assert registry.get_sample_value("gaps_total", {"after": "commit"}) == 1  # 200 of its 300 us
+    assert registry.get_sample_value("gaps_total", {"after": "send out"}) == 1  # 450 of its 500 us
+    assert registry.get_sample_value("gaps_total", {"after": "handed over"}) is None
+    assert registry.get_sample_value("gap_seconds_total", {"after": "handed over"}) == pytest.approx(95e-6)
+    assert registry.get_sample_value("gap_seconds_total", {"after": "feed"}) == pytest.approx(50e-6)
+    assert registry.get_sample_value("gap_seconds_total", {"after": "send out"}) == pytest.approx(450e-6)

@@ -24,7 +24,7 @@ from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
 from service.engine.handoff import Handoff
-from service.engine.host_path import READ_WAIT, IdleGaps
+from service.engine.host_path import READ, IdleGaps
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.loop_clock import LoopClock
 from service.engine.masks import StepMasks
@@ -458,7 +458,7 @@ class Engine:
         finally:
             self._busy_since = None
             self._read_wait += time.perf_counter() - t0
-            self._clock.mark(READ_WAIT)
+            self._clock.mark(READ)
         now = time.perf_counter()
         # The step as a client sees it: from the last step's end while the engine ran step after step (the host's
         # work and stalls between steps included: the cadence tokens come at, which admission must learn), from its
