@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from service.backends.decoder import DecodeOutput
+from service.backends.decoder import DecodeOutput, Fed
 from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.engine import sampler
@@ -764,6 +764,42 @@ def test_a_prompt_rides_in_the_step_beside_running_decodes_chunked_by_the_token_
     assert len(with_prompt) >= 3 and all(len(s.slots) <= 16 for s in dec.steps)
     assert sum(len(s.positions_of(long_slot)) for s in with_prompt) >= len(prompt) - 1
     assert all(short_slot in s.slots for s in with_prompt[:3])  # the running request decodes in each of them
+
+
+class FeedingDecoder(RecordingDecoder):
+    """A decoder that feeds (as the megakernel does): the engine hands it the fed rows and their sources (a Fed), not
+    a device tensor of tokens; the reference gathers them itself. Records each Fed."""
+
+    feeds = True
+
+    def __init__(self, model, slots=4, ctx=256):
+        super().__init__(model, slots, ctx)
+        self.fed: list[Fed] = []
+
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None):
+        if isinstance(token_ids, Fed):
+            self.fed.append(token_ids)
+        return super().decode(slots, token_ids, positions, draws, sampled_rows, masks)
+
+
+def test_a_decoder_that_feeds_gets_the_rows_and_their_sources_and_the_same_tokens_come(tiny):
+    """Running a step ahead, the engine hands a decoder that feeds each step's fed rows and the rows of the step
+    before that they take (in order while the same requests decode; in an order of their own, beside prompt rows
+    from the host, as requests end and join), and every request gets the tokens it gets from an engine that builds
+    the tokens itself."""
+    jobs = [([9, 9, 9], dataclasses.replace(GREEDY, max_tokens=n), None) for n in (5, 12, 20)]
+    jobs.append((list(range(1, 30)), GREEDY, None))
+    expected, _ = run_jobs(tiny, True, jobs, max_rows=16)
+    dec = FeedingDecoder(tiny)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=8, max_rows=16)
+    eng.overlap = True
+    try:
+        got = [[t for d in deltas for t in d.token_ids] for deltas in submit_all(eng, jobs)]
+    finally:
+        eng.stop()
+    assert got == expected
+    assert any(f.in_order() for f in dec.fed) and any(not f.in_order() for f in dec.fed)
+    assert all(len(f.rows) == len(f.sources) and max(f.sources) < len(f.chosen) for f in dec.fed)
 
 
 # -- decode rows and KV slots ----------------------------------------------------------------------------------------

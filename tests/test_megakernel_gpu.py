@@ -299,6 +299,55 @@ def test_mixed_64_row_step_matches_reference_on_gpu() -> None:
     assert _as_good_as_the_reference(r), r
 
 
+def test_a_megakernel_engine_gathers_its_fed_rows_on_the_device() -> None:
+    """On a GPU the engine launches each step before it has read the last one's tokens; the megakernel decoder takes
+    the rows that feed on them (a Fed) and gathers their tokens within its own input copy: in order while the same
+    requests decode, in an order of their own as requests end and a prompt's chunks ride beside them. Every request
+    streams the same greedy tokens as from the same engine building the tokens with torch calls (the same requests,
+    all waiting when it starts, so the same steps)."""
+    import queue
+
+    from service.backends.megakernel import MegakernelDecoder
+    from service.engine.engine import Engine
+    from service.engine.request import Delta, SamplingParams
+    from service.model.synthetic import load_synthetic
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    config, weights, tok = load_synthetic("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, seed=seed)
+    dec = MegakernelDecoder(config, weights, max_slots=8, max_context=256, max_rows=4)
+    del weights
+    dec.output_views = True  # as the server's decoder: the step before's tokens are the kernel's own buffer
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (3, 5, 2, 11)]
+    lengths = (6, 13, 9, 17)
+    streams = []
+    for feeds in (True, False):
+        eng = Engine(dec, tok, eos_token_ids=(), max_rows=4, max_batch=4)
+        assert eng.overlap and eng._decoder_feeds
+        eng._decoder_feeds = feeds
+        sinks: list[queue.SimpleQueue[Delta]] = [queue.SimpleQueue() for _ in prompts]
+        for p, n, q in zip(prompts, lengths, sinks):
+            eng.submit(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), q.put)
+        eng.start()
+        try:
+            streams.append([_greedy_tokens(q) for q in sinks])
+        finally:
+            eng.stop()
+    assert [len(s) for s in streams[0]] == list(lengths), seed
+    assert streams[0] == streams[1], seed
+    dec.check_errors()
+
+
+def _greedy_tokens(q) -> list[int]:
+    out: list[int] = []
+    while True:
+        d = q.get(timeout=300)
+        out += d.token_ids
+        if d.finish_reason is not None:
+            assert d.error is None, d.error
+            return out
+
+
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
     "List three colours.", "How many legs does a spider have?", "Say hello in Spanish.",

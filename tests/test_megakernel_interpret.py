@@ -113,6 +113,16 @@ def test_megakernel_draws_match_the_drawing_function_in_interpreter() -> None:
     assert r["views_equal"] and r["views_are_the_buffers"], r  # output_views: the same answers, no copies
 
 
+def test_fed_rows_take_the_last_step_s_tokens_on_the_device_in_interpreter() -> None:
+    """A step whose rows take tokens the step before chose, still on the device (service/backends/decoder.py's Fed):
+    in an order of their own beside tokens from the host (gathered within the decoder's input copy), and each row
+    its own (one copy), as the engine launches a step before it has read the last one's tokens. The same logits bit
+    for bit as the same step given those tokens from the host; the reference decoder takes a Fed too."""
+    r = _run("megakernel-fed")
+    assert r["gathered_equal"] and r["in_order_equal"] and r["reference_equal"], r
+    assert r["tokens"] != r["in_order_tokens"], r  # the two steps are different steps
+
+
 MIXED = {
     # name: (qkv_bias, heads, kv heads, head_dim, hidden, vocab, attention splits of the wide bucket)
     "mixed-llama": (False, 4, 2, 16, 64, 256, 2),  # split-and-merge attention over the chunks
@@ -286,6 +296,34 @@ def _check_megakernel_masks() -> dict:
             "argmax": masked.argmax.tolist(), "expected_argmax": expected_logits.argmax(-1).tolist(),
             "sampled": masked.sampled.tolist(), "expected_sampled": expected_draw.tolist(), "allowed_row2": few,
             "unmasked_again": bool(torch.equal(after.logits, plain.logits)), "row1_top": top}
+
+
+def _check_megakernel_fed() -> dict:
+    import torch
+
+    from service.backends.decoder import Fed
+
+    seed, g, v, mk, slots, pos, toks, seeds = _four_decode_rows()
+    mk.output_views = True  # as the server's decoder returns them: `chosen` is the kernel's own argmax buffer
+    chosen = mk.decode(slots, toks, pos).argmax
+    assert chosen.dtype == torch.int64 and mk.kernel.tokens.dtype == torch.int32
+    picked = chosen.tolist()
+    nxt = [p + 1 for p in pos]
+    # rows 0 and 2 take rows 3's and 1's tokens; rows 1 and 3 tokens from the host (placeholders 0 where fed)
+    host = torch.randint(0, v, (4,), generator=g).tolist()
+    fed = Fed([0, host[1], 0, host[3]], [2, 0], [1, 3], chosen)
+    tokens = [picked[3], host[1], picked[1], host[3]]
+    gathered = mk.decode(slots, fed, nxt).logits.clone()  # reads `chosen` before the step writes its own argmax
+    listed = mk.decode(slots, tokens, nxt).logits.clone()
+    assert mk.decode(slots, toks, pos).argmax.tolist() == picked  # the first step again: `chosen` as it was
+    in_order = mk.decode(slots, Fed([0] * 4, [0, 1, 2, 3], [0, 1, 2, 3], chosen), nxt).logits.clone()
+    listed_in_order = mk.decode(slots, picked, nxt).logits.clone()
+    ref = mk.reference.decode(slots, fed, nxt).logits
+    ref_listed = mk.reference.decode(slots, tokens, nxt).logits
+    return {"seed": seed, "tokens": tokens, "in_order_tokens": picked,
+            "gathered_equal": bool(torch.equal(gathered, listed)),
+            "in_order_equal": bool(torch.equal(in_order, listed_in_order)),
+            "reference_equal": bool(torch.equal(ref, ref_listed))}
 
 
 def _check(case: str) -> dict:
@@ -522,6 +560,6 @@ if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     what = sys.argv[1]
     check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws,
-             "megakernel-masks": _check_megakernel_masks}.get(what)
+             "megakernel-masks": _check_megakernel_masks, "megakernel-fed": _check_megakernel_fed}.get(what)
     mixed = what in MIXED or what in MIXED_STREAMS
     print(json.dumps(check() if check else _check_mixed(what) if mixed else _check(what)))

@@ -6,6 +6,7 @@ its prefill to its end; the engine, not the decoder, decides which slot is whose
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
@@ -18,6 +19,35 @@ class DecodeOutput(NamedTuple):
     argmax: torch.Tensor  # int64 [batch], the greedy token (the megakernel computes it in the same launch)
     sampled: torch.Tensor | None = None  # int64 [batch], each row's token drawn as `draws` asked (None: not asked,
     # or a decoder that does not draw; the engine then samples from `logits`)
+
+
+@dataclass
+class Fed:
+    """A step's tokens where some rows take the token the step before chose, still on the device (the engine launches
+    a step before it has read the last one's tokens): `tokens` each row's token from the host (a placeholder where
+    fed), `rows` the fed rows and `sources` the row of `chosen` (the step before's tokens) each takes. A decoder that
+    `feeds` gathers them on the device itself (the megakernel: within its input copy); the engine builds a device
+    tensor of the tokens for one that does not."""
+
+    tokens: list[int]
+    rows: list[int]
+    sources: list[int]
+    chosen: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def on_device(self) -> torch.Tensor:
+        """The rows' tokens as one tensor on `chosen`'s device (for a decoder that does not feed)."""
+        tokens = torch.tensor(self.tokens, dtype=self.chosen.dtype).to(self.chosen.device, non_blocking=True)
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(self.chosen.device, non_blocking=True)
+        sources = torch.tensor(self.sources, dtype=torch.int64).to(self.chosen.device, non_blocking=True)
+        return tokens.index_copy(0, rows, self.chosen.index_select(0, sources))
+
+    def in_order(self) -> bool:
+        """Every row takes the token its own row chose, and nothing else is in `chosen`."""
+        n = len(self.tokens)
+        return len(self.rows) == n == len(self.chosen) and self.rows == self.sources == list(range(n))
 
 
 class Draw(NamedTuple):
@@ -58,8 +88,9 @@ class Decoder(Protocol):
         ...
 
     draws_tokens: bool  # whether decode() honours `draws` (returns `sampled`) and draw() exists
+    feeds: bool  # whether decode() takes a Fed and gathers its fed rows' tokens on the device itself
 
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor | Fed, positions: list[int],
                draws: list[Draw] | None = None, sampled_rows: int | None = None,
                masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         """One step over rows: token_ids[i] sits at positions[i] of slots[i]. Several rows may share a slot (a prompt
@@ -69,7 +100,8 @@ class Decoder(Protocol):
         greedy token, and where the decoder draws tokens and `draws` is given (one per such row), each one's drawn
         token; the other rows' logits are never computed. Asynchronous on a GPU: nothing waits for the device.
         `token_ids` may be a device tensor (tokens chosen by the step before), so that a step can be launched before
-        the last one's tokens reach the host. `masks`: sampled row → the tokens its grammar allows (int32 words on
+        the last one's tokens reach the host, or a Fed: the rows that take those tokens. `masks`: sampled row → the
+        tokens its grammar allows (int32 words on
         the host, a bit per token, bit t % 32 of word t // 32); that row's logits, greedy token and draw see only
         those (the others at -inf)."""
         ...

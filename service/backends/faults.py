@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from service.backends.decoder import DecodeOutput, Decoder, Draw
+from service.backends.decoder import DecodeOutput, Decoder, Draw, Fed
 
 
 class InjectedFault(RuntimeError):
@@ -28,6 +28,7 @@ class FaultInjectingDecoder:
         self.steps = 0
         self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
         self.device, self.name, self.draws_tokens = inner.device, inner.name, inner.draws_tokens
+        self.feeds = getattr(inner, "feeds", False)
         self.max_rows = getattr(inner, "max_rows", None)
 
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
@@ -46,7 +47,7 @@ class FaultInjectingDecoder:
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:
         return self.inner.draw(logits, draws, positions)
 
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor | Fed, positions: list[int],
                draws: list[Draw] | None = None, sampled_rows: int | None = None,
                masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         if self.armed:

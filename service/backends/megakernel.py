@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from service.backends.decoder import DecodeOutput, Draw
+from service.backends.decoder import DecodeOutput, Draw, Fed
 from service.backends.reference import ReferenceDecoder
 from service.model.config import ModelConfig
 from service.model.weights import ModelWeights
@@ -44,6 +44,7 @@ def megakernel_available() -> bool:
 class MegakernelDecoder:
     name = "megakernel"
     draws_tokens = True  # temperature sampling runs inside the step (kernels/sampling.py)
+    feeds = True  # a Fed's rows and sources ride in the inputs' one transfer; two device calls gather the tokens
     # Called in decode() between the host's preparation and the step's first GPU work (the input copy): where the
     # engine's LoopClock starts the step, so that host time spent before it while the GPU waits reads as idle, not
     # as the step's GPU time
@@ -106,18 +107,25 @@ class MegakernelDecoder:
         self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.bpad)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # one host buffer for the int32 input rows (tokens, slots, positions, the draw's four), one transfer
+        # one host buffer for the int32 input rows (tokens, slots, positions, the draw's four; a Fed's rows and their
+        # sources), one transfer
         n = self.kernel.bpad
         pinned = self.device.type == "cuda"
-        self._host = torch.zeros(7, n, dtype=torch.int32, pin_memory=pinned)
+        self._host = torch.zeros(9, n, dtype=torch.int32, pin_memory=pinned)
         self._host_rows = self._host.numpy()  # the same memory: numpy fills it from lists 3x faster than torch
         self._host_masks = torch.zeros(self.kernel.masks.shape, dtype=torch.int32, pin_memory=pinned)
         # the last asynchronous copy out of _host; _host is not rewritten before it has run
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._inputs = torch.cat([torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions]),
-                                  self.kernel.draw])
+                                  self.kernel.draw, torch.zeros_like(self.kernel.draw[:2])])
         self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs[:3].unbind(0)
-        self.kernel.draw = self._inputs[3:]
+        self.kernel.draw = self._inputs[3:7]
+        self._fed_rows, self._fed_sources = self._inputs[7], self._inputs[8]  # a Fed's, padded with its first
+        # views made once: a slice is a torch call, tens of microseconds of the engine thread's time per step on the
+        # H200 host under load
+        self._tokens_of = [self.kernel.tokens[:k] for k in range(n + 1)]
+        k = self.kernel
+        self._outputs_of = [(k.logits[:m], k.argmax[:m], k.sampled[:m]) for m in range(k.logits.shape[0] + 1)]
 
     def with_kernel_config(self, kernel_config: KernelConfig, use_cuda_graphs: bool | None = None
                            ) -> MegakernelDecoder:
@@ -151,7 +159,7 @@ class MegakernelDecoder:
         return next(b for b in buckets if b >= n)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor | Fed, positions: list[int],
                draws: list[Draw] | None = None, sampled_rows: int | None = None,
                masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         """One step of rows (slots[i], token_ids[i], positions[i]): decode rows and prompt rows alike, several rows
@@ -180,13 +188,16 @@ class MegakernelDecoder:
         pad = b - n
         if self._copied is not None:
             self._copied.synchronize()
-        on_device = isinstance(token_ids, torch.Tensor)  # the last step's argmax: never leaves the GPU
-        # the seven input rows in one tensor from one list (one torch call, not five: each is microseconds of host
-        # time in a loop whose host time per step is what the GPU waits for); padding rows, rows that do not sample
-        # and greedy requests: temperature 0
+        on_device = isinstance(token_ids, torch.Tensor)  # the last step's tokens: never leave the GPU
+        fed = token_ids if isinstance(token_ids, Fed) else None
+        # the input rows in one tensor from one list (one torch call, not five: each is microseconds of host time in
+        # a loop whose host time per step is what the GPU waits for); padding rows, rows that do not sample and
+        # greedy requests: temperature 0
         zeros = [0] * b
-        rows = [zeros if on_device else [*token_ids, *zeros[:pad]], [*slots, *[self.scratch_slot] * pad],
-                [*positions, *zeros[:pad]], zeros, zeros, zeros, zeros]
+        host_tokens = zeros if on_device else [*(fed.tokens if fed else token_ids), *zeros[:pad]]  # type: ignore
+        rows = [host_tokens, [*slots, *[self.scratch_slot] * pad], [*positions, *zeros[:pad]], zeros, zeros, zeros,
+                zeros]
+        gather = fed is not None and not fed.in_order()
         if draws is not None and m > 0:
             rest = zeros[m:]
             rows[3] = [*struct.unpack(f"<{m}i", struct.pack(f"<{m}f", *(max(0.0, d.temperature) for d in draws[:m]))),
@@ -194,7 +205,11 @@ class MegakernelDecoder:
             # each seed's int64 as its two int32 words (low, high), as kernels.sampling.seed_words views them
             halves = struct.unpack(f"<{2 * m}i", struct.pack(f"<{m}q", *(d.seed for d in draws[:m])))
             rows[4], rows[5] = [*halves[0::2], *rest], [*halves[1::2], *rest]
-        self._host_rows[:, :b] = rows
+        self._host_rows[:7, :b] = rows
+        if fed is not None and gather:  # the fed rows and their sources, padded with the first pair (written twice)
+            width = self._host_rows.shape[1]
+            self._host_rows[7:] = [[*fed.rows, *fed.rows[:1] * (width - len(fed.rows))],
+                                   [*fed.sources, *fed.sources[:1] * (width - len(fed.sources))]]
         if masks:
             words = self._host_masks.shape[1]
             for i, allowed in masks.items():
@@ -209,11 +224,16 @@ class MegakernelDecoder:
         self._inputs.copy_(self._host, non_blocking=True)
         if on_device:
             assert isinstance(token_ids, torch.Tensor)
-            self.kernel.tokens[:n].copy_(token_ids)
+            self._tokens_of[n].copy_(token_ids)
+        elif fed is not None and not gather:  # every row its own row's token: one copy, as a tensor of tokens
+            self._tokens_of[n].copy_(fed.chosen)
+        elif fed is not None:
+            chosen = fed.chosen.index_select(0, self._fed_sources)
+            self.kernel.tokens.index_put_((self._fed_rows,), chosen.to(self.kernel.tokens.dtype))
         if self._copied is not None:
             self._copied.record()
         self.run_step(b)
-        logits, argmax, sampled = self.kernel.logits[:m], self.kernel.argmax[:m], self.kernel.sampled[:m]
+        logits, argmax, sampled = self._outputs_of[m]
         if self.output_views:
             return DecodeOutput(logits, argmax, None if draws is None else sampled)
         return DecodeOutput(logits.clone(), argmax.clone(), None if draws is None else sampled.clone())

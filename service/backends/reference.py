@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.backends.decoder import DecodeOutput, Draw, mask_logits
+from service.backends.decoder import DecodeOutput, Draw, Fed, mask_logits
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
 
@@ -53,6 +53,7 @@ class KVCache:
 class ReferenceDecoder:
     name = "reference"
     draws_tokens = False
+    feeds = False  # the engine gives it the fed tokens as a device tensor
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, max_slots: int = 8, max_context: int = 2048,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> None:
@@ -205,7 +206,7 @@ class ReferenceDecoder:
         raise NotImplementedError("the reference decoder does not draw tokens; the engine samples from its logits")
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor, positions: list[int],
+    def decode(self, slots: list[int], token_ids: list[int] | torch.Tensor | Fed, positions: list[int],
                draws: list[Draw] | None = None, sampled_rows: int | None = None,
                masks: dict[int, torch.Tensor] | None = None) -> DecodeOutput:
         """The Decoder's step; `draws` is not honoured here (draws_tokens is False): the engine samples. The rows of
@@ -221,6 +222,8 @@ class ReferenceDecoder:
         if not 0 <= k <= n:
             raise ValueError(f"{k} sampled rows of {n}")
         dev = self.device
+        if isinstance(token_ids, Fed):
+            token_ids = token_ids.on_device()
         ids = token_ids.to(dev) if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=dev)
         by_slot: dict[int, list[int]] = {}
         for i, s in enumerate(slots):

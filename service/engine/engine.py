@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.backends.decoder import Decoder
+from service.backends.decoder import Decoder, Fed
 from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
@@ -116,6 +116,7 @@ class Engine:
         # where the decoder can say when its step's GPU work starts (after its host-side preparation), the clock's
         # step starts there; else right before decode() is called
         self._decoder_starts_clock = hasattr(decoder, "before_launch")
+        self._decoder_feeds = getattr(decoder, "feeds", False)  # takes a Fed (service/backends/decoder.py)
         if self._decoder_starts_clock:
             decoder.before_launch = self._clock.step_start  # type: ignore[attr-defined]
         self._slow_prefills = 0  # the decoder's count, as last exported
@@ -419,12 +420,15 @@ class Engine:
             self._busy_since = None
         return Launched(plan, tokens, t0)
 
-    def _row_tokens(self, plan: StepPlan, inflight: Launched | None) -> list[int] | torch.Tensor:
-        """Each row's token: from the host, or (fed rows) the token the step in flight chose, still on the device."""
+    def _row_tokens(self, plan: StepPlan, inflight: Launched | None) -> list[int] | torch.Tensor | Fed:
+        """Each row's token: from the host, or (fed rows) the token the step in flight chose, still on the device:
+        for a decoder that feeds, the rows and their sources (a Fed); for another, a device tensor of the tokens."""
         if not plan.feed:
             return plan.tokens
         assert inflight is not None, "a fed row needs the step before it"
         chosen = inflight.tokens.chosen
+        if self._decoder_feeds:  # the decoder gathers them within its own input copy: no torch call here
+            return Fed(plan.tokens, list(plan.feed), list(plan.feed.values()), chosen)
         n, k = plan.rows, len(plan.feed)
         if k == n <= len(chosen) and all(row == src for row, src in plan.feed.items()):
             # every row takes the token its own row chose (the same requests decoding step after step): those tokens
