@@ -257,17 +257,12 @@ class Engine:
             except Exception:  # a bug here must not kill the thread: fail what is in flight and go on
                 log.exception("engine iteration failed")
                 self._fail_all()
-            self._send_out()
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration()
+                except Exception:
+                    log.exception("sending an iteration's output failed")
             self._clock.mark("send out")
-
-    def _send_out(self) -> None:
-        """What the engine has published so far, to the front ends (on_iteration; the thread engine's sinks have
-        it already)."""
-        if self.on_iteration is not None:
-            try:
-                self.on_iteration()
-            except Exception:
-                log.exception("sending an iteration's output failed")
 
     def _iteration(self) -> None:
         started = time.perf_counter()
@@ -277,8 +272,7 @@ class Engine:
             self.handoff.run_all()
         self._take_inbox()
         now = time.perf_counter()
-        if self._end_cancelled(now):
-            self._send_out()  # before this iteration's step and its wait: a barge-in's end goes out now
+        self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
         self._clock.mark("inbox")
         inflight = self._inflight
         plan = self.planner.plan(None if inflight is None else inflight.plan, now)
@@ -289,7 +283,6 @@ class Engine:
                 overlapped = self.handoff.run_all(HANDOFF_BUDGET_S)  # while the GPU finishes the step in flight
                 self._clock.mark("handed over")
                 self._complete(inflight)
-                self._end_cancelled(time.perf_counter())
                 self._clock.mark("commit")
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
@@ -313,7 +306,6 @@ class Engine:
                 self._inflight = launched
             else:
                 self._complete(launched)
-        self._end_cancelled(time.perf_counter())
         self._clock.mark("commit")
         t_complete = time.perf_counter()
         self._update_gauges()
@@ -323,15 +315,6 @@ class Engine:
                                        "complete": t_complete - t_launch, "gauges": end - t_complete}, thread)
         # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
         self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
-
-    def _end_cancelled(self, now: float) -> bool:
-        """End the requests cancelled so far (a barge-in, a dropped stream): their slots free, their last delta
-        published; whether there were any. Also after each step's commit, not only before the next plan: a cancel
-        that came while the step ran goes out with this iteration's deltas, not one iteration (a step's wait) later."""
-        cancelled = self.planner.take_cancelled()
-        if cancelled:
-            self._publish([Finished(r, "cancelled", now) for r in cancelled])
-        return bool(cancelled)
 
     def _step_compute(self) -> float:
         """The launch's time that was the step's own compute: none on a GPU (launches return at once); on the CPU the
