@@ -101,9 +101,8 @@ class Decoder(Protocol):
         token; the other rows' logits are never computed. Asynchronous on a GPU: nothing waits for the device.
         `token_ids` may be a device tensor (tokens chosen by the step before), so that a step can be launched before
         the last one's tokens reach the host, or a Fed: the rows that take those tokens. `masks`: sampled row → the
-        tokens its grammar allows (int32 words on
-        the host, a bit per token, bit t % 32 of word t // 32); that row's logits, greedy token and draw see only
-        those (the others at -inf)."""
+        tokens its grammar allows (int32 words on the host, a bit per token, bit t % 32 of word t // 32); that row's
+        logits, greedy token and draw see only those (the others at -inf)."""
         ...
 
     def draw(self, logits: torch.Tensor, draws: list[Draw], positions: list[int]) -> torch.Tensor:

@@ -189,15 +189,19 @@ class MegakernelDecoder:
         if self._copied is not None:
             self._copied.synchronize()
         on_device = isinstance(token_ids, torch.Tensor)  # the last step's tokens: never leave the GPU
-        fed = token_ids if isinstance(token_ids, Fed) else None
+        fed: Fed | None = None
+        listed: list[int] = []  # the tokens from the host
+        if isinstance(token_ids, Fed):
+            fed, listed = token_ids, token_ids.tokens
+        elif not isinstance(token_ids, torch.Tensor):
+            listed = token_ids
+        gather = fed is not None and not fed.in_order()
         # the input rows in one tensor from one list (one torch call, not five: each is microseconds of host time in
         # a loop whose host time per step is what the GPU waits for); padding rows, rows that do not sample and
         # greedy requests: temperature 0
         zeros = [0] * b
-        host_tokens = zeros if on_device else [*(fed.tokens if fed else token_ids), *zeros[:pad]]  # type: ignore
-        rows = [host_tokens, [*slots, *[self.scratch_slot] * pad], [*positions, *zeros[:pad]], zeros, zeros, zeros,
-                zeros]
-        gather = fed is not None and not fed.in_order()
+        rows = [zeros if on_device else [*listed, *zeros[:pad]], [*slots, *[self.scratch_slot] * pad],
+                [*positions, *zeros[:pad]], zeros, zeros, zeros, zeros]
         if draws is not None and m > 0:
             rest = zeros[m:]
             rows[3] = [*struct.unpack(f"<{m}i", struct.pack(f"<{m}f", *(max(0.0, d.temperature) for d in draws[:m]))),

@@ -29,7 +29,7 @@ LAUNCH_PREP = "launch prep"  # from the last mark to the step's start: the decod
 
 
 @dataclass
-class Path:
+class LaunchPath:
     """The phases from one step's start to the next one's, in order (seconds each), and the engine thread's own
     clock over them: CPU seconds it ran, how often it blocked and how often the OS preempted it."""
 
@@ -73,12 +73,13 @@ class HostPath:
         else:
             self._phases.append((phase, seconds))
 
-    def launched(self) -> Path:
+    def launched(self) -> LaunchPath:
         """A step starts now: the path to it (its last phase LAUNCH_PREP); the next path starts here."""
         self.mark(LAUNCH_PREP)
         now = self._thread()
         since, self._thread_at = self._thread_at, now
-        path = Path(self._phases, now.cpu_s - since.cpu_s, now.waits - since.waits, now.preempted - since.preempted)
+        path = LaunchPath(self._phases, now.cpu_s - since.cpu_s, now.waits - since.waits,
+                          now.preempted - since.preempted)
         self._phases = []
         return path
 
@@ -91,9 +92,9 @@ class IdleGaps(Throttled):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(GAP_S, every_s, clock)
         self.gaps, self.gap_seconds = gaps, gap_seconds
-        self._worst: tuple[float, Path] | None = None
+        self._worst: tuple[float, LaunchPath] | None = None
 
-    def observe(self, gap_s: float, path: Path | None) -> None:
+    def observe(self, gap_s: float, path: LaunchPath | None) -> None:
         if gap_s <= GAP_S or path is None:
             return
         if self.gaps is not None and self.gap_seconds is not None:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from prometheus_client import Histogram
 
-from service.engine.host_path import HostPath, IdleGaps, Path
+from service.engine.host_path import HostPath, IdleGaps, LaunchPath
 from service.engine.slow_steps import SlowGpuSteps
 
 MAX_PENDING = 64  # steps not yet readable (the GPU is never this far behind; a bound, not a queue that grows)
@@ -61,9 +61,9 @@ class LoopClock:
         self._free: list[Event] = []
         self._start: Event | None = None  # the step being launched
         # launched, not read yet: (start, end, consecutive, the host's path to its start)
-        self._steps: deque[tuple[Event, Event, bool, Path | None]] = deque()
+        self._steps: deque[tuple[Event, Event, bool, LaunchPath | None]] = deque()
         self._path = path or HostPath()
-        self._start_path: Path | None = None
+        self._start_path: LaunchPath | None = None
         self.idle_gaps = idle_gaps or IdleGaps()
         self._last_end: Event | None = None  # the last step read's end: where a consecutive next one's gap starts
         self._broken = False  # a launch failed since the last step: the next one starts a new run
