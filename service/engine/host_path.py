@@ -52,8 +52,11 @@ class LaunchPath:
 
     def cause(self, gap_s: float) -> str:
         """The phase the gap overlapped most."""
-        within = self.within(gap_s)
-        return max(within, key=within.__getitem__, default="unknown")
+        return _most(self.within(gap_s))
+
+
+def _most(within: dict[str, float]) -> str:
+    return max(within, key=within.__getitem__, default="unknown")
 
 
 class HostPath:
@@ -98,8 +101,9 @@ class IdleGaps(Throttled):
         if gap_s <= GAP_S or path is None:
             return
         if self.gaps is not None and self.gap_seconds is not None:
-            self.gaps.labels(after=path.cause(gap_s)).inc()
-            for phase, seconds in path.within(gap_s).items():
+            within = path.within(gap_s)
+            self.gaps.labels(after=_most(within)).inc()
+            for phase, seconds in within.items():
                 self.gap_seconds.labels(after=phase).inc(seconds)
         if self._worst is None or gap_s > self._worst[0]:
             self._worst = (gap_s, path)
