@@ -36,8 +36,8 @@ PRIOR_SCORES requests, and still sees a pattern: two late requests in any twenty
 The prior is the one figure here not measured on this server, and it must hold where nothing has been seen: PRIOR_ALONE
 for a request alone (the calibration times steps back to back, as the engine runs them; the H100 came in 0.92 of such
 forecasts), PRIOR_LOADED beside others (the calibration times bare steps: a 2-core CPU streaming four replies over
-HTTP ran a fresh server's first burst at 1.45-1.6x its forecast, and admitted requests on the H100 under load came up
-to 40% late).
+HTTP ran a fresh server's first burst at 1.45-2.2x its forecast with two torch threads, 1.03-1.11x with the one its
+engine now keeps to (--cpu-threads), and admitted requests on the H100 under load came up to 40% late).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ these fields, so a new setting is one field here."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -38,6 +39,9 @@ class ServeConfig(BaseSettings):
     backend: Backend = Field("auto", description="auto: the megakernel where a GPU can run it, else the PyTorch "
                              "reference")
     device: str | None = Field(None, description="cuda or cpu; unset: cuda where present")
+    cpu_threads: int | None = Field(None, ge=1, description="on the CPU, the threads the engine's torch computes "
+                                    "with; unset: every core this process may run on but one, which the HTTP front "
+                                    "end and the clients keep (at least one thread)")
     weights: WeightFormat = Field("bf16", description="the matrices' format in memory: fp8 is e4m3 with a scale per "
                                   "output row, half the bytes a decode step streams (a checkpoint already in FP8 "
                                   "keeps its own values); int8 is GGUF's Q8_0 (int8 with a scale per 32 columns: "
@@ -148,6 +152,19 @@ def front_end_count(cfg: ServeConfig) -> int:
     if cfg.api_workers is not None:
         return cfg.api_workers
     return 2 if cfg.engine_process is not False and _on_gpu(cfg) else 1
+
+
+def engine_cpu_threads(cfg: ServeConfig, cores: int | None = None) -> int:
+    """--cpu-threads, or where unset: one fewer than the cores this process may run on, at least one. The reference
+    decoder's torch threads meet at a barrier every op, so a core the front end or a client takes stalls them all: a
+    two-core VM streaming four replies over HTTP brought them to their SLA token 1.4-2.2x their two-thread forecast
+    (a fresh strict server's first burst late past its 2x prior) and 1.03-1.06x with one thread, which also finished
+    them sooner: 11-12 s against 16-19 (bench/NOTES.md, "The CPU engine leaves a core to the front end")."""
+    if cfg.cpu_threads is not None:
+        return cfg.cpu_threads
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def _on_gpu(cfg: ServeConfig) -> bool:

@@ -20,7 +20,7 @@ from service.backends import make_decoder, resolve_backend
 from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
 from service.calibration import cache_dir_of, cache_key, calibrated, default_budget, run_every_step_shape
-from service.config import ServeConfig
+from service.config import ServeConfig, engine_cpu_threads
 from service.engine.admission import AdmitAll
 from service.engine.commit import Event, StepDone
 from service.engine.engine import DEFAULT_MAX_ROWS, Engine
@@ -65,6 +65,9 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = resolve_backend(cfg.backend)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if device == "cpu":  # before the warm-up and the calibration: they time the steps as the engine will run them
+        torch.set_num_threads(engine_cpu_threads(cfg))
+        log.info("the engine computes with %d torch threads on the CPU (--cpu-threads)", torch.get_num_threads())
     t0 = time.perf_counter()
     model = load_model(cfg.model, device=device, dtype=dtype)
     log.info("loaded %s (%s) in %.1f s", cfg.model, model.config.name, time.perf_counter() - t0)

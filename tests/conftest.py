@@ -21,6 +21,16 @@ SHARED_SERVER_CONTEXT = 1024
 SHARED_SERVER_WAITING = 4  # a burst of 16 finds the queue full (tests/test_loadtest_parley.py); nothing else waits
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored() -> Iterator[None]:
+    """A test that builds an engine in this process sets torch's CPU threads (service/runtime.py): the next test
+    gets the process's own back."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     return default_model_path()

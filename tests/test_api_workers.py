@@ -166,3 +166,17 @@ def test_two_front_ends_on_a_gpu_and_one_on_the_cpu_unless_asked() -> None:
     assert front_end_count(parse(["serve", "--device", "cpu"])) == 1
     assert front_end_count(parse(["serve", "--device", "cpu", "--engine-process"])) == 1
     assert front_end_count(parse(["serve", "--device", "cuda", "--api-workers", "3"])) == 3
+
+
+def test_the_cpu_engine_leaves_a_core_to_the_front_end_unless_asked() -> None:
+    """Unset, --cpu-threads is one fewer than the cores (at least one): the front end and the clients keep a core,
+    and the engine's torch threads are not stalled at every op's barrier by them."""
+    from service.config import engine_cpu_threads
+
+    cpu = parse(["serve", "--device", "cpu"])
+    assert [engine_cpu_threads(cpu, cores=cores) for cores in (1, 2, 8)] == [1, 1, 7]
+    assert 1 <= engine_cpu_threads(cpu) < max(2, len(os.sched_getaffinity(0)))
+    assert engine_cpu_threads(parse(["serve", "--cpu-threads", "3"]), cores=2) == 3
+    with pytest.raises(SystemExit) as e:
+        parse(["serve", "--cpu-threads", "0"])
+    assert e.value.code == 2

@@ -163,6 +163,24 @@ def test_no_calibration_cache_when_turned_off(tmp_path: Path, monkeypatch: pytes
     assert len(list((tmp_path / "parley" / "calibration").glob("*.json"))) == 1  # the default: under XDG_CACHE_HOME
 
 
+def test_the_cpu_engine_computes_with_the_threads_it_was_given_and_calibrates_with_them(tmp_path: Path):
+    """--cpu-threads sets the threads the warm-up, the calibration and the steps run with, and the calibration's
+    cache keeps the timings of each count apart: a restart with another count measures its own."""
+    import torch
+
+    from service.config import ServeConfig
+    from service.runtime import build_engine
+
+    for threads in (1, 2):
+        rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_context=128,
+                                      cpu_threads=threads, calibration_cache=str(tmp_path)))
+        rt.engine.stop()
+        assert torch.get_num_threads() == threads
+    cached = sorted(p.read_text() for p in tmp_path.rglob("*.json"))
+    assert len(cached) == 2
+    assert any("(1 threads)" in text for text in cached) and any("(2 threads)" in text for text in cached)
+
+
 def test_process_age_is_what_start_up_has_taken_so_far():
     from service.runtime import process_age_s
 
