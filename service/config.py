@@ -158,8 +158,8 @@ def engine_cpu_threads(cfg: ServeConfig, cores: int | None = None) -> int:
     """--cpu-threads, or where unset: one fewer than the cores this process may run on, at least one. The reference
     decoder's torch threads meet at a barrier every op, so a core the front end or a client takes stalls them all: a
     two-core VM streaming four replies over HTTP brought them to their SLA token 1.4-2.2x their two-thread forecast
-    (a fresh strict server's first burst late past its 2x prior) and 1.03-1.06x with one thread, which also finished
-    them sooner: 11-12 s against 16-19 (bench/NOTES.md, "The CPU engine leaves a core to the front end")."""
+    (a fresh strict server's first burst late past its 2x prior) and 1.03-1.11x with one thread, which also finished
+    them sooner: 10-13 s against 16-19 (bench/NOTES.md, "The CPU engine leaves a core to the front end")."""
     if cfg.cpu_threads is not None:
         return cfg.cpu_threads
     if cores is None:
