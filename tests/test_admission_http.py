@@ -3,10 +3,13 @@ fast 429s in OpenAI's shape that the SDK will not retry; the latency model is re
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
@@ -147,14 +150,61 @@ def test_realtime_refusal_is_an_error_event_with_retry_after(slowed_server):
 # calibration times bare steps, and a 2-core CPU streaming four replies over HTTP runs them 1.45-1.6x slower. A fresh
 # server has seen nothing: its guard's prior must hold; every later burst is judged with what the earlier ones taught.
 STRICT_SLA_MS, STRICT_TOKENS, STRICT_SLOTS, BURST, BURSTS = 8000, 64, 4, 24, 3
+# A slower CPU gets a longer SLA, as its user would give it: one an idle server keeps with room. On the CI runner the
+# calibration forecast 6.1-7.0 s to a lone request's 64th token, and a burst's one admitted request came at 7.75-8.6 s:
+# 8 s is an SLA no admission keeps there every time, and failing it tests the runner, not admission.
+IDLE_ROOM = 1.5
+
+
+@dataclass(frozen=True)
+class CpuCalibration:
+    """The strict servers' calibration, timed once and read from its cache by each of them (as a restart reads it),
+    and what one request alone took on the server that timed it."""
+
+    cache: Path
+    step_ms: dict[str, float]
+    idle_ms: float  # the idle server's forecast to its SLA token
+    alone_ms: float  # a request alone, warm, to its SLA token by the client's clock
+
+    def flags(self, sla_ms: int, strict: bool = True) -> tuple[str, ...]:
+        return ("--sla-ms", str(sla_ms), *(("--strict-sla",) if strict else ()), "--max-batch", str(STRICT_SLOTS),
+                "--calibration-cache", str(self.cache))
+
+    @property
+    def strict_sla_ms(self) -> int:
+        """STRICT_SLA_MS, or IDLE_ROOM x what a request alone takes (forecast or served) where this CPU is too slow
+        for it."""
+        return max(STRICT_SLA_MS, math.ceil(IDLE_ROOM * max(self.idle_ms, self.alone_ms)))
+
+
+@pytest.fixture(scope="module")
+def cpu_calibration(tmp_path_factory) -> CpuCalibration:
+    """Calibrates on a server whose SLA admits anything, and times a request alone there (the second; the first
+    warms the path)."""
+    from tests.server_support import start_server, stop_server
+
+    tmp = tmp_path_factory.mktemp("strict")
+    cal = CpuCalibration(tmp / "calibration", {}, 0.0, 0.0)
+    server = start_server(tmp / "calibrate.log", *cal.flags(600_000, strict=False))
+    try:
+        body = httpx.get(f"{server.base}/v1/latency_model", timeout=30).json()
+
+        async def alone():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await stream_embedded(client, server.base, 0)
+
+        timed = [asyncio.run(alone()) for _ in range(2)][-1]
+        assert timed["status"] == 200, server.log_tail()
+    finally:
+        assert stop_server(server) == 0, server.log_tail()
+    return CpuCalibration(cal.cache, body["step_ms"], body["idle_time_to_sla_token_ms"], timed["sla_token_s"] * 1e3)
 
 
 @pytest.fixture
-def strict_cpu_server(tmp_path):
+def strict_cpu_server(tmp_path, cpu_calibration):
     from tests.server_support import start_server
 
-    yield from served(start_server(tmp_path / "parley.log", "--sla-ms", str(STRICT_SLA_MS), "--strict-sla",
-                                   "--max-batch", str(STRICT_SLOTS)))
+    yield from served(start_server(tmp_path / "parley.log", *cpu_calibration.flags(cpu_calibration.strict_sla_ms)))
 
 
 async def stream_embedded(client, base, i):
@@ -175,12 +225,12 @@ async def stream_embedded(client, base, i):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("repeat", range(3))
-def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_cpu_server, repeat):
+def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_cpu_server, cpu_calibration, repeat):
     """Three bursts on a fresh strict-SLA server: whatever it admits reaches its SLA token in time, every time; then
     one request on the idle server is admitted (and on time): admission never refuses what an idle server can serve.
     Three fresh servers: each starts from the guard's prior. A burst or the lone request is judged on a steady host
     (tests/host_steal.py): one the hypervisor slowed down is tried again."""
-    base = strict_cpu_server.base
+    base, sla_ms = strict_cpu_server.base, cpu_calibration.strict_sla_ms
 
     async def burst(n):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
@@ -191,17 +241,17 @@ def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_
         ok = [r for r in results if r["status"] == 200]
         assert {r["status"] for r in results} <= {200, 429}
         assert ok, f"burst {b}: nothing admitted\n{strict_cpu_server.log_tail()}"
-        late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > STRICT_SLA_MS]
+        late = [round(r["sla_token_s"], 2) for r in ok if r["sla_token_s"] * 1e3 > sla_ms]
         wait_idle(base)
         time.sleep(1.1)  # past the idle server's probe interval (admission.PROBE_EVERY_S)
-        return [f"burst {b}: {len(ok)} admitted, these late (s): {late}\n{strict_cpu_server.log_tail()}"] \
-            if late else []
+        return [f"burst {b}, SLA {sla_ms} ms: {len(ok)} admitted, these late (s): {late}\n"
+                f"{strict_cpu_server.log_tail()}"] if late else []
 
     def alone() -> list[str]:
         [r] = asyncio.run(burst(1))
         time.sleep(1.1)
-        on_time = r["status"] == 200 and r["sla_token_s"] * 1e3 <= STRICT_SLA_MS
-        return [] if on_time else [f"alone on the idle server: {r}\n{strict_cpu_server.log_tail()}"]
+        on_time = r["status"] == 200 and r["sla_token_s"] * 1e3 <= sla_ms
+        return [] if on_time else [f"alone on the idle server, SLA {sla_ms} ms: {r}\n{strict_cpu_server.log_tail()}"]
 
     for b in range(BURSTS):
         judge_on_a_steady_host(partial(one_burst, b))
@@ -209,7 +259,7 @@ def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_
 
 
 @pytest.mark.slow
-def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_path):
+def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_path, cpu_calibration):
     """The same burst where the SLA is 1.25x what the calibration says four streams take to their 64th token, on
     whatever CPU runs it: the old margin (5%) admitted all four, which came 1.45-1.6x their forecast, late. A fresh
     server's guard judges requests beside others with its prior (2x) until it has seen enough: whatever it admits is
@@ -217,15 +267,8 @@ def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_
     it.) Each burst is judged on a steady host (tests/host_steal.py)."""
     from tests.server_support import start_server, stop_server
 
-    cache = tmp_path / "calibration"
-    flags = ("--strict-sla", "--max-batch", str(STRICT_SLOTS), "--calibration-cache", str(cache))
-    first = start_server(tmp_path / "calibrate.log", "--sla-ms", str(STRICT_SLA_MS), *flags)
-    try:
-        step_s = httpx.get(f"{first.base}/v1/latency_model", timeout=30).json()["step_ms"][str(STRICT_SLOTS)] / 1e3
-    finally:
-        assert stop_server(first) == 0, first.log_tail()
-    sla_ms = round(1.25 * STRICT_TOKENS * step_s * 1e3)
-    server = start_server(tmp_path / "parley.log", "--sla-ms", str(sla_ms), *flags)
+    sla_ms = round(1.25 * STRICT_TOKENS * cpu_calibration.step_ms[str(STRICT_SLOTS)])
+    server = start_server(tmp_path / "parley.log", *cpu_calibration.flags(sla_ms))
     try:
         async def burst(n):
             async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
