@@ -156,6 +156,11 @@ STRICT_SLA_MS, STRICT_TOKENS, STRICT_SLOTS, BURST, BURSTS = 8000, 64, 4, 24, 3
 IDLE_ROOM = 1.5
 
 
+def strict_flags(cache: Path, sla_ms: int, strict: bool = True) -> tuple[str, ...]:
+    return ("--sla-ms", str(sla_ms), *(("--strict-sla",) if strict else ()), "--max-batch", str(STRICT_SLOTS),
+            "--calibration-cache", str(cache))
+
+
 @dataclass(frozen=True)
 class CpuCalibration:
     """The strict servers' calibration, timed once and read from its cache by each of them (as a restart reads it),
@@ -166,9 +171,8 @@ class CpuCalibration:
     idle_ms: float  # the idle server's forecast to its SLA token
     alone_ms: float  # a request alone, warm, to its SLA token by the client's clock
 
-    def flags(self, sla_ms: int, strict: bool = True) -> tuple[str, ...]:
-        return ("--sla-ms", str(sla_ms), *(("--strict-sla",) if strict else ()), "--max-batch", str(STRICT_SLOTS),
-                "--calibration-cache", str(self.cache))
+    def flags(self, sla_ms: int) -> tuple[str, ...]:
+        return strict_flags(self.cache, sla_ms)
 
     @property
     def strict_sla_ms(self) -> int:
@@ -184,8 +188,7 @@ def cpu_calibration(tmp_path_factory) -> CpuCalibration:
     from tests.server_support import start_server, stop_server
 
     tmp = tmp_path_factory.mktemp("strict")
-    cal = CpuCalibration(tmp / "calibration", {}, 0.0, 0.0)
-    server = start_server(tmp / "calibrate.log", *cal.flags(600_000, strict=False))
+    server = start_server(tmp / "calibrate.log", *strict_flags(tmp / "calibration", 600_000, strict=False))
     try:
         body = httpx.get(f"{server.base}/v1/latency_model", timeout=30).json()
 
@@ -197,7 +200,8 @@ def cpu_calibration(tmp_path_factory) -> CpuCalibration:
         assert timed["status"] == 200, server.log_tail()
     finally:
         assert stop_server(server) == 0, server.log_tail()
-    return CpuCalibration(cal.cache, body["step_ms"], body["idle_time_to_sla_token_ms"], timed["sla_token_s"] * 1e3)
+    return CpuCalibration(tmp / "calibration", body["step_ms"], body["idle_time_to_sla_token_ms"],
+                          timed["sla_token_s"] * 1e3)
 
 
 @pytest.fixture
