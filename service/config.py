@@ -60,6 +60,12 @@ class ServeConfig(BaseSettings):
                                  "rows and prompt tokens riding beside them (a longer prompt is chunked over steps); "
                                  "at least --max-batch. Unset: 16 (the megakernel carries up to 64, but past 16 rows a "
                                  "step's cost grows ~3x faster per row on the H100: README)")
+    prefill_rows: int | None = Field(None, ge=1, description="the rows of a step that carries no decode row "
+                                     "(nobody is waiting for a token): a short prompt on an idle server is prefilled "
+                                     "in one such step instead of chunks of --max-rows, and a longer one is launched "
+                                     "on its own; at least --max-rows. Unset: 64 with the megakernel on a GPU (its "
+                                     "widest step, 1.72 ms against 1.04 for 16 rows, bf16 on the H200), unless "
+                                     "--batch-invariant (every step would pad to it); --max-rows elsewhere")
     max_context: int = Field(2048, description="tokens per slot, prompt + output")
     calibration_budget_s: float | None = Field(None, gt=0, description="at most this long (roughly) timing steps and "
                                                "prefills at start-up, the points that matter first; the rest is "
@@ -132,6 +138,15 @@ class ServeConfig(BaseSettings):
             raise ValueError(f"must be at least --max-batch ({max_batch}): every request decoding has a row a step")
         return max_rows
 
+    @field_validator("prefill_rows")
+    @classmethod
+    def _no_narrower_than_a_step(cls, prefill_rows: int | None, info: ValidationInfo) -> int | None:
+        floor = max(info.data.get("max_rows") or 0, info.data.get("max_batch") or 0)
+        if prefill_rows is not None and prefill_rows < floor:
+            raise ValueError(f"must be at least --max-rows and --max-batch ({floor}): a step with no decode row "
+                             "carries at least what one beside them does")
+        return prefill_rows
+
 
 def engine_in_own_process(cfg: ServeConfig) -> bool:
     """--engine-process, or where unset: on a GPU, where the H100 measured the thread engine's goodput at 2.5-3.8
@@ -165,6 +180,22 @@ def engine_cpu_threads(cfg: ServeConfig, cores: int | None = None) -> int:
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores - 1)
+
+
+MEGAKERNEL_PREFILL_ROWS = 64  # the megakernel's widest step (its largest bucket)
+
+
+def step_prefill_rows(cfg: ServeConfig, backend: str, device: str, max_rows: int) -> int:
+    """--prefill-rows, or where unset: the megakernel's widest step on a GPU, whose rows cost less the more a step
+    carries (bf16 on the H200, context 128: 16 rows 1.04 ms, 32 rows 1.30, 64 rows 1.72), so that a 32-token prompt
+    on an idle server is one step, not two chunks of 16 (bench/NOTES.md, "Prompts alone in one step"); not with
+    --batch-invariant, where every step pads to the widest. Elsewhere (the reference decoder, whose step costs about
+    the same per row at any width) --max-rows. Never below max_rows."""
+    if cfg.prefill_rows is not None:
+        return max(cfg.prefill_rows, max_rows)
+    if backend == "megakernel" and device.startswith("cuda") and not cfg.batch_invariant:
+        return max(MEGAKERNEL_PREFILL_ROWS, max_rows)
+    return max_rows
 
 
 def _on_gpu(cfg: ServeConfig) -> bool:

@@ -20,7 +20,7 @@ from service.backends import make_decoder, resolve_backend
 from service.backends.decoder import Decoder
 from service.backends.faults import FaultInjectingDecoder
 from service.calibration import cache_dir_of, cache_key, calibrated, default_budget, run_every_step_shape
-from service.config import ServeConfig, engine_cpu_threads
+from service.config import ServeConfig, engine_cpu_threads, step_prefill_rows
 from service.engine.admission import AdmitAll
 from service.engine.commit import Event, StepDone
 from service.engine.engine import DEFAULT_MAX_ROWS, Engine
@@ -74,15 +74,18 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     max_context = min(cfg.max_context, model.config.max_position_embeddings)
     kv_slots = cfg.kv_slots or default_kv_slots(model.config, max_context, cfg.max_batch, device, dtype)
     max_rows = max(cfg.max_rows or DEFAULT_MAX_ROWS, cfg.max_batch)
+    prefill_rows = step_prefill_rows(cfg, backend, device, max_rows)
     decoder = make_decoder(backend, model.config, model.weights, kv_slots, max_context, device,
                            weight_format=cfg.weights, max_batch=cfg.max_batch, batch_invariant=cfg.batch_invariant,
-                           max_rows=max_rows)
+                           max_rows=prefill_rows)
     carries = getattr(decoder, "max_rows", None)  # the most rows the backend's step takes (the megakernel's tiles)
-    if carries is not None and max_rows > carries:
-        log.warning("--max-rows %d: the %s backend carries at most %d rows a step", max_rows, backend, carries)
-        max_rows = carries
-    log.info("%d KV slots of %d tokens (cached conversations), decoding up to %d requests together, %d rows a step",
-             kv_slots, max_context, cfg.max_batch, max_rows)
+    if carries is not None and prefill_rows > carries:
+        flag = "--max-rows" if max_rows > carries else "--prefill-rows"
+        log.warning("%s %d: the %s backend carries at most %d rows a step", flag, max(max_rows, prefill_rows),
+                    backend, carries)
+        max_rows, prefill_rows = min(max_rows, carries), carries
+    log.info("%d KV slots of %d tokens (cached conversations), decoding up to %d requests together, %d rows a step "
+             "(%d without a decode row)", kv_slots, max_context, cfg.max_batch, max_rows, prefill_rows)
     faults = None
     if cfg.step_delay_ms or cfg.fail_step or cfg.hang_step:
         # The delay applies from the start (calibration must see it); --fail-step/--hang-step count the steps of
@@ -92,9 +95,10 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     t0 = time.perf_counter()
     # warm first: the calibration then times shapes that have already run once (allocations, kernel loads)
     seen = warm_up(decoder, model.tokenizer, cfg.sla_ms, cfg.sla_tokens, frozenset(model.config.eos_token_ids),
-                   max_batch=cfg.max_batch, max_rows=max_rows)
+                   max_batch=cfg.max_batch, max_rows=max_rows, prefill_rows=prefill_rows)
     log.info("warmed up in %.1f s", time.perf_counter() - t0)
-    latency = calibrated_latency(cfg, decoder, model.config, backend, max_rows, seen)
+    # every step width the planner may choose is timed: up to the prompt-only step's
+    latency = calibrated_latency(cfg, decoder, model.config, backend, prefill_rows, seen)
     trace = AdmissionLog(cfg.admission_log) if cfg.admission_log else None
     if trace is not None:
         atexit.register(trace.close)  # the last lines written at a clean exit (SIGTERM's drain)
@@ -107,7 +111,7 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
                     admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
                     max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s, max_batch=cfg.max_batch,
-                    max_rows=max_rows)
+                    max_rows=max_rows, prefill_rows=prefill_rows)
     engine.start()
     if faults is not None:
         faults.steps, faults.armed = 0, True
@@ -175,7 +179,7 @@ def default_kv_slots(config: ModelConfig, max_context: int, max_batch: int, devi
 
 def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: int,
             eos_ids: frozenset[int] = frozenset(), max_batch: int | None = None,
-            max_rows: int | None = None) -> dict[int, float]:
+            max_rows: int | None = None, prefill_rows: int | None = None) -> dict[int, float]:
     """Short requests through the whole path (an engine of their own on the same decoder, run before the users'),
     so the first user pays no compilation or allocation: not even the grammar engine's view of the vocabulary,
     which took the first request with `tools` 0.4 s on the H100 (and so past its SLA: refused). They are admitted
@@ -184,7 +188,8 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
     (rows → seconds): what a calibrated step of as many rows or fewer far over is a stall (no_slower_than_seen)."""
     steps = _SeenSteps(sla_ms / 1e3)
     engine = Engine(decoder, tokenizer, admission=steps, metrics=Metrics(sla_tokens),
-                    sla_ms=sla_ms, sla_tokens=sla_tokens, max_batch=max_batch, max_rows=max_rows)
+                    sla_ms=sla_ms, sla_tokens=sla_tokens, max_batch=max_batch, max_rows=max_rows,
+                    prefill_rows=prefill_rows)
     engine.start()
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     # a prefix long enough to be copied rather than prefilled
@@ -208,7 +213,7 @@ def warm_up(decoder: Decoder, tokenizer: Tokenizer, sla_ms: float, sla_tokens: i
         engine.stop()
     if decoder.device.type == "cuda" and max_rows is not None:
         # every step shape compiled and its graph captured now, though a calibration read from its cache times one
-        run_every_step_shape(decoder, max_rows, max_batch or decoder.max_slots)
+        run_every_step_shape(decoder, max(max_rows, prefill_rows or 0), max_batch or decoder.max_slots)
     return steps.medians()
 
 

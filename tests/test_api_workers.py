@@ -168,6 +168,24 @@ def test_two_front_ends_on_a_gpu_and_one_on_the_cpu_unless_asked() -> None:
     assert front_end_count(parse(["serve", "--device", "cuda", "--api-workers", "3"])) == 3
 
 
+def test_a_step_with_no_decode_row_is_the_megakernels_widest_on_a_gpu_else_max_rows() -> None:
+    """Unset, --prefill-rows is 64 for the megakernel on a GPU (its rows cost less the more a step carries), not
+    with --batch-invariant (every step would pad to it), and --max-rows for the reference decoder; given, it is
+    kept, and one below --max-rows is refused with exit 2."""
+    from service.config import step_prefill_rows
+
+    gpu = parse(["serve", "--device", "cuda"])
+    assert step_prefill_rows(gpu, "megakernel", "cuda", 16) == 64
+    assert step_prefill_rows(gpu, "reference", "cuda", 16) == 16
+    assert step_prefill_rows(parse(["serve", "--device", "cpu"]), "reference", "cpu", 16) == 16
+    assert step_prefill_rows(parse(["serve", "--batch-invariant"]), "megakernel", "cuda", 16) == 16
+    assert step_prefill_rows(parse(["serve", "--prefill-rows", "32"]), "megakernel", "cuda", 16) == 32
+    assert step_prefill_rows(parse(["serve", "--prefill-rows", "32"]), "reference", "cpu", 16) == 32
+    with pytest.raises(SystemExit) as e:
+        parse(["serve", "--max-rows", "16", "--prefill-rows", "8"])
+    assert e.value.code == 2
+
+
 def test_the_cpu_engine_leaves_a_core_to_the_front_end_unless_asked() -> None:
     """Unset, --cpu-threads is one fewer than the cores (at least one): the front end and the clients keep a core,
     and the engine's torch threads are not stalled at every op's barrier by them."""

@@ -640,9 +640,10 @@ class Recorded:
         return sorted(p for s, p in zip(self.slots, self.positions) if s == slot)
 
 
-def recorded_engine(model, overlap, slots=4, max_batch=None, max_rows=None):
+def recorded_engine(model, overlap, slots=4, max_batch=None, max_rows=None, prefill_rows=None):
     dec = RecordingDecoder(model, slots)
-    eng = Engine(dec, model.tokenizer, eos_token_ids=(), sla_tokens=8, max_batch=max_batch, max_rows=max_rows)
+    eng = Engine(dec, model.tokenizer, eos_token_ids=(), sla_tokens=8, max_batch=max_batch, max_rows=max_rows,
+                 prefill_rows=prefill_rows)
     eng.overlap = overlap
     return eng, dec
 
@@ -701,14 +702,16 @@ def test_a_seeded_request_is_sampled_on_the_device_and_neither_lags_nor_slows_th
     assert len(mine) == 10 and sum(not s.from_device for s in mine) == 1
 
 
-def test_a_prompt_rides_in_the_step_beside_running_decodes_chunked_by_the_token_budget(tiny):
+@pytest.mark.parametrize("prefill_rows", [None, 64])
+def test_a_prompt_rides_in_the_step_beside_running_decodes_chunked_by_the_token_budget(tiny, prefill_rows):
     """Mixed steps: a long prompt arriving while another request decodes is cut into chunks of the token budget and
-    rides in the running request's steps (no step without its decode row), and both get the tokens they get alone."""
+    rides in the running request's steps (no step without its decode row), and both get the tokens they get alone;
+    the wider budget of a step with no decode row (prefill_rows) changes none of that."""
     prompt = list(range(1, 40))
     running = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)  # still decoding when the prompt comes
     (alone_long,), _ = run_jobs(tiny, False, [(prompt, GREEDY, None)])
     (alone_short,), _ = run_jobs(tiny, False, [([9, 9, 9], running, None)])
-    eng, dec = recorded_engine(tiny, overlap=True, max_rows=16)
+    eng, dec = recorded_engine(tiny, overlap=True, max_rows=16, prefill_rows=prefill_rows)
     try:
         q1, q2 = queue.SimpleQueue(), queue.SimpleQueue()
         eng.submit([9, 9, 9], running, q1.put)
@@ -725,6 +728,18 @@ def test_a_prompt_rides_in_the_step_beside_running_decodes_chunked_by_the_token_
     assert len(with_prompt) >= 3 and all(len(s.slots) <= 16 for s in dec.steps)
     assert sum(len(s.positions_of(long_slot)) for s in with_prompt) >= len(prompt) - 1
     assert all(short_slot in s.slots for s in with_prompt[:3])  # the running request decodes in each of them
+
+
+def test_a_prompt_alone_is_prefilled_in_one_step_of_prefill_rows_with_the_tokens_of_chunks(tiny):
+    """With nobody decoding, a 40-token prompt runs in one step of 40 rows (prefill_rows 64) where --max-rows 16
+    chunks it over three, and its greedy tokens are the same; the next steps are its decode rows, one a step."""
+    prompt = list(range(1, 41))
+    (chunked,), by_chunks = run_jobs(tiny, True, [(prompt, GREEDY, None)], max_rows=16)
+    (whole,), at_once = run_jobs(tiny, True, [(prompt, GREEDY, None)], max_rows=16, prefill_rows=64)
+    assert whole == chunked
+    assert [len(s.slots) for s in by_chunks.steps[:4]] == [16, 16, 8, 1]
+    assert [len(s.slots) for s in at_once.steps[:2]] == [40, 1] and at_once.steps[0].sampled == 1
+    assert len(at_once.steps) == len(by_chunks.steps) - 2
 
 
 class FeedingDecoder(RecordingDecoder):

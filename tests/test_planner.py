@@ -23,8 +23,9 @@ def request(prompt_len, max_tokens=64, choice=Choice.STEP, first=1):
     return req
 
 
-def planner(max_batch=4, max_rows=16, slots=4, launch_min=256):
-    return Planner(KVSlots(slots), max_batch, max_rows, max_context=4096, launch_min_tokens=launch_min)
+def planner(max_batch=4, max_rows=16, slots=4, launch_min=256, prefill_rows=None):
+    return Planner(KVSlots(slots), max_batch, max_rows, max_context=4096, launch_min_tokens=launch_min,
+                   prefill_rows=prefill_rows)
 
 
 def run(p, plan, token=7):
@@ -105,6 +106,65 @@ def test_on_an_idle_server_a_prompt_of_more_than_three_steps_is_launched_a_short
     q.add(long)
     plan = q.plan()
     assert [(lc.start, lc.end) for lc in plan.launches] == [(0, 59)] and plan.rows == 1
+
+
+def test_a_step_with_no_decode_row_carries_prefill_rows_and_one_beside_decode_rows_max_rows():
+    """With nobody decoding, a prompt fills a step of up to prefill_rows (64) rows: one of 40 or 64 tokens in a single
+    step whose last row samples; one of 65 is launched. A prompt arriving beside a decoding request is chunked by
+    max_rows (16) as before, and once nobody decodes any more, its rest rides in one prompt-only step."""
+    p = planner(max_rows=16, prefill_rows=64)
+    short = request(40)
+    p.add(short)
+    plan = p.plan()
+    assert not plan.launches and plan.rows == 40 and plan.sampled == [short]
+    assert [(c.start, c.end) for c in plan.chunks] == [(0, 40)]
+    run(p, plan)
+    assert short.kv_len == 40 and short.output_ids == [7]
+    for n, launched in ((64, False), (65, True)):
+        q = planner(max_rows=16, prefill_rows=64)
+        req = request(n, first=300)
+        q.add(req)
+        plan = q.plan()
+        assert bool(plan.launches) is launched and plan.rows == (1 if launched else n), n
+    # beside a decoding request: chunks of the token budget, then the rest in one step once it has ended
+    b = planner(max_rows=16, prefill_rows=64)
+    busy = request(4, max_tokens=3, first=200)
+    b.add(busy)
+    run(b, b.plan())
+    late = request(60, first=500)
+    b.add(late)
+    rows = []
+    while not late.output_ids:
+        plan = b.plan()
+        rows.append((len(plan.sampled), plan.rows))
+        run(b, plan)
+    assert rows == [(1, 16), (1, 16), (1, 30)] and busy.state is State.FINISHED  # 15 + 15, then 30 at once
+    assert late.kv_len == 60
+
+
+def test_forecast_plays_the_prompt_only_budget_as_plan_does():
+    """An idle server's forecast of a 40-token prompt: one step of 40 rows, then a token a step (with prefill_rows
+    16: three chunk steps); beside a decoding request, chunks of max_rows as before."""
+    def step_s(rows, kv):
+        return 0.001 + 1e-5 * rows
+
+    def prefill_s(tokens, cached):
+        return 0.050
+
+    for prefill_rows, first_steps in ((64, [40]), (None, [16, 16, 8])):
+        p = planner(max_rows=16, prefill_rows=prefill_rows)
+        req = request(40, max_tokens=64)
+        t = p.forecast([req], step_s, prefill_s, now=0.0, horizon_s=1.0)[id(req)]
+        want = sum(step_s(r, 0) for r in first_steps) + 63 * step_s(1, 0)
+        assert t == pytest.approx(want), prefill_rows
+    p = planner(max_rows=16, prefill_rows=64)
+    running = request(8, max_tokens=200)
+    p.add(running)
+    run(p, p.plan())
+    newcomer = request(40, first=300)
+    t = p.forecast([running, newcomer], step_s, prefill_s, now=0.0, horizon_s=1.0)[id(newcomer)]
+    # 15 + 15 + 10 prompt rows beside the decode row, then 63 steps of the two
+    assert t == pytest.approx(2 * step_s(16, 0) + step_s(11, 0) + 63 * step_s(2, 0))
 
 
 def test_a_request_that_needs_its_token_on_the_host_sits_out_the_step_after_its_own():
@@ -281,7 +341,7 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
     for case in range(120):
         wide = case % 2  # the server's shape: 16 seats, 16 rows a step
         p = planner(max_batch=16 if wide else rng.randint(1, 4), max_rows=16, slots=20 if wide else 4,
-                    launch_min=rng.choice([64, 256]))
+                    launch_min=rng.choice([64, 256]), prefill_rows=rng.choice([None, 64]))
         running = [request(rng.randint(1, 40), max_tokens=rng.randint(2, 90), first=100 * i + 1)
                    for i in range(rng.randint(8, 15) if wide else 3)]
         for r in running:

@@ -181,6 +181,27 @@ def test_the_cpu_engine_computes_with_the_threads_it_was_given_and_calibrates_wi
     assert any("(1 threads)" in text for text in cached) and any("(2 threads)" in text for text in cached)
 
 
+def test_a_prompt_only_step_is_as_wide_as_prefill_rows_and_calibrated_up_to_it(tmp_path: Path):
+    """--prefill-rows reaches the engine's planner (its budget where a step has no decode row; --max-rows beside
+    them) and the calibration, which times steps up to that width, so admission forecasts what the planner does."""
+    from service.config import ServeConfig
+    from service.runtime import build_engine
+
+    rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_rows=4, prefill_rows=16,
+                                  max_context=128, calibration_cache=str(tmp_path)))
+    try:
+        planner = rt.engine.planner
+        assert (planner.max_rows, planner.prefill_rows) == (4, 16)
+        assert planner.budget(decoding=True) == 4 and planner.budget(decoding=False) == 16
+        assert rt.latency.max_rows == 16 and rt.latency.step(16) >= rt.latency.step(4)
+        steps = rt.latency.snapshot()["step_ms"]
+        assert max(int(rows) for rows in steps) == 16, steps
+        out = list(rt.engine.generate(list(range(1, 13)), SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert sum(len(d.token_ids) for d in out) == 3
+    finally:
+        rt.engine.stop()
+
+
 def test_process_age_is_what_start_up_has_taken_so_far():
     from service.runtime import process_age_s
 

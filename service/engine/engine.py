@@ -69,7 +69,7 @@ class Engine:
                  metrics: Metrics | None = None, admission: Admission | None = None, sla_ms: float = 100.0,
                  sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0,
                  max_batch: int | None = None, max_rows: int | None = None,
-                 launch_min_tokens: int = LAUNCH_MIN_TOKENS) -> None:
+                 launch_min_tokens: int = LAUNCH_MIN_TOKENS, prefill_rows: int | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -81,7 +81,7 @@ class Engine:
         self.max_batch = min(max_batch or decoder.max_slots, decoder.max_slots)
         self.max_rows = max_rows or getattr(decoder, "max_rows", None) or DEFAULT_MAX_ROWS
         self.planner = Planner(KVSlots(decoder.max_slots), self.max_batch, self.max_rows, decoder.max_context,
-                               launch_min_tokens)
+                               launch_min_tokens, prefill_rows)
         self.admission: Admission = admission or AdmitAll(sla_ms / 1e3)
         self.admission.bind(self.planner)
         # called on the engine thread after every iteration: the engine process sends the iteration's deltas then
@@ -97,7 +97,7 @@ class Engine:
         self._busy_since: float | None = None
         self.overlap = decoder.device.type == "cuda"  # run a step ahead
         self._inflight: Launched | None = None
-        self._feed_host = torch.zeros(FEED_BUFFERS, 3 * self.max_rows, dtype=torch.int64,
+        self._feed_host = torch.zeros(FEED_BUFFERS, 3 * self.planner.prefill_rows, dtype=torch.int64,
                                       pin_memory=self.overlap and torch.cuda.is_available())
         self._feed_rows = self._feed_host.numpy()  # the same memory, filled from lists by numpy (3x faster than torch)
         self._feed_at = 0
