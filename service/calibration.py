@@ -1,7 +1,8 @@
 """Calibration: what the latency model starts from, measured at start-up within a time budget, and cached.
 
-What is timed: steps of 1, 2, 4, … max_rows rows at a short context (one row per slot up to max_batch slots, the
-rest as consecutive positions of one slot: a prompt chunk riding beside the decode rows), one step at the end of the
+What is timed: steps of 1, 2, 4, … max_rows rows (the widest step the planner may choose) at a short context (one row
+per slot up to max_batch slots, the rest as consecutive positions of one slot: a prompt chunk riding beside the decode
+rows), one step at the end of the
 context (what each K/V position a row attends over adds: step_kv_s), and the separate prefill launches of long
 prompts (fresh, and on top of cached tokens; on a GPU at every pair of graph buckets a prefill replays).
 

@@ -64,7 +64,7 @@ class ServeConfig(BaseSettings):
                                      "(nobody is waiting for a token): a short prompt on an idle server is prefilled "
                                      "in one such step instead of chunks of --max-rows, and a longer one is launched "
                                      "on its own; at least --max-rows. Unset: 64 with the megakernel on a GPU (its "
-                                     "widest step, 1.72 ms against 1.04 for 16 rows, bf16 on the H200), unless "
+                                     "widest step, 1.67 ms against 1.04 for 16 rows, bf16 on the H200), unless "
                                      "--batch-invariant (every step would pad to it); --max-rows elsewhere")
     max_context: int = Field(2048, description="tokens per slot, prompt + output")
     calibration_budget_s: float | None = Field(None, gt=0, description="at most this long (roughly) timing steps and "
@@ -187,10 +187,11 @@ MEGAKERNEL_PREFILL_ROWS = 64  # the megakernel's widest step (its largest bucket
 
 def step_prefill_rows(cfg: ServeConfig, backend: str, device: str, max_rows: int) -> int:
     """--prefill-rows, or where unset: the megakernel's widest step on a GPU, whose rows cost less the more a step
-    carries (bf16 on the H200, context 128: 16 rows 1.04 ms, 32 rows 1.30, 64 rows 1.72), so that a 32-token prompt
-    on an idle server is one step, not two chunks of 16 (bench/NOTES.md, "Prompts alone in one step"); not with
-    --batch-invariant, where every step pads to the widest. Elsewhere (the reference decoder, whose step costs about
-    the same per row at any width) --max-rows. Never below max_rows."""
+    carries (bf16 on the H200, as its calibration timed them: 16 rows 1.04 ms, 32 rows 1.31, 64 rows 1.67), so that a
+    32-token prompt on an idle server is one step, not two chunks of 16: its first token 0.7-0.8 ms sooner
+    (bench/NOTES.md, "Prompts alone in one step"); not with --batch-invariant, where every step pads to the widest.
+    Elsewhere (the reference decoder, whose step costs about the same per row at any width) --max-rows. Never below
+    max_rows."""
     if cfg.prefill_rows is not None:
         return max(cfg.prefill_rows, max_rows)
     if backend == "megakernel" and device.startswith("cuda") and not cfg.batch_invariant:

@@ -10,7 +10,7 @@ The policy, Sarathi-Serve's inside one launch:
 - prompt tokens fill what is left of the token budget (`max_rows` rows a step), oldest prompt first: a long prompt
   is chunked across steps, so no running stream waits more than one step for it;
 - a step with no decode row (nobody is waiting for a token) has a budget of its own, `prefill_rows`: where the
-  backend's wider steps cost less per row (the megakernel's 64 rows 1.72 ms against 16 rows 1.04, bf16 on the H200),
+  backend's wider steps cost less per row (the megakernel's 64 rows 1.67 ms against 16 rows 1.04, bf16 on the H200),
   a short prompt on an idle server is prefilled in one step instead of chunks, and its first token comes sooner;
 - a prompt with at least `launch_min_tokens` new tokens, or one longer than a prompt-only step (and than three of
   `max_rows`) while nobody is decoding, runs as a separate prefill launch (all its tokens but the last, which rides in
