@@ -304,7 +304,9 @@ def test_a_megakernel_engine_gathers_its_fed_rows_on_the_device() -> None:
     the rows that feed on them (a Fed) and gathers their tokens within its own input copy: in order while the same
     requests decode, in an order of their own as requests end and a prompt's chunks ride beside them. Every request
     streams the same greedy tokens as from the same engine building the tokens with torch calls (the same requests,
-    all waiting when it starts, so the same steps)."""
+    all waiting when it starts, so the same steps). The decoder is built as the server builds it, for steps wider
+    than the rows they sample (16 rows, 4 sampled: the fed rows' buffer is as wide as the sampled rows), and the first
+    step, with no decode row, carries 16 prompt rows (prefill_rows) where the others carry 4."""
     import queue
 
     from service.backends.megakernel import MegakernelDecoder
@@ -314,7 +316,7 @@ def test_a_megakernel_engine_gathers_its_fed_rows_on_the_device() -> None:
 
     seed = int.from_bytes(os.urandom(4), "little")
     config, weights, tok = load_synthetic("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, seed=seed)
-    dec = MegakernelDecoder(config, weights, max_slots=8, max_context=256, max_rows=4)
+    dec = MegakernelDecoder(config, weights, max_slots=8, max_context=256, max_rows=16, max_batch=4)
     del weights
     dec.output_views = True  # as the server's decoder: the step before's tokens are the kernel's own buffer
     g = torch.Generator().manual_seed(seed)
@@ -322,7 +324,7 @@ def test_a_megakernel_engine_gathers_its_fed_rows_on_the_device() -> None:
     lengths = (6, 13, 9, 17)
     streams = []
     for feeds in (True, False):
-        eng = Engine(dec, tok, eos_token_ids=(), max_rows=4, max_batch=4)
+        eng = Engine(dec, tok, eos_token_ids=(), max_rows=4, max_batch=4, prefill_rows=16)
         assert eng.overlap and eng._decoder_feeds
         eng._decoder_feeds = feeds
         sinks: list[queue.SimpleQueue[Delta]] = [queue.SimpleQueue() for _ in prompts]

@@ -120,7 +120,10 @@ class MegakernelDecoder:
                                   self.kernel.draw, torch.zeros_like(self.kernel.draw[:2])])
         self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs[:3].unbind(0)
         self.kernel.draw = self._inputs[3:7]
-        self._fed_rows, self._fed_sources = self._inputs[7], self._inputs[8]  # a Fed's, padded with its first
+        # a Fed's rows and sources, padded with its first pair: fed rows are decode rows, at most the sampled rows of a
+        # step, so as wide as those (not as the widest step: 2 x 64 list entries a step cost host time for nothing)
+        fed = self.kernel.spad
+        self._fed_rows, self._fed_sources = self._inputs[7, :fed], self._inputs[8, :fed]
         # views made once: a slice is a torch call, tens of microseconds of the engine thread's time per step on the
         # H200 host under load
         self._tokens_of = [self.kernel.tokens[:k] for k in range(n + 1)]
@@ -211,9 +214,9 @@ class MegakernelDecoder:
             rows[4], rows[5] = [*halves[0::2], *rest], [*halves[1::2], *rest]
         self._host_rows[:7, :b] = rows
         if fed is not None and gather:  # the fed rows and their sources, padded with the first pair (written twice)
-            width = self._host_rows.shape[1]
-            self._host_rows[7:] = [[*fed.rows, *fed.rows[:1] * (width - len(fed.rows))],
-                                   [*fed.sources, *fed.sources[:1] * (width - len(fed.sources))]]
+            width = self.kernel.spad
+            self._host_rows[7:, :width] = [[*fed.rows, *fed.rows[:1] * (width - len(fed.rows))],
+                                           [*fed.sources, *fed.sources[:1] * (width - len(fed.sources))]]
         if masks:
             words = self._host_masks.shape[1]
             for i, allowed in masks.items():
