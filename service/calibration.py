@@ -2,9 +2,9 @@
 
 What is timed: steps of 1, 2, 4, … max_rows rows (the widest step the planner may choose) at a short context (one row
 per slot up to max_batch slots, the rest as consecutive positions of one slot: a prompt chunk riding beside the decode
-rows), one step at the end of the
-context (what each K/V position a row attends over adds: step_kv_s), and the separate prefill launches of long
-prompts (fresh, and on top of cached tokens; on a GPU at every pair of graph buckets a prefill replays).
+rows), one step at the end of the context (what each K/V position a row attends over adds: step_kv_s), and the
+separate prefill launches of long prompts (fresh, and on top of cached tokens; on a GPU at every pair of graph buckets
+a prefill replays).
 
 Bounded: the points that matter first (a step of one row, of a full batch, of the token budget, the long context, a
 prefill) are timed first, the rest while the budget lasts; every point keeps the fastest of at most TRIES tries and is
