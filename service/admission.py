@@ -108,7 +108,7 @@ class AdmissionController:
     def idle_server_meets_sla(self) -> bool:
         """Whether an idle server keeps the SLA, as predicted, and as measured once requests alone have taught the
         guard that the forecast runs pessimistic (a stretch below 1)."""
-        alone = Level.of(1, 32, self.planner.max_rows, self.planner.launch_min_tokens)
+        alone = Level.of(1, 32, self.planner.budget(decoding=False), self.planner.launch_min_tokens)
         return self.idle_prediction_s() * min(1.0, self.guard.stretch(alone)) <= self.sla_s
 
     def _reconsider_best_effort(self) -> None:
@@ -123,9 +123,11 @@ class AdmissionController:
         self.best_effort = False
 
     def level_of(self, active: list[Request], req: Request) -> Level:
-        """The load `req` would join: requests in flight with it, and the prompt tokens still to prefill."""
+        """The load `req` would join: requests in flight with it, and the prompt tokens still to prefill (whether they
+        fit one step: alone, a step with no decode row, whose budget is the planner's prefill_rows)."""
         pending = sum(_prompt_left(r) for r in active) + _prompt_left(req)
-        return Level.of(len(active) + 1, pending, self.planner.max_rows, self.planner.launch_min_tokens)
+        return Level.of(len(active) + 1, pending, self.planner.budget(decoding=bool(active)),
+                        self.planner.launch_min_tokens)
 
     # -- the Engine's admission hooks (service.engine.admission.Admission) ----------------------------------
     def bind(self, planner: Planner) -> None:

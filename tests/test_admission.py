@@ -328,6 +328,24 @@ def test_a_request_is_scored_where_it_was_last_judged_and_not_for_the_load_that_
     assert adm.guard._scores[theirs.level].ranked == [pytest.approx(1.0)]
     assert (came - alone.at) / (alone.predicted - alone.at) > 1.1  # what its first forecast would have scored
     assert alone.level not in adm.guard._scores
+def test_a_prompt_alone_that_fits_a_prompt_only_step_is_judged_at_the_one_step_level():
+    """Where a step with no decode row carries more rows than one beside them (the planner's prefill_rows), a 40-token
+    prompt alone rides in one step and is judged at its level's "step" kind; beside a running request it is chunked
+    by max_rows, and judged as "chunked"."""
+    from service.engine.kv_slots import KVSlots
+    from service.engine.planner import Planner
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.001, 16: 0.0012, 64: 0.0016}, {16: 0.003, 128: 0.0035}, max_rows=64)
+    adm = AdmissionController(lat, 0.1, 64, 4)
+    adm.bind(Planner(KVSlots(4), 4, 16, max_context=4096, prefill_rows=64))
+    running = newcomer(state=State.RUNNING)
+    assert adm.level_of([], newcomer(40)).labels == {"in_flight": "1", "prompt": "step"}
+    assert adm.level_of([running], newcomer(40)).labels == {"in_flight": "2", "prompt": "chunked"}
+    adm.bind(Planner(KVSlots(4), 4, 16, max_context=4096))
+    assert adm.level_of([], newcomer(40)).labels["prompt"] == "chunked"
+
+
 def test_late_requests_at_a_busy_level_refuse_there_only_and_never_switch_admission_off():
     """On the H100 a stall under load made SLA tokens come 2x late; the old learned bias crossed the SLA and the
     server went best-effort, admitting requests that then missed. Now the lateness is scored at the level where it
