@@ -80,9 +80,8 @@ def build_engine(cfg: ServeConfig) -> Runtime:
                            max_rows=prefill_rows)
     carries = getattr(decoder, "max_rows", None)  # the most rows the backend's step takes (the megakernel's tiles)
     if carries is not None and prefill_rows > carries:
-        flag = "--max-rows" if max_rows > carries else "--prefill-rows"
-        log.warning("%s %d: the %s backend carries at most %d rows a step", flag, max(max_rows, prefill_rows),
-                    backend, carries)
+        flag, asked = ("--max-rows", max_rows) if max_rows > carries else ("--prefill-rows", prefill_rows)
+        log.warning("%s %d: the %s backend carries at most %d rows a step", flag, asked, backend, carries)
         max_rows, prefill_rows = min(max_rows, carries), carries
     log.info("%d KV slots of %d tokens (cached conversations), decoding up to %d requests together, %d rows a step "
              "(%d without a decode row)", kv_slots, max_context, cfg.max_batch, max_rows, prefill_rows)
