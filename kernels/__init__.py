@@ -5,7 +5,8 @@ megakernel.py    the kernel's entry (one persistent launch a step, a task at a t
 kernel_args.py   what the kernel takes: the packed weights (PackedWeights) and the NamedTuples
 tiles.py         how each matvec streams its weights (MatvecTile) and the default tiles of a launch
 matvec.py        the matrix path: QKV (with RoPE, the K/V append), O projection, gate/up, down, LM head; the norms
-attention.py     flash-decoding over the KV cache, split by position
+attention.py     flash-decoding over the KV cache, split by position; a prompt chunk's rows in query blocks
+query_blocks.py  which rows of a step attend together (on the host)
 lm_head.py       the LM head's (max, argmax) partials, greedy and drawn, and the Argmax task that reduces them
 sync.py          the waits on dependency counters, reads through L2, prefetches into L2
 sampling.py      the Gumbel-max draw (Philox noise) the LM head runs, and the same draw over ready logits

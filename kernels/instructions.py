@@ -27,7 +27,9 @@ The instructions (one layer = QKV → ATTN → OPROJ → GATEUP → DOWN):
            streaming, with tiles wide enough that each activation chunk feeds many weight rows.
   Attention one split of flash-decoding for (batch row, KV head) over the cached positions, the new one included;
            the last split to arrive (counted on counter `arrive`) merges the partials. How many splits take part is
-           decided at run time from the position (short contexts: one split, which writes attn directly)
+           decided at run time from the position (short contexts: one split, which writes attn directly). Where
+           query blocks are on, the tasks of a block's rows (a prompt's chunk) share its work instead, arriving on
+           its first row's counter (`arrive_row_stride` says where that is: kernels/attention.py)
   Argmax   reduce the `parts` (max, argmax) partials into the greedy token (and the drawn one), then zero the
            counters for the next replay
 
@@ -134,6 +136,7 @@ class Attention(Task):
     kv_head: int = 0
     split: int = 0
     arrive: int = 0  # the counter the splits of (layer, row, kv_head) arrive on
+    arrive_row_stride: int = 0  # how far apart two consecutive rows' `arrive` counters are (a query block's: its first)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ MV_K_SPLIT, MV_ARRIVE, MV_SLOT = (Matvec.offset(f) for f in ("k_split", "arrive"
 SSQ_COLS = 16  # columns per partial sum of squares
 ATTN_ROW, ATTN_KV_HEAD = Attention.offset("row"), Attention.offset("kv_head")
 ATTN_SPLIT, ATTN_ARRIVE = Attention.offset("split"), Attention.offset("arrive")
+ATTN_ARRIVE_ROW_STRIDE = Attention.offset("arrive_row_stride")
 ARGMAX_PARTS, ARGMAX_COUNTERS = Argmax.offset("parts"), Argmax.offset("counters")
 
 
@@ -407,7 +411,8 @@ def build_schedule(dims: ModelDims, batch: int, num_programs: int, tiling: Tilin
         phases.append(qkv_tasks(layer, wait, target, cnt.attn_norm(layer)))
         phases.append([
             Attention(layer=layer, wait=attention_wait(layer, g)[0], target=attention_wait(layer, g)[1],
-                      done=c(Op.ATTN), row=b, kv_head=g, split=s, arrive=cnt.arrive(layer, b, g))
+                      done=c(Op.ATTN), row=b, kv_head=g, split=s, arrive=cnt.arrive(layer, b, g),
+                      arrive_row_stride=cnt.arrive(layer, 1, g) - cnt.arrive(layer, 0, g))
             for g in range(0, dims.num_kv_heads, tiling.attn_heads) for b in range(batch)
             for s in range(tiling.attn_splits)
         ])

@@ -91,7 +91,8 @@ class ModelShape(NamedTuple):
 class AttnShape(NamedTuple):
     """Attention's constexprs: the query heads of a KV head padded to a power of two, positions per inner step,
     splits per (row, KV head) at most, chunks a split reads at least, KV heads a task (of one row), the K/V
-    pipeline's stages."""
+    pipeline's stages; the query heads of a query block's tile (0: no blocks, every row attends on its own) and the
+    splits a block's head may have at most (the scratch's parts per (row, KV head))."""
 
     group_pad: int
     chunk: int
@@ -99,6 +100,8 @@ class AttnShape(NamedTuple):
     split_min_chunks: int
     heads: int = 1
     stages: int = 4
+    block_queries: int = 0
+    block_splits: int = 16
 
 
 class Sched(NamedTuple):
@@ -118,6 +121,8 @@ class StepInputs(NamedTuple):
     draw: torch.Tensor  # int32 [4, rows]: temperature's float32 bits (0: greedy), seed's low and high words, and
     # whether the row's logits go through its grammar mask (1) or not (0)
     masks: torch.Tensor  # int32 [lm rows, ceil(vocab / 32)]: the tokens a grammar allows, a bit each (masked rows)
+    blocks: torch.Tensor  # int32 [5, rows]: each row's query block (kernels/query_blocks.py)
+    blocks_stride: int
 
 
 class Weights(NamedTuple):

@@ -53,6 +53,7 @@ from kernels.kernel_args import (
 )
 from kernels.lm_head import argmax, lm_partials
 from kernels.matvec import matvec, norm_operand
+from kernels.query_blocks import BLOCK_FIELDS, query_blocks
 from kernels.sync import prefetch, prefetch_record, prefetch_regions, wait_counter
 from kernels.tiles import MatvecTile, TileTable, default_tiles
 
@@ -194,7 +195,8 @@ def megakernel(
                     MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(r, sched))
         elif (op == I.ATTN) and LAYERS:
             inc = attention(layer, r[I.ATTN_ROW], r[I.ATTN_KV_HEAD], r[I.ATTN_SPLIT], attn_splits, r[I.ATTN_ARRIVE],
-                             sched.counters, inputs, acts.q, cache, attn_scratch, acts.attn, sm_scale, MODEL, ATT, CG)
+                             r[I.ATTN_ARRIVE_ROW_STRIDE], sched.counters, inputs, acts.q, cache, attn_scratch,
+                             acts.attn, sm_scale, MODEL, ATT, CG)
         elif (op == I.OPROJ) and LAYERS:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sc = scales.o + layer * H if FP8 else None
@@ -296,6 +298,18 @@ class KernelConfig:
     # 4 took the H100's FP8 64-row step 1.96 -> 1.87 ms, 32 rows -2.4%, at context 2048 -11 to -15%, the logits the
     # same (bench variant `attn-h1`: one head a task; bench/NOTES.md, s42)
     attn_heads: int = 4
+    # Rows of one slot at consecutive positions (a prompt's chunk) attend in query blocks of block_queries query heads
+    # (4 rows of Llama, whose 4 query heads a KV head leave 12 of a 16-query tile empty): each block reads its keys
+    # and values once for its rows, and its rows' tasks share its heads and splits (kernels/attention.py). Off where
+    # batch-invariant (a row's sums would depend on its neighbours)
+    query_blocks: bool = False
+    block_queries: int = 16
+    # ... in a launch of its own (the same kernel compiled with the blocks' path: compiled into every launch it cost the
+    # other phases 3-15%, its registers spilling the task loop's), which the decoder runs for a step whose every row is
+    # in a block of several and which attend over this many positions together at least (kernels/query_blocks.py:
+    # uses_blocks). On the H200 a 64-row prompt over 2,048 positions took 2.86 -> 2.11 ms (bf16), 3.00 -> 2.16 (FP8);
+    # 32 rows 1.89 -> 1.55; 16 rows 1.30 -> 1.22; about even at 32K positions, slower under (bench/NOTES.md, s60)
+    block_min_positions: int = 1 << 15
     cooperative: bool = True
     max_spin: int = 1 << 22
     poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
@@ -375,6 +389,8 @@ class Megakernel:
         # how each row picks its token (kernels/sampling.py): temperature as float32 bits (0: greedy), seed words
         self.draw = z(4, bp, dtype=torch.int32)
         self.masks = z(sp, (d.vocab + 31) // 32, dtype=torch.int32)  # rows flagged in draw[3]: grammar masks
+        # each row's query block (kernels/query_blocks.py)
+        self.blocks = z(BLOCK_FIELDS, bp, dtype=torch.int32)
         self.x, self.xn, self.q = z(bp, d.hidden), z(bp, d.hidden), z(bp, d.q_size)
         self.xn_final: torch.Tensor | None = None  # the LM head reads xn
         if weights.scales is not None and self.cfg.f16_norm_operand:
@@ -392,8 +408,12 @@ class Megakernel:
         self.sampled = z(sp, dtype=torch.int64)  # the drawn token (the greedy one for rows that do not sample)
         self.max_splits = _pow2(self.cfg.max_splits)
         nparts = bp * d.num_kv_heads * self.max_splits
-        self.pm, self.pl = z(nparts, self.gpad, dtype=torch.float32), z(nparts, self.gpad, dtype=torch.float32)
-        self.pacc = z(nparts, self.gpad, d.head_dim, dtype=torch.float32)
+        # a query block's tile of queries (0: none)
+        self.block_queries = max(self.cfg.block_queries, self.gpad) \
+            if self.cfg.query_blocks and not self.cfg.batch_invariant else 0
+        qp = max(self.gpad, self.block_queries)  # queries a part holds
+        self.pm, self.pl = z(nparts, qp, dtype=torch.float32), z(nparts, qp, dtype=torch.float32)
+        self.pacc = z(nparts, qp, d.head_dim, dtype=torch.float32)
         self.err = z(1, dtype=torch.int32)
         self.prof: torch.Tensor | None = None
         self.schedules: dict[int, I.Schedule] = {}
@@ -402,6 +422,18 @@ class Megakernel:
         self._scales = Scales(*(s[n] for n in PackedWeights.MATRICES)) if s is not None else None
 
     # -- per bucket ----------------------------------------------------------------------------------------------
+    @property
+    def block_rows(self) -> int:
+        """Rows of a query block at most (0: no blocks)."""
+        return self.block_queries // self.dims.group
+
+    def fill_blocks(self, batch: int) -> None:
+        """blocks for rows [0, batch) from what slots and positions hold (for benchmarks, which write those on the
+        device; the decoder writes all three from its host lists)."""
+        if self.block_queries:
+            blocks = query_blocks(self.slots[:batch].tolist(), self.positions[:batch].tolist(), self.block_rows)
+            self.blocks[:, :batch] = torch.tensor(blocks, dtype=torch.int32)
+
     def rows_of(self, batch: int) -> int:
         """Rows a launch for this bucket computes: the bucket, or the largest one where batch-invariant."""
         return self.bpad if self.cfg.batch_invariant else max(batch, self.cfg.min_rows)
@@ -518,9 +550,10 @@ class Megakernel:
             self.prof = torch.zeros(n, 4, device=self.device, dtype=torch.int64)
         return self.prof
 
-    def step(self, batch: int) -> None:
+    def step(self, batch: int, blocks: bool = False) -> None:
         """One step for rows [0, batch) of tokens/slots/positions (batch must be a bucket size); the LM head, the
-        sampling and the argmax for the first min(batch, max_sampled) of them."""
+        sampling and the argmax for the first min(batch, max_sampled) of them. blocks: the launch whose attention
+        takes rows in query blocks (block_queries; `blocks` then holds each row's)."""
         c = self.cfg
         s = self.schedule(batch)
         launch = self._launches[batch]
@@ -529,25 +562,28 @@ class Megakernel:
             extra["launch_cooperative_grid"] = True
         pf = not INTERPRET  # the interpreter runs no inline PTX
         for part in (1, 2) if c.lm_launch else (0,):
-            self._launch(part, batch, s, launch, pf, extra)
+            self._launch(part, batch, s, launch, pf, extra, blocks)
 
-    def attn_shape(self, s: I.Schedule) -> AttnShape:
+    def attn_shape(self, s: I.Schedule, blocks: bool = False) -> AttnShape:
         """Attention's constexprs for a bucket's schedule: wide launches step through more positions at a time (by the
-        rows the launch computes, so a batch-invariant kernel sums every bucket's attention alike)."""
+        rows the launch computes, so a batch-invariant kernel sums every bucket's attention alike); with `blocks`,
+        query blocks."""
         c = self.cfg
         rows = self.rows_of(s.batch)
         wide = rows >= c.wide_chunk_rows
         one = c.single_split and self.tiling(rows).attn_splits == 1
         return AttnShape(self.gpad, c.wide_chunk if wide else c.chunk, 1 if one else self.max_splits,
-                         c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages)
+                         c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages,
+                         self.block_queries if blocks else 0, self.max_splits)
 
-    def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object]
-                ) -> None:
+    def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object],
+                blocks: bool = False) -> None:
         """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2)."""
         d, c, w = self.dims, self.cfg, self.w
         megakernel[(self.num_programs,)](
             launch.sched._replace(prof=self.prof_buffer(s)),
-            StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks),
+            StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks, self.blocks,
+                       self.blocks.stride(0)),
             batch, min(batch, self.max_sampled), s.tiling.attn_splits,
             Weights(w.embed, w.wqkv, w.bqkv, w.wo, w.w_gate, w.w_up, w.w_down, w.attn_norm, w.mlp_norm,
                     w.final_norm, w.lm_head),
@@ -559,7 +595,7 @@ class Megakernel:
             MODEL=ModelShape(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.ffn, d.vocab, d.num_layers),
             T_QKV=launch.tiles[Op.QKV], T_OPROJ=launch.tiles[Op.OPROJ], T_GATEUP=launch.tiles[Op.GATEUP],
             T_DOWN=launch.tiles[Op.DOWN], T_LMHEAD=launch.tiles[Op.LMHEAD],
-            ATT=self.attn_shape(s),
+            ATT=self.attn_shape(s, blocks),
             BPAD=launch.rows, BS=launch.lm_rows,
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,

@@ -132,6 +132,7 @@ MIXED = {
 # attention tasks of two KV heads of a row (KernelConfig.attn_heads, one attention task per pair: splits 1), checked
 # also against the same case's kernel with a task per (row, KV head), bit for bit: llama's 16-position chunks make
 # up to 8 splits that each task merges itself, qwen's 64-position ones up to 2
+BLOCKS = {"query_blocks": True, "block_min_positions": 0}
 MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk": 16}),
                  "mixed-qwen-heads": ("mixed-qwen", {"attn_heads": 2}),
                  # the wide bucket (32 rows) steps attention through 32 positions at a time, the narrow ones (the later
@@ -139,7 +140,15 @@ MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk":
                  "mixed-llama-wide": ("mixed-llama", {"chunk": 16, "wide_chunk": 32, "wide_chunk_rows": 32}),
                  # the launches whose pairs have one task each (8 rows here) stream a pair as one split, the 32-row
                  # one keeps its two (KernelConfig.single_split, the default); here every launch splits
-                 "mixed-llama-multi": ("mixed-llama", {"chunk": 16, "single_split": False})}
+                 "mixed-llama-multi": ("mixed-llama", {"chunk": 16, "single_split": False}),
+                 # query blocks (KernelConfig.query_blocks; every step with a block of several rows takes their launch
+                 # here): the prompts' rows attend in blocks of 8 rows (llama's 2 query heads a KV head in a 16-query
+                 # tile; qwen's 6: 2 rows), with a causal mask per row; the 6-row run of slot 2 in three splits merged
+                 # by the last of its tasks to arrive, the fresh prompt's 8 rows (and the chunked steps' 5 and 3) in
+                 # one; with two heads a task, a block's tasks share both heads
+                 "mixed-llama-blocks": ("mixed-llama", {"chunk": 16, **BLOCKS}),
+                 "mixed-qwen-blocks": ("mixed-qwen", BLOCKS),
+                 "mixed-llama-blocks-heads": ("mixed-llama", {"chunk": 16, "attn_heads": 2, **BLOCKS})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
@@ -173,9 +182,14 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     assert r["sampled"][0] == r["mixed"]["argmax"][0] and r["sampled"][1:] != r["mixed"]["argmax"][1:], r
     assert r["chunked"]["vs_one_step"] < 1e-5, r
     assert r["refused"] == ["too many rows", "too many sampled rows"], r
-    if "attn_heads" in MIXED_STREAMS.get(case, ("", {}))[1]:
-        assert r["attn_heads"] == MIXED_STREAMS[case][1]["attn_heads"], r
-        assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
+    stream = MIXED_STREAMS.get(case, ("", {}))[1]
+    if "attn_heads" in stream:
+        assert r["attn_heads"] == stream["attn_heads"], r
+        if not stream.get("query_blocks"):  # (a block's splits follow the heads a task takes)
+            assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
+    assert r["block_queries"] == (16 if stream.get("query_blocks") else 0), r
+    # the mixed step and both chunked steps (the next step's rows are each alone)
+    assert r["block_launches"] == (3 if stream.get("query_blocks") else 0), r
     if case == "mixed-llama-wide":
         assert {n: chunk for n, (chunk, _) in r["attn_shapes"].items()} == {"32": 32, "8": 16, "4": 16}, r
     if case == "mixed-llama":  # the default: one split where the launch gives each pair one task
@@ -479,6 +493,14 @@ def _check_mixed(case: str) -> dict:
         return d
 
     mk = decoder(**stream)
+    launches = []  # whether each step of mk took the query blocks' launch
+    plain_step = mk.kernel.step
+
+    def step(bucket: int, blocks: bool = False) -> None:
+        launches.append(blocks)
+        plain_step(bucket, blocks)
+
+    mk.kernel.step = step  # type: ignore[method-assign]
     # the same case's kernel with one KV head a task
     strided = decoder(**{k: v for k, v in stream.items() if k != "attn_heads"}, attn_heads=1) \
         if "attn_heads" in stream else None
@@ -532,6 +554,7 @@ def _check_mixed(case: str) -> dict:
     # each launch's positions a step and splits at most
     out["attn_shapes"] = {n: (lambda a: [a.chunk, a.max_splits])(mk.kernel.attn_shape(mk.kernel.schedule(n)))
                           for n in (32, 8, 4)}
+    out["block_queries"] = mk.kernel.block_queries
     if strided is not None:
         out["attn_heads"] = mk.kernel.schedule(32).tiling.attn_heads
         mixed_bits = torch.equal(strided.decode(sl, tk, ps, draws, sampled_rows=4).logits, b.logits)
@@ -553,6 +576,7 @@ def _check_mixed(case: str) -> dict:
         except ValueError:
             refused.append(what)
     out["refused"] = refused
+    out["block_launches"] = launches.count(True)
     return out
 
 
