@@ -77,7 +77,7 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     prefill_rows = step_prefill_rows(cfg, backend, device, max_rows)
     decoder = make_decoder(backend, model.config, model.weights, kv_slots, max_context, device,
                            weight_format=cfg.weights, max_batch=cfg.max_batch, batch_invariant=cfg.batch_invariant,
-                           max_rows=prefill_rows)
+                           max_rows=prefill_rows, query_blocks=cfg.query_blocks)
     carries = getattr(decoder, "max_rows", None)  # the most rows the backend's step takes (the megakernel's tiles)
     if carries is not None and prefill_rows > carries:
         flag, asked = ("--max-rows", max_rows) if max_rows > carries else ("--prefill-rows", prefill_rows)

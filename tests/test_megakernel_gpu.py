@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+from kernels.megakernel import KernelConfig
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -244,59 +246,92 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_bucket(weight_format: str) ->
     mk.check_errors()
 
 
-def test_mixed_64_row_step_matches_reference_on_gpu() -> None:
+@pytest.mark.parametrize("query_blocks", [False, True])
+def test_mixed_64_row_step_matches_reference_on_gpu(query_blocks: bool) -> None:
     """A 64-row step at the Llama-3.2-1B shape (bf16): six decode rows at contexts up to 4,000, the 30 new tokens
     of a prompt on top of a 1,000-token cached prefix, and a fresh 28-token prompt; the 8 rows that need a token
     first (sampled_rows=8). Its logits, and those of the 8 decode steps after it (which attend over the K/V it
-    wrote), as close to the float32 reference as the bf16 reference decoder running the same rows is."""
+    wrote), as close to the float32 reference as the bf16 reference decoder running the same rows is. With
+    query_blocks the step takes the query blocks' launch (made to here, beside decode rows: block_min_positions 0)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    lens = [4000] + torch.randint(1, 3500, (5,), generator=g).tolist() + [1000, 0]  # slot 7: a fresh prompt
+    r = _prompts_step(seed, lens, {6: 30, 7: 28}, KernelConfig(query_blocks=query_blocks, block_min_positions=0))
+    assert r["blocks_launches"] == (1 if query_blocks else 0), r
+
+
+def test_voice_turns_over_long_conversations_take_the_query_blocks_launch_on_gpu() -> None:
+    """Two voice turns at once on an idle server: 22 and 18 new tokens over cached conversations of 2,000 and 1,500
+    tokens, in one 40-row step with no decode row, ordered as the engine orders them (each prompt's last row first).
+    The server's policy takes the query blocks' launch for it (KernelConfig defaults); its logits and the next 8
+    steps' are as close to the float32 reference as the bf16 reference decoder's."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    r = _prompts_step(seed, [2000, 1500], {0: 22, 1: 18}, KernelConfig(query_blocks=True))
+    assert r["blocks_launches"] == 1, r
+
+
+def _prompts_step(seed: int, lens: list[int], new: dict[int, int], kernel_config: KernelConfig) -> dict:
+    """Slots 0.. prefilled to `lens`; one step of a decode row in each slot not in `new` and `new[slot]` new tokens
+    of the others (the rows that need a token first), then 8 decode steps of every slot, on the megakernel, the bf16
+    reference and the float32 one. Asserts the megakernel as good as the bf16 reference; returns the distances and
+    how many steps took the query blocks' launch."""
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model.synthetic import load_synthetic
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    n = len(lens)
     config, weights, _ = load_synthetic("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, seed=seed)
-    mk = MegakernelDecoder(config, weights, max_slots=8, max_context=MAX_CONTEXT, max_batch=8, max_rows=64)
+    mk = MegakernelDecoder(config, weights, max_slots=n, max_context=MAX_CONTEXT, max_batch=n, max_rows=64,
+                           kernel_config=kernel_config)
     del weights
-    ref = ReferenceDecoder(config, mk.reference.weights, 9, MAX_CONTEXT, "cuda", torch.bfloat16)
-    f32 = ReferenceDecoder(config, mk.reference.weights.to("cuda", torch.float32), 9, MAX_CONTEXT, "cuda",
+    ref = ReferenceDecoder(config, mk.reference.weights, n + 1, MAX_CONTEXT, "cuda", torch.bfloat16)
+    f32 = ReferenceDecoder(config, mk.reference.weights.to("cuda", torch.float32), n + 1, MAX_CONTEXT, "cuda",
                            torch.float32)
     decoders = (mk, ref, f32)
+    launches: list[bool] = []
+    run_step = mk.run_step
+
+    def counted(bucket: int, blocks: bool = False) -> None:
+        launches.append(blocks)
+        run_step(bucket, blocks)
+
+    mk.run_step = counted  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(seed)
 
-    def ids(n: int) -> list[int]:
-        return torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
+    def ids(k: int) -> list[int]:
+        return torch.randint(0, config.vocab_size, (k,), generator=g).tolist()
 
-    lens = [4000] + torch.randint(1, 3500, (5,), generator=g).tolist() + [1000]
-    for s, n in enumerate(lens):
-        prompt = ids(n)
+    for s, k in enumerate(lens):
+        prompt = ids(k)
         for d in decoders:
-            d.prefill(s, prompt)
-    chunk, fresh = ids(30), ids(28)
-    rows = [(s, t, lens[s]) for s, t in zip(range(6), ids(6))] + [(6, chunk[-1], 1029), (7, fresh[-1], 27)]
-    rows += [(6, t, 1000 + i) for i, t in enumerate(chunk[:-1])] + [(7, t, i) for i, t in enumerate(fresh[:-1])]
-    assert len(rows) == 64
+            if prompt:
+                d.prefill(s, prompt)
+    chunks = {s: ids(k) for s, k in new.items()}
+    rows = [(s, chunks[s][-1], lens[s] + new[s] - 1) if s in new else (s, ids(1)[0], lens[s]) for s in range(n)]
+    rows += [(s, t, lens[s] + i) for s, c in chunks.items() for i, t in enumerate(c[:-1])]
     sl, tk, ps = (list(x) for x in zip(*rows))
-    got = [mk.decode(sl, tk, ps, sampled_rows=8).logits]
-    want = [ref.decode(sl, tk, ps).logits[:8]]
-    exact = [f32.decode(sl, tk, ps).logits[:8]]
-    pos = [*(lens[s] + 1 for s in range(6)), 1030, 28]
+    got = [mk.decode(sl, tk, ps, sampled_rows=n).logits]
+    want = [ref.decode(sl, tk, ps).logits[:n]]
+    exact = [f32.decode(sl, tk, ps).logits[:n]]
+    pos = [lens[s] + new.get(s, 1) for s in range(n)]
     for _ in range(8):
-        toks = ids(8)
-        got.append(mk.decode(list(range(8)), toks, pos).logits)
-        want.append(ref.decode(list(range(8)), toks, pos).logits)
-        exact.append(f32.decode(list(range(8)), toks, pos).logits)
+        toks = ids(n)
+        got.append(mk.decode(list(range(n)), toks, pos).logits)
+        want.append(ref.decode(list(range(n)), toks, pos).logits)
+        exact.append(f32.decode(list(range(n)), toks, pos).logits)
         pos = [p + 1 for p in pos]
     mk.check_errors()
     d_ref = torch.stack([_rel(a, b) for a, b in zip(got, want)])
     e_mk = torch.stack([_rel(a, c) for a, c in zip(got, exact)])
     e_ref = torch.stack([_rel(b, c) for b, c in zip(want, exact)])
-    r = {"seed": seed, "worst_vs_ref": d_ref.max().item(), "worst_mk_vs_fp32": e_mk.max().item(),
+    r = {"seed": seed, "rows": len(rows), "worst_vs_ref": d_ref.max().item(), "worst_mk_vs_fp32": e_mk.max().item(),
          "worst_ref_vs_fp32": e_ref.max().item(), "mean_mk_vs_fp32": e_mk.mean().item(),
-         "mean_ref_vs_fp32": e_ref.mean().item(), "mixed_step_mk_vs_fp32": e_mk[0].max().item(),
-         "mixed_step_ref_vs_fp32": e_ref[0].max().item()}
-    print("mixed 64 rows", r)
+         "mean_ref_vs_fp32": e_ref.mean().item(), "prompt_step_mk_vs_fp32": e_mk[0].max().item(),
+         "prompt_step_ref_vs_fp32": e_ref[0].max().item(), "blocks_launches": launches.count(True)}
+    print("prompts step", r)
     assert all(torch.isfinite(x).all() for x in got), r
     assert _as_good_as_the_reference(r), r
+    return r
 
 
 def test_a_megakernel_engine_gathers_its_fed_rows_on_the_device() -> None:

@@ -26,7 +26,7 @@ def resolve_backend(backend: str) -> str:
 
 def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_slots: int, max_context: int,
                  device: str | None = None, weight_format: str = "bf16", max_batch: int | None = None,
-                 batch_invariant: bool = False, max_rows: int | None = None) -> Decoder:
+                 batch_invariant: bool = False, max_rows: int | None = None, query_blocks: bool = True) -> Decoder:
     """The backend's decoder over `max_slots` KV slots (cached conversations), decoding up to `max_batch` of them a
     step (the megakernel sizes its buffers by it, its KV cache by max_slots + a scratch slot). weight_format "fp8":
     the matrices in FP8 (e4m3, a scale per output row; service/model/fp8.py), "int8": in int8 blocks (a scale per 32
@@ -34,7 +34,8 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
     streams them, the reference decoder runs their dequantized values (the same function, at bf16 bytes).
     batch_invariant: the megakernel pads every batch to the largest bucket, so a sequence's tokens never depend on
     the batch it ran in (costs the padding at small batches). max_rows: the rows a step carries at most (the
-    megakernel's largest bucket; None: its own limit)."""
+    megakernel's largest bucket; None: its own limit). query_blocks: the megakernel runs a step of prompts' rows over
+    long contexts in its query blocks' launch (kernels/query_blocks.py)."""
     backend = resolve_backend(backend)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if weight_format not in WEIGHT_FORMATS:
@@ -49,7 +50,8 @@ def make_decoder(backend: str, config: ModelConfig, weights: ModelWeights, max_s
 
         return MegakernelDecoder(config, weights, max_slots=max_slots, max_context=max_context, device=device,
                                  weight_format=weight_format, max_batch=max_batch, max_rows=max_rows,
-                                 kernel_config=KernelConfig(batch_invariant=batch_invariant),
+                                 kernel_config=KernelConfig(batch_invariant=batch_invariant,
+                                                            query_blocks=query_blocks),
                                  output_views=True)  # the engine is done with a step's outputs before the next
     from service.backends.reference import ReferenceDecoder
 

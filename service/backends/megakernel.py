@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.query_blocks import BLOCK_FIELDS, query_blocks, uses_blocks
 from service.backends.decoder import DecodeOutput, Draw, Fed
 from service.backends.reference import ReferenceDecoder
 from service.model.config import ModelConfig
@@ -106,20 +107,26 @@ class MegakernelDecoder:
         self.max_rows, self.max_batch = self.kernel.max_rows, self.kernel.max_sampled
         self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.bpad)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, query blocks' launch)
         # one host buffer for the int32 input rows (tokens, slots, positions, the draw's four; a Fed's rows and their
         # sources), one transfer
         n = self.kernel.bpad
         pinned = self.device.type == "cuda"
-        self._host = torch.zeros(9, n, dtype=torch.int32, pin_memory=pinned)
+        self._host = torch.zeros(9 + BLOCK_FIELDS, n, dtype=torch.int32, pin_memory=pinned)
         self._host_rows = self._host.numpy()  # the same memory: numpy fills it from lists 3x faster than torch
         self._host_masks = torch.zeros(self.kernel.masks.shape, dtype=torch.int32, pin_memory=pinned)
         # the last asynchronous copy out of _host; _host is not rewritten before it has run
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._inputs = torch.cat([torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions]),
-                                  self.kernel.draw, torch.zeros_like(self.kernel.draw[:2])])
+                                  self.kernel.draw, torch.zeros_like(self.kernel.draw[:2]), self.kernel.blocks])
         self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs[:3].unbind(0)
         self.kernel.draw = self._inputs[3:7]
+        self.kernel.blocks = self._inputs[9:]  # each row's query block (kernels/query_blocks.py)
+        self._block_rows = self.kernel.block_rows
+        self._block_min = self.kernel.cfg.block_min_positions
+        # the buckets whose steps may take the blocks' launch: their graphs are captured with the plain ones
+        self._block_buckets = {b for b in self.buckets if b > 1 and b * self.max_context >= self._block_min} \
+            if self._block_rows else set()
         # a Fed's rows and sources, padded with its first pair: fed rows are decode rows, at most the sampled rows of a
         # step, so as wide as those (not as the widest step: 2 x 64 list entries a step cost host time for nothing)
         fed = self.kernel.spad
@@ -213,9 +220,16 @@ class MegakernelDecoder:
             halves = struct.unpack(f"<{2 * m}i", struct.pack(f"<{m}q", *(d.seed for d in draws[:m])))
             rows[4], rows[5] = [*halves[0::2], *rest], [*halves[1::2], *rest]
         self._host_rows[:7, :b] = rows
+        blocks = False
+        # the query blocks' launch (kernels/query_blocks.py): a step whose every row is in a block of several has each
+        # of its slots twice at least (a cheap test first: computing the blocks is ~10 us of host time at 16 rows)
+        if b in self._block_buckets and (self._block_min <= 0 or 2 * len(set(slots)) <= n):
+            found = query_blocks(rows[1], rows[2], self._block_rows)  # (padding rows: blocks of their own)
+            self._host_rows[9:, :b] = found
+            blocks = uses_blocks(found, n, self._block_min)
         if fed is not None and gather:  # the fed rows and their sources, padded with the first pair (written twice)
             width = self.kernel.spad
-            self._host_rows[7:, :width] = [[*fed.rows, *fed.rows[:1] * (width - len(fed.rows))],
+            self._host_rows[7:9, :width] = [[*fed.rows, *fed.rows[:1] * (width - len(fed.rows))],
                                            [*fed.sources, *fed.sources[:1] * (width - len(fed.sources))]]
         if masks:
             words = self._host_masks.shape[1]
@@ -239,7 +253,7 @@ class MegakernelDecoder:
             self.kernel.tokens.index_put_((self._fed_rows,), chosen.to(self.kernel.tokens.dtype))
         if self._copied is not None:
             self._copied.record()
-        self.run_step(b)
+        self.run_step(b, blocks)
         logits, argmax, sampled = self._outputs_of[m]
         if self.output_views:
             return DecodeOutput(logits, argmax, None if draws is None else sampled)
@@ -253,28 +267,34 @@ class MegakernelDecoder:
                     torch.tensor([d.seed for d in draws], dtype=torch.int64, device=dev),
                     torch.tensor(positions, dtype=torch.int32, device=dev))
 
-    def run_step(self, bucket: int) -> None:
-        """Run (or replay) the step of a bucket on whatever the input buffers hold."""
+    def run_step(self, bucket: int, blocks: bool = False) -> None:
+        """Run (or replay) the step of a bucket on whatever the input buffers hold; blocks: the query blocks' launch
+        (the inputs' blocks rows then say each row's block)."""
         if not self.use_graphs:
-            self.kernel.step(bucket)
+            self.kernel.step(bucket, blocks)
             return
-        graph = self._graphs.get(bucket)
-        if graph is None:
-            graph = self.capture(bucket)
-        graph.replay()
+        self.graph(bucket, blocks).replay()
 
-    def capture(self, bucket: int) -> torch.cuda.CUDAGraph:
+    def graph(self, bucket: int, blocks: bool = False) -> torch.cuda.CUDAGraph:
+        """The bucket's captured step (captured now if it is not yet; a bucket's blocks' launch with its plain one,
+        so that the warm-up that runs every bucket compiles both)."""
+        if (bucket, blocks) not in self._graphs:
+            for b in (False, True) if bucket in self._block_buckets else (blocks,):
+                self.capture(bucket, b)
+        return self._graphs[bucket, blocks]
+
+    def capture(self, bucket: int, blocks: bool = False) -> torch.cuda.CUDAGraph:
         # compile and warm up outside the graph (this also writes K/V rows, at the positions the inputs hold:
         # those of the step about to run, which it then rewrites identically)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.kernel.step(bucket)
+            self.kernel.step(bucket, blocks)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.kernel.step(bucket)
+                self.kernel.step(bucket, blocks)
         except RuntimeError:
             if not self.kernel.cfg.cooperative:
                 raise
@@ -283,8 +303,8 @@ class MegakernelDecoder:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.kernel.step(bucket)
-        self._graphs[bucket] = graph
+                self.kernel.step(bucket, blocks)
+        self._graphs[bucket, blocks] = graph
         self.check_errors()
         return graph
 
