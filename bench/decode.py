@@ -58,6 +58,8 @@ from service.model.config import ModelConfig
 from service.model.synthetic import load_synthetic
 from service.model.weights import ModelWeights
 
+LAYOUTS = ["decode", "mixed", "half", "prompt"]  # row_layout's
+
 
 def bandwidth() -> dict[str, float]:
     """Streaming read (a float32-accumulated sum over 2 GiB of bf16) and device-to-device copy, in GB/s."""
@@ -141,16 +143,17 @@ def hf_step_ms(model, batch: int, context: int, vocab: int, static: bool, new_to
     return statistics.median(gaps)
 
 
-def timeline(dec: MegakernelDecoder, batch: int, context: int) -> dict:
+def timeline(dec: MegakernelDecoder, batch: int, context: int, layout: str = "decode") -> dict:
     """Per-phase times of one step, from the kernel's globaltimer stamps (KernelConfig(profile=True)): for each
     phase, from the previous phase's last end to its own last end (`phase_us`), from that end to its first task
-    finding its inputs ready (`ready_after_us`), and its tasks' mean time from ready to end (`task_us`)."""
+    finding its inputs ready (`ready_after_us`), and its tasks' mean time from ready to end (`task_us`). layout: the
+    rows' (row_layout)."""
     k = dec.kernel
     k.tokens[:batch] = 1
-    k.slots[:batch] = torch.arange(batch, device="cuda", dtype=torch.int32)
-    k.positions[:batch] = context
+    k.slots[:batch], k.positions[:batch] = row_layout(batch, context, layout, min(batch, dec.max_batch))
+    k.fill_blocks(batch)
     for _ in range(3):
-        k.step(batch)
+        k.step(batch, blocked(dec))
     torch.cuda.synchronize()
     s = k.schedule(batch)
     assert k.prof is not None, "the decoder's kernel config must profile"
@@ -226,10 +229,15 @@ def row_layout(batch: int, context: int, layout: str, sampled: int) -> tuple[tor
     """Slots and positions of a timed step's rows. "decode": every row its own slot, at the context. "mixed": the
     first `sampled` rows decode (their own slots, at the context); the others are one prompt's chunk in slot
     `sampled`, at the positions just before the context (new tokens over a cached prefix: each row attends over
-    the whole prefix, which per-row attention reads once per row)."""
+    the whole prefix, which per-row attention reads once per row). "half": the same with half the rows decoding.
+    "prompt": every row one prompt's chunk in slot 0, its last row at the context (a step with no decode row)."""
     if layout == "decode":
         return (torch.arange(batch, device="cuda", dtype=torch.int32),
                 torch.full((batch,), context, device="cuda", dtype=torch.int32))
+    if layout == "prompt":
+        return (torch.zeros(batch, device="cuda", dtype=torch.int32),
+                torch.arange(context - batch + 1, context + 1, device="cuda", dtype=torch.int32))
+    sampled = batch // 2 if layout == "half" else sampled
     n = batch - sampled
     slots = torch.cat([torch.arange(sampled), torch.full((n,), sampled)])
     positions = torch.cat([torch.full((sampled,), context), torch.arange(context - n, context)])
@@ -268,6 +276,12 @@ def check_logits(dec: MegakernelDecoder, tokens: torch.Tensor, context: int, f32
         exact = static_cache_step(ref.config, f32, ref.cos, ref.sin, f32.embed[tokens[:rows].long()].unsqueeze(1),
                                   torch.tensor([context], device="cuda"), ks, vs)
     return bf16, exact
+
+
+def blocked(dec: MegakernelDecoder) -> bool:
+    """Whether the bench runs a variant's steps through its query blocks' launch: wherever it has one (the decoder
+    takes it only for steps that pay: kernels/query_blocks.py uses_blocks; the bench times the launch itself)."""
+    return dec.kernel.block_queries > 0
 
 
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -321,6 +335,11 @@ def main() -> None:
     ap.add_argument("--timeline-rows", nargs="+", type=int, default=[1], help="rows of the profiled steps")
     ap.add_argument("--timeline-contexts", nargs="+", type=int, default=[128],
                     help="contexts of the profiled steps (each at most the largest of --contexts)")
+    ap.add_argument("--timeline-layouts", nargs="+", default=["decode"], choices=LAYOUTS,
+                    help="row layouts of the profiled steps (row_layout)")
+    ap.add_argument("--layouts", nargs="*", default=[], choices=["half", "prompt"],
+                    help="row layouts timed beside decode (and mixed, past --sampled rows) at every row count over 1; "
+                    "their variants are checked against the default's logits (the oracle reads decode rows only)")
     ap.add_argument("--timeline-models", nargs="*", default=None, help="models to profile (default: every model)")
     ap.add_argument("--timeline-weights", nargs="*", default=None, help="weights to profile (default: every format)")
     ap.add_argument("--no-peers", action="store_true", help="no reference, no compiled step (see --no-library-peer)")
@@ -399,23 +418,27 @@ def main() -> None:
             wbytes = base.kernel.w.nbytes()
             profile = (args.timeline_models is None or model_name in args.timeline_models) and \
                 (args.timeline_weights is None or fmt in args.timeline_weights)
-            profiled = [(v, r, c) for v in args.timeline for r in args.timeline_rows for c in args.timeline_contexts]
-            for v, t_rows, t_ctx in profiled if profile else []:
+            profiled = [(v, r, c, lay) for v in args.timeline for r in args.timeline_rows
+                        for c in args.timeline_contexts for lay in args.timeline_layouts]
+            for v, t_rows, t_ctx, t_lay in profiled if profile else []:
                 rows = base.bucket(min(t_rows, rows_max))  # a bucket of rows this decoder has slots for
                 dec = base.with_kernel_config(dataclasses.replace(VARIANTS[v](fmt), profile=True),
                                               use_cuda_graphs=False)
                 tl_ = {"model": f"synthetic:{model_name}", "weights": fmt, "variant": v, "batch": rows,
-                       "context": t_ctx, **timeline(dec, rows, t_ctx)}
+                       "context": t_ctx, "layout": t_lay, **timeline(dec, rows, t_ctx, t_lay)}
                 timelines.append(tl_)
-                print(f"TIMELINE {model_name} {fmt} {v} B={rows} ctx={t_ctx}: {tl_['step_us']:.1f} us " + ", ".join(
-                    f"{n} {p['phase_us']:.2f}" for n, p in tl_["phases"].items()), flush=True)
+                print(f"TIMELINE {model_name} {fmt} {v} B={rows} ctx={t_ctx} {t_lay}: {tl_['step_us']:.1f} us "
+                      + ", ".join(f"{n} {p['phase_us']:.2f}" for n, p in tl_["phases"].items()), flush=True)
                 del dec
             for batch in batches:
                 sampled = min(batch, base.max_batch)  # rows with logits: the LM head's rows
-                layouts = ["decode", "mixed"] if batch > sampled else ["decode"]
+                layouts = (["decode", "mixed"] if batch > sampled else ["decode"]) + \
+                    [lay for lay in args.layouts if batch > 1]
                 for context, layout in [(c, lay) for c in args.contexts for lay in layouts]:
                     row_slots, row_positions = row_layout(batch, context, layout, sampled)
-                    kv = kv_bytes(config, batch if layout == "decode" else sampled + 1, context)  # distinct K/V
+                    # distinct K/V
+                    kv = kv_bytes(config, {"decode": batch, "mixed": sampled + 1, "half": batch // 2 + 1,
+                                           "prompt": 1}[layout], context)
                     floor = (wbytes + kv) / (bw["read_GBps"] * 1e6)
                     common = {"model": f"synthetic:{model_name}", "weights": fmt, "batch": batch,
                               "sampled_rows": sampled, "layout": layout, "context": context, "floor_ms": floor,
@@ -423,16 +446,20 @@ def main() -> None:
                     tokens = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
                     # the oracles of each set of W8A8 products the variants run at this row count; () the weight-only
                     # one (the peers')
-                    want, exact = check_logits(base, tokens, context, f32, sampled)
-                    oracles = {(): (want, exact, rel_err(want, exact))}
+                    own_oracle = layout in ("decode", "mixed")  # else: the default variant's logits
+                    oracles: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, float]] = {}
+                    if own_oracle:
+                        want, exact = check_logits(base, tokens, context, f32, sampled)
+                        oracles[()] = (want, exact, rel_err(want, exact))
                     checked: dict[str, tuple[MegakernelDecoder, float, float, float]] = {}
                     for v, dec in decoders.items():
                         k = dec.kernel
                         k.tokens[:batch] = tokens
                         k.slots[:batch] = row_slots
                         k.positions[:batch] = row_positions
+                        k.fill_blocks(batch)
                         try:  # a variant that does not compile at this shape (shared memory, registers) is no result
-                            dec.run_step(batch)
+                            dec.run_step(batch, blocked(dec))
                             torch.cuda.synchronize()
                         except Exception as e:  # noqa: BLE001
                             print(f"   {v} at {batch} rows failed: {repr(e)[:300]}", flush=True)
@@ -441,14 +468,19 @@ def main() -> None:
                         # before timing: as close to the float32 answer as the bf16 reference decoder is (a broken
                         # variant is no result)
                         names = w8a8_names(dec, batch)
-                        if names not in oracles:
+                        got = k.logits[:sampled]
+                        if not own_oracle:
+                            if v == "default":
+                                default_logits = got.clone()
+                            oracles[names] = (default_logits, default_logits, 0.0)
+                        elif names not in oracles:
                             want, exact = check_logits(base, tokens, context, f32, sampled, names)
                             oracles[names] = (want, exact, rel_err(want, exact))  # how far two correct ones stray
                         want, exact, ref_err = oracles[names]
-                        got = k.logits[:sampled]
                         checked[v] = (dec, rel_err(got, want), rel_err(got, exact), ref_err)
                     # every variant that ran, timed in turns (position and drift fall on each alike)
-                    timed = time_in_turns({v: c[0]._graphs[batch].replay for v, c in checked.items()}, args.reps)
+                    timed = time_in_turns({v: c[0].graph(batch, blocked(c[0])).replay for v, c in checked.items()},
+                                          args.reps)
                     for v, (dec, err, err32, ref_err) in checked.items():
                         k = dec.kernel
                         dec.check_errors()
@@ -459,17 +491,17 @@ def main() -> None:
                         if err32 > max(0.05, 1.5 * ref_err):
                             print(f"   {name}: logits {err32:.3f} away from the float32 answer, the bf16 reference "
                                   f"{ref_err:.3f}: WRONG", flush=True)
-                        if v == "default":  # the same step with every row sampling at temperature 1 (in the kernel)
+                        if v == "default" and own_oracle:  # the same step, every row sampling at T=1 (in the kernel)
                             k.draw[0, :batch] = torch.ones(batch, device="cuda").view(torch.int32)
                             k.draw[1:3, :batch] = torch.randint(-2**31, 2**31 - 1, (2, batch), device="cuda",
                                                                dtype=torch.int32)
-                            res = time_graph(dec._graphs[batch], args.reps)
+                            res = time_graph(dec.graph(batch), args.reps)
                             dec.check_errors()
                             k.draw.zero_()
                             add(records, common, f"{name}, sampling T=1", res)
-                    if batch in lib:  # measured once per row count: it has no attention, so no context
+                    if batch in lib and own_oracle:  # once per row count: it has no attention, so no context
                         add(records, common, LIBRARY_PEER, lib[batch])
-                    if not args.no_peers and not eight_bit and batch in args.batches:
+                    if own_oracle and not args.no_peers and not eight_bit and batch in args.batches:
                         ref: ReferenceDecoder = base.reference
                         x = ref.weights.embed[torch.randint(0, config.vocab_size, (batch,), device="cuda")]
                         x = x.unsqueeze(1)
@@ -550,7 +582,7 @@ def markdown(doc: dict) -> str:
                  for b in backends]
         sampled = next(iter(row.values())).get("sampled_rows", key[2])
         rows = f"{key[2]} ({sampled})" if sampled < key[2] else f"{key[2]}"
-        rows += " mixed" if key[4] == "mixed" else ""
+        rows += f" {key[4]}" if key[4] != "decode" else ""
         lines.append(f"| {key[0]} | {key[1]} | {rows} | {key[3]} | {floor:.3f} | " + " | ".join(cells) + " |")
     if doc.get("timelines"):
         lines += ["", "## Per-phase timeline (µs per phase, mean over layers)", "",
@@ -559,8 +591,9 @@ def markdown(doc: dict) -> str:
                   "| --- | --- | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in Op) + " |"]
         for t in doc["timelines"]:
             cells = [f"{t['phases'][o.name]['phase_us']:.2f}" if o.name in t["phases"] else "–" for o in Op]
-            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['batch']} | {t.get('context', 128)} | "
-                         f"{t['step_us']:.1f} | " + " | ".join(cells) + " |")
+            lay = f" {t['layout']}" if t.get("layout", "decode") != "decode" else ""
+            lines.append(f"| {t['model']} | {t['weights']} | {t['variant']} | {t['batch']}{lay} | "
+                         f"{t.get('context', 128)} | {t['step_us']:.1f} | " + " | ".join(cells) + " |")
     if doc.get("skipped"):
         lines += ["", "Not run (past the call's budget): " + ", ".join(doc["skipped"]) + "."]
     return "\n".join(lines) + "\n"

@@ -90,7 +90,7 @@ def run(fmt: str, gaps_ms: list[float], bursts: int, samples: Path) -> dict:
     dec.run_step(1)
     torch.cuda.synchronize()
     dec.check_errors()
-    replay = dec._graphs[1].replay
+    replay = dec.graph(1).replay
     burst(replay, 200)  # warm
     proc = sampler(samples)
     time.sleep(0.2)

@@ -48,7 +48,8 @@ def capture_launch(model: str, batch: int, weights: str, variant: str) -> list[t
         dec = MegakernelDecoder(config, w, max_slots=batch, max_context=256, device="cpu", kernel_config=cfg,
                                 use_cuda_graphs=False, weight_format=weights, num_programs=132, max_rows=batch,
                                 max_batch=min(batch, 16))
-        dec.kernel.step(dec.bucket(batch))
+        dec.kernel.fill_blocks(dec.bucket(batch))
+        dec.kernel.step(dec.bucket(batch), dec.kernel.block_queries > 0)
     finally:
         mk.megakernel = real
     return captured

@@ -147,6 +147,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # one (up to 2) KV heads of a row an attention task (default: up to 4, where the bucket has a task per pair)
     "attn-h1": lambda w: KernelConfig(attn_heads=1),
     "attn-h2": lambda w: KernelConfig(attn_heads=2),
+    # a prompt chunk's rows attend in query blocks: 16 query heads a tile (4 rows of Llama), or 32 (8 rows)
+    "qblocks": lambda w: KernelConfig(query_blocks=True),
+    "qblocks32": lambda w: KernelConfig(query_blocks=True, block_queries=32),
     # attention waits for the whole QKV phase (one counter a phase), as before the per-KV-head counters
     "phase-counters": lambda w: KernelConfig(head_counters=False),
     # wide buckets: the 16-row buckets' tiles (16-row tiles, 4 k slices) over 128-column k chunks
