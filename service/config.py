@@ -53,7 +53,7 @@ class ServeConfig(BaseSettings):
     query_blocks: bool = Field(True, description="megakernel: a step of prompts' rows over a long conversation (a "
                                "voice turn's new tokens; every row a prompt's, 32K positions read in all) runs in a "
                                "launch whose attention reads a prompt's cached K/V once for 4 of its rows, not once a "
-                               "row (64 rows over 2,048 positions: 2.86 -> 2.11 ms on the H200)")
+                               "row (64 rows over 2,048 positions: 2.87 -> 2.13 ms on the H200)")
     max_batch: int = Field(8, ge=1, description="requests seated together (prefilling or decoding): a step's "
                            "sampled rows never exceed it (more wait)")
     kv_slots: int | None = Field(None, description="KV slots: conversations whose K/V stay cached (a request whose "
