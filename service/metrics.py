@@ -107,6 +107,10 @@ class Metrics:
         self.prefill_slow_path = Counter(
             "parley_prefill_slow_path", "Prefills on a GPU that could not replay a captured graph (eager: slow)",
             registry=r)
+        self.query_block_steps = Counter(
+            "parley_query_block_steps", "Decode steps run in the megakernel's query-blocks launch: every row a "
+            "prompt's, over a long conversation, each block of rows reading its K/V once (--query-blocks)",
+            registry=r)
         self.grammar_mask_waits = Counter(
             "parley_grammar_mask_waits", "Constrained tokens whose grammar mask (computed off the engine thread) was "
             "not ready when their step was launched: the engine thread waited for it", registry=r)

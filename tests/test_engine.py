@@ -362,7 +362,7 @@ class DrawingDecoder:
     hand sampled requests to the decoder."""
 
     draws_tokens = True
-    slow_prefills = 0
+    slow_prefills = query_block_steps = 0
 
     def __init__(self, inner: ReferenceDecoder) -> None:
         self.inner, self.drawn = inner, 0
@@ -740,6 +740,36 @@ def test_a_prompt_alone_is_prefilled_in_one_step_of_prefill_rows_with_the_tokens
     assert [len(s.slots) for s in by_chunks.steps[:4]] == [16, 16, 8, 1]
     assert [len(s.slots) for s in at_once.steps[:2]] == [40, 1] and at_once.steps[0].sampled == 1
     assert len(at_once.steps) == len(by_chunks.steps) - 2
+
+
+class BlockCountingDecoder(RecordingDecoder):
+    """Counts the steps whose every row shares its slot with another row of the step, as the megakernel counts the
+    steps it runs in its query blocks' launch (a prompt's rows alone in a step; its threshold at zero)."""
+
+    def __init__(self, model, slots=4, ctx=256):
+        super().__init__(model, slots, ctx)
+        self.query_block_steps = 0
+
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None):
+        self.query_block_steps += all(list(slots).count(s) > 1 for s in slots)
+        return super().decode(slots, token_ids, positions, draws, sampled_rows, masks)
+
+
+def test_the_decoders_query_block_steps_reach_metrics(tiny):
+    """parley_query_block_steps_total follows the decoder's count: a 40-token prompt alone is one step of 40 rows of
+    one slot (a block step), its decode rows are not; a second request's prompt beside it adds its own."""
+    dec = BlockCountingDecoder(tiny)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=8, max_rows=16, prefill_rows=64)
+    try:
+        submit_all(eng, [(list(range(1, 41)), GREEDY, None)])  # (starts the engine)
+        assert wait_until(lambda: eng.metrics.registry.get_sample_value("parley_query_block_steps_total") == 1)
+        q = queue.SimpleQueue()
+        eng.submit(list(range(2, 30)), GREEDY, q.put)
+        collect(q)
+        assert wait_until(lambda: eng.metrics.registry.get_sample_value("parley_query_block_steps_total") == 2)
+        assert dec.query_block_steps == 2 and len(dec.steps) > 2
+    finally:
+        eng.stop()
 
 
 class FeedingDecoder(RecordingDecoder):

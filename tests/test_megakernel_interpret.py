@@ -190,6 +190,7 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     assert r["block_queries"] == (16 if stream.get("query_blocks") else 0), r
     # the mixed step and both chunked steps (the next step's rows are each alone)
     assert r["block_launches"] == (3 if stream.get("query_blocks") else 0), r
+    assert r["query_block_steps"] == r["block_launches"], r  # the decoder's count, as /metrics exports it
     if case == "mixed-llama-wide":
         assert {n: chunk for n, (chunk, _) in r["attn_shapes"].items()} == {"32": 32, "8": 16, "4": 16}, r
     if case == "mixed-llama":  # the default: one split where the launch gives each pair one task
@@ -577,6 +578,7 @@ def _check_mixed(case: str) -> dict:
             refused.append(what)
     out["refused"] = refused
     out["block_launches"] = launches.count(True)
+    out["query_block_steps"] = mk.query_block_steps  # what parley_query_block_steps_total exports
     return out
 
 

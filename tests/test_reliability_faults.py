@@ -124,7 +124,7 @@ class NaNLogitsDecoder:
         self.inner, self.poisoned = inner, set[int]()
         self.config, self.max_slots, self.max_context = inner.config, inner.max_slots, inner.max_context
         self.device, self.name, self.draws_tokens = inner.device, inner.name, False
-        self.slow_prefills = 0
+        self.slow_prefills = self.query_block_steps = 0
 
     def prefill(self, slot: int, token_ids: list[int], start_pos: int = 0) -> torch.Tensor:
         (self.poisoned.add if token_ids[0] == POISON else self.poisoned.discard)(slot)

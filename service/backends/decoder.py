@@ -75,6 +75,12 @@ class Decoder(Protocol):
         """Prefills that took a slow path (on a GPU: eager, not a captured graph): parley_prefill_slow_path_total."""
         ...
 
+    @property
+    def query_block_steps(self) -> int:
+        """Decode steps run in the megakernel's query-blocks launch (kernels/query_blocks.py; 0 elsewhere):
+        parley_query_block_steps_total."""
+        ...
+
     def prefill_graph_buckets(self) -> list[int] | None:
         """The sizes prefill graphs pad to, new tokens and cached length alike (GPU: a prefill's cost steps at them,
         and admission's latency model is measured at them); None where prefill runs eagerly, its cost growing

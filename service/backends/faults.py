@@ -38,6 +38,10 @@ class FaultInjectingDecoder:
     def slow_prefills(self) -> int:
         return self.inner.slow_prefills
 
+    @property
+    def query_block_steps(self) -> int:
+        return self.inner.query_block_steps
+
     def prefill_graph_buckets(self) -> list[int] | None:
         return self.inner.prefill_graph_buckets()
 

@@ -127,6 +127,7 @@ class MegakernelDecoder:
         # the buckets whose steps may take the blocks' launch: their graphs are captured with the plain ones
         self._block_buckets = {b for b in self.buckets if b > 1 and b * self.max_context >= self._block_min} \
             if self._block_rows else set()
+        self.query_block_steps = 0  # steps that took it: parley_query_block_steps_total
         # a Fed's rows and sources, padded with its first pair: fed rows are decode rows, at most the sampled rows of a
         # step, so as wide as those (not as the widest step: 2 x 64 list entries a step cost host time for nothing)
         fed = self.kernel.spad
@@ -227,6 +228,7 @@ class MegakernelDecoder:
             found = query_blocks(rows[1], rows[2], self._block_rows)  # (padding rows: blocks of their own)
             self._host_rows[9:, :b] = found
             blocks = uses_blocks(found, n, self._block_min)
+            self.query_block_steps += blocks
         if fed is not None and gather:  # the fed rows and their sources, padded with the first pair (written twice)
             width = self.kernel.spad
             self._host_rows[7:9, :width] = [[*fed.rows, *fed.rows[:1] * (width - len(fed.rows))],

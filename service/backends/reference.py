@@ -69,6 +69,7 @@ class ReferenceDecoder:
         # On a GPU an eager prefill is launch-bound (~40 kernels a layer: 12 ms for Llama-1B at any length up to
         # ~1k tokens), so every prefill replays a CUDA graph; one that cannot is counted here.
         self.slow_prefills = 0
+        self.query_block_steps = 0  # (the megakernel's launch; none here)
         self.graph_prefill = self.device.type == "cuda"
         self._prefill_graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
         if self.graph_prefill:

@@ -120,6 +120,7 @@ class Engine:
         if self._decoder_starts_clock:
             decoder.before_launch = self._clock.step_start  # type: ignore[attr-defined]
         self._slow_prefills = 0  # the decoder's count, as last exported
+        self._query_block_steps = 0  # the same
         self.stats = EngineStats(0, 0, decoder.max_slots, decoder.max_slots)
         self.metrics.kv_slots_total.set(decoder.max_slots)
         self.metrics.sla_seconds.set(self.sla_s)
@@ -478,6 +479,10 @@ class Engine:
         if slow > self._slow_prefills:
             self.metrics.prefill_slow_path.inc(slow - self._slow_prefills)
             self._slow_prefills = slow
+        blocked = self.decoder.query_block_steps
+        if blocked > self._query_block_steps:
+            self.metrics.query_block_steps.inc(blocked - self._query_block_steps)
+            self._query_block_steps = blocked
 
     def _end(self, ev: Finished) -> None:
         req = ev.req
