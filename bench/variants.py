@@ -150,6 +150,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # a prompt chunk's rows attend in query blocks: 16 query heads a tile (4 rows of Llama), or 32 (8 rows)
     "qblocks": lambda w: KernelConfig(query_blocks=True),
     "qblocks32": lambda w: KernelConfig(query_blocks=True, block_queries=32),
+    # ... a block's merge folding 4 or 1 splits at a time (default 2)
+    "qblocks-m4": lambda w: KernelConfig(query_blocks=True, block_merge=4),
+    "qblocks-m1": lambda w: KernelConfig(query_blocks=True, block_merge=1),
     # attention waits for the whole QKV phase (one counter a phase), as before the per-KV-head counters
     "phase-counters": lambda w: KernelConfig(head_counters=False),
     # wide buckets: the 16-row buckets' tiles (16-row tiles, 4 k slices) over 128-column k chunks

@@ -111,8 +111,8 @@ def _merge(b, g, n_split, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.co
 
 @triton.jit
 def _merge_parts(p0, n_split, qrow, qcol, valid, scratch, attn_ptr, dt, MODEL: tl.constexpr, QP: tl.constexpr,
-                 SPLITS: tl.constexpr, CG: tl.constexpr):
-    """A query tile's output from its n_split splits' partials (scratch parts p0, p0 + 1, ...), in split order, four
+                 SPLITS: tl.constexpr, CG: tl.constexpr, STEP: tl.constexpr = 4):
+    """A query tile's output from its n_split splits' partials (scratch parts p0, p0 + 1, ...), in split order, STEP
     at a time."""
     D: tl.constexpr = MODEL.head_dim
     qi = tl.arange(0, QP)
@@ -123,8 +123,8 @@ def _merge_parts(p0, n_split, qrow, qcol, valid, scratch, attn_ptr, dt, MODEL: t
                           float("-inf")), axis=0)
     l_all = tl.zeros([QP], tl.float32)
     o = tl.zeros([QP, D], tl.float32)
-    for i0 in range(0, n_split, 4):
-        r4 = i0 + tl.arange(0, 4)
+    for i0 in range(0, n_split, STEP):
+        r4 = i0 + tl.arange(0, STEP)
         m4 = (r4[:, None] < n_split) & mg
         w = tl.exp2(ld_act(scratch.m + (p0 + r4)[:, None] * QP + qi[None, :], m4, CG, float("-inf"))
                     - m_all[None, :])
@@ -228,7 +228,7 @@ def _attention_block(layer, index, g0, s, S, lead, rows, n_pos, tail, slot, arri
             for h in range(0, HEADS):
                 qrow, qcol, valid = _queries(lead, g0 + h, rows, QB, MODEL, tail)
                 _merge_parts((lead * KVH + g0 + h) * ATT.block_splits, n_split, qrow, qcol, valid, scratch, attn_ptr,
-                             dt, MODEL, QB, ATT.block_splits, CG)
+                             dt, MODEL, QB, ATT.block_splits, CG, ATT.block_merge)
             done = rows * HEADS
     return done
 

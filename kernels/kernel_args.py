@@ -91,8 +91,9 @@ class ModelShape(NamedTuple):
 class AttnShape(NamedTuple):
     """Attention's constexprs: the query heads of a KV head padded to a power of two, positions per inner step,
     splits per (row, KV head) at most, chunks a split reads at least, KV heads a task (of one row), the K/V
-    pipeline's stages; the query heads of a query block's tile (0: no blocks, every row attends on its own) and the
-    splits a block's head may have at most (the scratch's parts per (row, KV head))."""
+    pipeline's stages; the query heads of a query block's tile (0: no blocks, every row attends on its own), the
+    splits a block's head may have at most (the scratch's parts per (row, KV head)) and those its merge folds at a
+    time."""
 
     group_pad: int
     chunk: int
@@ -102,6 +103,7 @@ class AttnShape(NamedTuple):
     stages: int = 4
     block_queries: int = 0
     block_splits: int = 16
+    block_merge: int = 2
 
 
 class Sched(NamedTuple):

@@ -310,6 +310,11 @@ class KernelConfig:
     # uses_blocks). On the H200 a 64-row prompt over 2,048 positions took 2.86 -> 2.11 ms (bf16), 3.00 -> 2.16 (FP8);
     # 32 rows 1.89 -> 1.55; 16 rows 1.30 -> 1.22; about even at 32K positions, slower under (bench/NOTES.md, s60)
     block_min_positions: int = 1 << 15
+    # splits a block's merge folds at a time (a row's merge: 4): 16 queries x 4 splits of partials held at once had
+    # the block launch spill (64 rows' stack 312 B bf16, 1,592 FP8; two at a time 232 and 792). On the H200, prompt
+    # rows at 2,048 positions: bf16 32 / 64 rows 1.582 -> 1.518, 2.118 -> 2.086 ms, FP8 16 rows 1.133 -> 1.088, its
+    # 64-row step 2.159 -> 2.032 by the kernel's clock; bf16 16 rows 1.217 -> 1.250 (bench variants qblocks-m4 / -m1)
+    block_merge: int = 2
     cooperative: bool = True
     max_spin: int = 1 << 22
     poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
@@ -574,7 +579,7 @@ class Megakernel:
         one = c.single_split and self.tiling(rows).attn_splits == 1
         return AttnShape(self.gpad, c.wide_chunk if wide else c.chunk, 1 if one else self.max_splits,
                          c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages,
-                         self.block_queries if blocks else 0, self.max_splits)
+                         self.block_queries if blocks else 0, self.max_splits, c.block_merge)
 
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object],
                 blocks: bool = False) -> None:
