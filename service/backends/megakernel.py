@@ -282,6 +282,8 @@ class MegakernelDecoder:
         so that the warm-up that runs every bucket compiles both)."""
         if (bucket, blocks) not in self._graphs:
             for b in (False, True) if bucket in self._block_buckets else (blocks,):
+                if b and not blocks:  # the capture runs the step once: its rows' blocks, not a past step's
+                    self.kernel.fill_blocks(bucket)
                 self.capture(bucket, b)
         return self._graphs[bucket, blocks]
 
