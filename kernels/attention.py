@@ -82,6 +82,27 @@ def _kv_chunk(cache, base, rc, mask, D: tl.constexpr, CG: tl.constexpr):
 
 
 @triton.jit
+def _stream_split(q, cache, base, start, end, qk_scale, dt, QP: tl.constexpr, D: tl.constexpr, ATT: tl.constexpr,
+                  CG: tl.constexpr, qpos=None):
+    """Positions [start, end) of one (slot, KV head) (base: its first element) for a tile of QP queries, pipelined:
+    the split's running max, sum and output. qpos: each query's last position (a query block's causal mask); without
+    it every query sees every position."""
+    m_i = tl.full([QP], float("-inf"), tl.float32)
+    l_i = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, D], tl.float32)
+    for c0 in tl.range(start, end, ATT.chunk, num_stages=ATT.stages):
+        rc = c0 + tl.arange(0, ATT.chunk)
+        mc = rc < end
+        k, v = _kv_chunk(cache, base, rc, mc, D, CG)
+        if qpos is None:
+            m_i, l_i, acc = _chunk(q, k, v, mc[None, :], m_i, l_i, acc, qk_scale, dt)
+        else:
+            m_i, l_i, acc = _chunk(q, k, v, mc[None, :] & (rc[None, :] <= qpos[:, None]), m_i, l_i, acc, qk_scale,
+                                   dt, CAUSAL=True)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _split_done(b, g, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL: tl.constexpr, ATT: tl.constexpr):
     """A finished split: the output itself where it is the row's only one, else its partials for the merge."""
     qrow, qcol, valid = _queries(b, g, 1, ATT.group_pad, MODEL)
@@ -205,16 +226,8 @@ def _attention_block(layer, index, g0, s, S, lead, rows, n_pos, tail, slot, arri
         q = ld_act(q_ptr + qrow[:, None] * Q + qcol[:, None] + rd[None, :], valid[:, None], CG)  # RoPE'd
         base = ((layer * cache.slots + slot) * KVH + g) * cache.context * D
         start = i * span
-        end = tl.minimum(start + span, n_pos)
-        m_i = tl.full([QB], float("-inf"), tl.float32)
-        l_i = tl.zeros([QB], tl.float32)
-        acc = tl.zeros([QB, D], tl.float32)
-        for c0 in tl.range(start, end, CH, num_stages=ATT.stages):
-            rc = c0 + tl.arange(0, CH)
-            mc = rc < end
-            k, v = _kv_chunk(cache, base, rc, mc, D, CG)
-            m_i, l_i, acc = _chunk(q, k, v, mc[None, :] & (rc[None, :] <= qpos[:, None]), m_i, l_i, acc, qk_scale,
-                                   dt, CAUSAL=True)
+        m_i, l_i, acc = _stream_split(q, cache, base, start, tl.minimum(start + span, n_pos), qk_scale, dt, QB, D,
+                                      ATT, CG, qpos)
         if n_split == 1:
             _store_out(qrow, qcol, valid, acc, l_i, attn_ptr, dt, MODEL)
             done += rows
@@ -296,15 +309,8 @@ def _attention_row(layer, b, g0, s, S, n_pos, slot, arrive, cnt_ptr, q_ptr, cach
         base = ((layer * cache.slots + slot) * KVH + g0) * cache.context * D
         for i in range(s, n_split, S):
             start = i * span
-            end = tl.minimum(start + span, n_pos)
-            m_i = tl.full([GPAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([GPAD], tl.float32)
-            acc = tl.zeros([GPAD, D], tl.float32)
-            for c0 in tl.range(start, end, CH, num_stages=ATT.stages):
-                rc = c0 + tl.arange(0, CH)
-                mc = rc < end
-                k, v = _kv_chunk(cache, base, rc, mc, D, CG)
-                m_i, l_i, acc = _chunk(q, k, v, mc[None, :], m_i, l_i, acc, qk_scale, dt)
+            m_i, l_i, acc = _stream_split(q, cache, base, start, tl.minimum(start + span, n_pos), qk_scale, dt, GPAD,
+                                          D, ATT, CG)
             _split_done(b, g0, i, n_split, m_i, l_i, acc, scratch, attn_ptr, dt, MODEL, ATT)
         if n_split == 1:
             done = tl.full([], 1, tl.int32)
