@@ -42,3 +42,31 @@ def test_a_bound_of_zero_takes_the_launch_for_any_block_beside_decode_rows() -> 
     blocks = query_blocks([1, 0, 0, 0], [3000, 5, 6, 7], 4)
     assert uses_blocks(blocks, 4, 0) and not uses_blocks(blocks, 4, 1)
     assert not uses_blocks(query_blocks([0, 1], [5, 5], 4), 2, 0)
+
+
+def test_the_megakernel_decoder_works_out_blocks_only_for_steps_that_may_take_their_launch(monkeypatch) -> None:
+    """The decoder's host path: a short prompt alone (a fresh request's first token) and decode rows of several slots
+    skip the blocks' host work (8-36 us at 16-64 rows); a voice turn's prompt over a long conversation takes the
+    launch, and counts (parley_query_block_steps_total)."""
+    import torch
+
+    from kernels.megakernel import KernelConfig
+    from service.backends import megakernel as backend
+    from service.model.synthetic import load_synthetic
+
+    config, w, _ = load_synthetic("tiny", dtype=torch.float32)
+    dec = backend.MegakernelDecoder(config, w, max_slots=2, max_context=1024, device="cpu", dtype=torch.float32,
+                                    max_batch=4, max_rows=32, use_cuda_graphs=False,
+                                    kernel_config=KernelConfig(query_blocks=True, block_min_positions=4096))
+    worked_out, launches = [], []
+    monkeypatch.setattr(backend, "query_blocks", lambda *a: worked_out.append(a[0]) or query_blocks(*a))
+    monkeypatch.setattr(dec.kernel, "step", lambda bucket, blocks=False: launches.append(blocks))
+
+    def step(slots: list[int], positions: list[int]) -> None:
+        dec.decode(slots, [1] * len(slots), positions, sampled_rows=1)
+
+    step([0] * 16, [15, *range(15)])  # a 16-token prompt alone: 256 positions at most
+    step([0, 1, 0, 1], [900, 900, 901, 901])  # decode rows of two slots, long contexts
+    assert worked_out == [] and launches == [False, False] and dec.query_block_steps == 0
+    step([0] * 16, [1015, *range(1000, 1015)])  # a voice turn's 16 new tokens over 1,000 cached ones
+    assert len(worked_out) == 1 and launches[-1] is True and dec.query_block_steps == 1
