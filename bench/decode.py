@@ -51,6 +51,7 @@ from bench.library_peer import library_peer
 from bench.variants import VARIANTS
 from kernels import instructions as I
 from kernels.instructions import Op
+from kernels.query_blocks import uses_blocks
 from service.backends import reference
 from service.backends.megakernel import MegakernelDecoder
 from service.backends.reference import ReferenceDecoder, apply_rope, rms_norm
@@ -153,7 +154,7 @@ def timeline(dec: MegakernelDecoder, batch: int, context: int, layout: str = "de
     k.slots[:batch], k.positions[:batch] = row_layout(batch, context, layout, min(batch, dec.max_batch))
     k.fill_blocks(batch)
     for _ in range(3):
-        k.step(batch, blocked(dec))
+        k.step(batch, blocked(dec, batch))
     torch.cuda.synchronize()
     s = k.schedule(batch)
     assert k.prof is not None, "the decoder's kernel config must profile"
@@ -278,10 +279,16 @@ def check_logits(dec: MegakernelDecoder, tokens: torch.Tensor, context: int, f32
     return bf16, exact
 
 
-def blocked(dec: MegakernelDecoder) -> bool:
-    """Whether the bench runs a variant's steps through its query blocks' launch: wherever it has one (the decoder
-    takes it only for steps that pay: kernels/query_blocks.py uses_blocks; the bench times the launch itself)."""
-    return dec.kernel.block_queries > 0
+def blocked(dec: MegakernelDecoder, batch: int) -> bool:
+    """Whether the bench runs a step of `batch` rows (their blocks filled) through the variant's query blocks' launch:
+    wherever its rows may take it, whatever the positions' threshold (the bench times the launch itself; the decoder
+    takes it only for steps that pay: kernels/query_blocks.py uses_blocks). A launch that runs blocks only
+    (block_min_positions over 0) takes steps whose every row is in a block of several; one with the rows' own path
+    too, any step with a block."""
+    k = dec.kernel
+    if not k.block_queries:
+        return False
+    return uses_blocks(k.blocks[:, :batch].tolist(), batch, 1 if k.cfg.block_min_positions > 0 else 0)
 
 
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -459,7 +466,7 @@ def main() -> None:
                         k.positions[:batch] = row_positions
                         k.fill_blocks(batch)
                         try:  # a variant that does not compile at this shape (shared memory, registers) is no result
-                            dec.run_step(batch, blocked(dec))
+                            dec.run_step(batch, blocked(dec, batch))
                             torch.cuda.synchronize()
                         except Exception as e:  # noqa: BLE001
                             print(f"   {v} at {batch} rows failed: {repr(e)[:300]}", flush=True)
@@ -479,8 +486,8 @@ def main() -> None:
                         want, exact, ref_err = oracles[names]
                         checked[v] = (dec, rel_err(got, want), rel_err(got, exact), ref_err)
                     # every variant that ran, timed in turns (position and drift fall on each alike)
-                    timed = time_in_turns({v: c[0].graph(batch, blocked(c[0])).replay for v, c in checked.items()},
-                                          args.reps)
+                    graphs = {v: c[0].graph(batch, blocked(c[0], batch)).replay for v, c in checked.items()}
+                    timed = time_in_turns(graphs, args.reps)
                     for v, (dec, err, err32, ref_err) in checked.items():
                         k = dec.kernel
                         dec.check_errors()

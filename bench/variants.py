@@ -153,6 +153,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # ... a block's merge folding 4 or 1 splits at a time (default 2)
     "qblocks-m4": lambda w: KernelConfig(query_blocks=True, block_merge=4),
     "qblocks-m1": lambda w: KernelConfig(query_blocks=True, block_merge=1),
+    # the blocks' launch with the rows' own path compiled in too (as before s62), taken for every layout
+    "qblocks-mixed": lambda w: KernelConfig(query_blocks=True, block_min_positions=0),
     # attention waits for the whole QKV phase (one counter a phase), as before the per-KV-head counters
     "phase-counters": lambda w: KernelConfig(head_counters=False),
     # wide buckets: the 16-row buckets' tiles (16-row tiles, 4 k slices) over 128-column k chunks

@@ -13,8 +13,11 @@ the same keys and values, so they share them. From a run's first row on, every b
 block (kernels/query_blocks.py says which, on the host) whose query heads fill one tile (the rows a single row's tile
 leaves as padding), streamed once over the slot's positions with a causal mask per row. The block's tasks (one per
 row, as the schedule deals them) share its work (KV heads x splits of the positions); where a head has several
-splits the last task to arrive merges them. A decode row is a block of one and takes the path above. A row's sums
-then depend on its neighbours, so batch-invariant kernels leave blocks off.
+splits the last task to arrive merges them. A decode row is a block of one and takes the path above, except in a
+launch that runs blocks only (AttnShape.block_only: the decoder takes it only where every real row is in a block of
+several), where a row alone is a padding row: its tasks count their pairs done and compute nothing, and the row path's
+code and registers stay out of the launch. A row's sums then depend on its neighbours, so batch-invariant kernels
+leave blocks off.
 """
 
 from __future__ import annotations
@@ -261,6 +264,8 @@ def attention(layer, b, g0, s, S, arrive, arrive_row_stride, cnt_ptr, inputs, q_
             done = _attention_block(layer, index, g0, s, S, lead, rows, n_pos, tail, slot,
                                     arrive + (lead - b) * arrive_row_stride, cnt_ptr, q_ptr, cache, scratch, attn_ptr,
                                     qk_scale, dt, MODEL, ATT, CG)
+        elif ATT.block_only:  # a padding row: its pairs counted once (by the first of a pair's S tasks)
+            done = tl.where(s == 0, ATT.heads, 0).to(tl.int32)
         else:
             done = _attention_row(layer, b, g0, s, S, n_pos, slot, arrive, cnt_ptr, q_ptr, cache, scratch, attn_ptr,
                                   qk_scale, dt, MODEL, ATT, CG)

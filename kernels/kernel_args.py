@@ -93,7 +93,7 @@ class AttnShape(NamedTuple):
     splits per (row, KV head) at most, chunks a split reads at least, KV heads a task (of one row), the K/V
     pipeline's stages; the query heads of a query block's tile (0: no blocks, every row attends on its own), the
     splits a block's head may have at most (the scratch's parts per (row, KV head)) and those its merge folds at a
-    time."""
+    time; whether a launch with blocks runs blocks only (a row alone is padding: no row path compiled in)."""
 
     group_pad: int
     chunk: int
@@ -104,6 +104,7 @@ class AttnShape(NamedTuple):
     block_queries: int = 0
     block_splits: int = 16
     block_merge: int = 2
+    block_only: bool = False
 
 
 class Sched(NamedTuple):

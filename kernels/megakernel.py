@@ -308,7 +308,11 @@ class KernelConfig:
     # other phases 3-15%, its registers spilling the task loop's), which the decoder runs for a step whose every row is
     # in a block of several and which attend over this many positions together at least (kernels/query_blocks.py:
     # uses_blocks). On the H200 a 64-row prompt over 2,048 positions took 2.86 -> 2.11 ms (bf16), 3.00 -> 2.16 (FP8);
-    # 32 rows 1.89 -> 1.55; 16 rows 1.30 -> 1.22; about even at 32K positions, slower under (bench/NOTES.md, s60)
+    # 32 rows 1.89 -> 1.55; 16 rows 1.30 -> 1.22; about even at 32K positions, slower under (bench/NOTES.md, s60).
+    # Where it is over 0 that launch only ever runs steps whose rows are all in blocks, so a row's own path is not
+    # compiled into it (AttnShape.block_only: a padding row's tasks count their pairs done): on the H200 the 64-row
+    # prompt step at 2,048 took 2.095 -> 1.996 ms, 16 rows 1.232 -> 1.199 (bf16; bench variant `qblocks-mixed`, 0,
+    # is the launch with both paths, which the tests use to run blocks beside decode rows)
     block_min_positions: int = 1 << 15
     # splits a block's merge folds at a time (a row's merge: 4): 16 queries x 4 splits of partials held at once had
     # the block launch spill (64 rows' stack 312 B bf16, 1,592 FP8; two at a time 232 and 792). On the H200, prompt
@@ -579,7 +583,8 @@ class Megakernel:
         one = c.single_split and self.tiling(rows).attn_splits == 1
         return AttnShape(self.gpad, c.wide_chunk if wide else c.chunk, 1 if one else self.max_splits,
                          c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages,
-                         self.block_queries if blocks else 0, self.max_splits, c.block_merge)
+                         self.block_queries if blocks else 0, self.max_splits, c.block_merge,
+                         blocks and c.block_min_positions > 0)
 
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object],
                 blocks: bool = False) -> None:

@@ -148,7 +148,12 @@ MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk":
                  # one; with two heads a task, a block's tasks share both heads
                  "mixed-llama-blocks": ("mixed-llama", {"chunk": 16, **BLOCKS}),
                  "mixed-qwen-blocks": ("mixed-qwen", BLOCKS),
-                 "mixed-llama-blocks-heads": ("mixed-llama", {"chunk": 16, "attn_heads": 2, **BLOCKS})}
+                 "mixed-llama-blocks-heads": ("mixed-llama", {"chunk": 16, "attn_heads": 2, **BLOCKS}),
+                 # the server's way: the blocks' launch runs blocks only (no row path compiled in), taken where every
+                 # real row is in a block of several: the two chunked steps (the first with 3 padding rows, whose
+                 # tasks only count their pairs), not the mixed one
+                 "mixed-llama-blocks-only": ("mixed-llama", {"chunk": 16, "query_blocks": True,
+                                                             "block_min_positions": 1})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
@@ -188,8 +193,11 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
         if not stream.get("query_blocks"):  # (a block's splits follow the heads a task takes)
             assert r["same_bits_as_strided"] == {"mixed": True, "next": True}, r
     assert r["block_queries"] == (16 if stream.get("query_blocks") else 0), r
-    # the mixed step and both chunked steps (the next step's rows are each alone)
-    assert r["block_launches"] == (3 if stream.get("query_blocks") else 0), r
+    # the mixed step and both chunked steps (the next step's rows are each alone); where the launch runs blocks only,
+    # the chunked steps alone
+    launches = 0 if not stream.get("query_blocks") else 3 if stream.get("block_min_positions") == 0 else 2
+    assert r["block_launches"] == launches, r
+    assert r["block_only"] == (launches == 2), r  # a launch without the rows' own path
     assert r["query_block_steps"] == r["block_launches"], r  # the decoder's count, as /metrics exports it
     if case == "mixed-llama-wide":
         assert {n: chunk for n, (chunk, _) in r["attn_shapes"].items()} == {"32": 32, "8": 16, "4": 16}, r
@@ -556,6 +564,7 @@ def _check_mixed(case: str) -> dict:
     out["attn_shapes"] = {n: (lambda a: [a.chunk, a.max_splits])(mk.kernel.attn_shape(mk.kernel.schedule(n)))
                           for n in (32, 8, 4)}
     out["block_queries"] = mk.kernel.block_queries
+    out["block_only"] = mk.kernel.attn_shape(mk.kernel.schedule(8), blocks=True).block_only
     if strided is not None:
         out["attn_heads"] = mk.kernel.schedule(32).tiling.attn_heads
         mixed_bits = torch.equal(strided.decode(sl, tk, ps, draws, sampled_rows=4).logits, b.logits)
