@@ -1,15 +1,16 @@
 """Where a decode step's warps wait, line by line: one megakernel step under Nsight Compute's warp-state sampling.
 
     python -m bench ncu-step [--model llama-3.2-1b] [--weights bf16] [--rows 16 1] [--variant default]
-                             [--context 128] [--out DIR]
+                             [--context 128] [--layout decode|prompt|half|mixed] [--out DIR]
 
 For each row count, runs `ncu` (sampling every warp's stall reason at a fixed interval, per SASS instruction) over
-one eager step of the megakernel on synthetic weights, then folds the samples onto the kernel's Python source
+one eager step of the megakernel on synthetic weights, its rows laid out as `bench decode --layouts` lays them (a
+prompt's rows take a query-blocks variant's own launch), then folds the samples onto the kernel's Python source
 lines (the SASS carries their line info) and onto the instruction each line is (a load from global memory, a spin,
-a barrier, a matrix op). Writes DIR/ncu-<model>-<weights>-<variant>-<rows>.json: the samples per stall reason, the
-30 lines with the most samples and what stalls them, and the kernel's duration, DRAM throughput and L2 hit rate as
-ncu measured them. The timeline (`bench decode --timeline`) says how long each phase took; this says what its warps
-were doing meanwhile. A GPU call; ncu replays the step a few times (memory restored between replays).
+a barrier, a matrix op). Writes DIR/ncu-<model>-<weights>-<variant>-<rows>[-<layout>].json: the samples per stall
+reason, the 30 lines with the most samples and what stalls them, and the kernel's duration, DRAM throughput and L2
+hit rate as ncu measured them. The timeline (`bench decode --timeline`) says how long each phase took; this says what
+its warps were doing meanwhile. A GPU call; ncu replays the step a few times (memory restored between replays).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ NCU = os.environ.get("NCU", "ncu")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "SourceCounters")
 
 
-def run_step(model: str, weights: str, rows: int, variant: str, context: int) -> None:
+def run_step(model: str, weights: str, rows: int, variant: str, context: int, layout: str = "decode") -> None:
     """The profiled program: warm the kernel up (compile, first launches), then one more eager step."""
     import torch
 
+    from bench.decode import blocked, row_layout
     from bench.variants import VARIANTS
     from service.backends.megakernel import MegakernelDecoder
     from service.model.synthetic import load_synthetic
@@ -45,25 +47,25 @@ def run_step(model: str, weights: str, rows: int, variant: str, context: int) ->
     dec.reference.cache.v.normal_()
     k = dec.kernel
     k.tokens[:rows] = torch.randint(0, config.vocab_size, (rows,), device="cuda", dtype=torch.int32)
-    k.slots[:rows] = torch.arange(rows, device="cuda", dtype=torch.int32)
-    k.positions[:rows] = context
+    k.slots[:rows], k.positions[:rows] = row_layout(rows, context, layout, min(rows, dec.max_batch))
     k.fill_blocks(rows)
     for _ in range(4):  # launches 0-3: warm-up; ncu profiles launch 4
-        k.step(rows, k.block_queries > 0)
+        k.step(rows, blocked(dec, rows))
     torch.cuda.synchronize()
-    k.step(rows, k.block_queries > 0)
+    k.step(rows, blocked(dec, rows))
     torch.cuda.synchronize()
     dec.check_errors()
 
 
-def profile(model: str, weights: str, rows: int, variant: str, context: int, out: Path) -> dict:
-    rep = out / f"ncu-{model}-{weights}-{variant}-{rows}"
+def profile(model: str, weights: str, rows: int, variant: str, context: int, out: Path, layout: str = "decode"
+            ) -> dict:
+    rep = out / f"ncu-{model}-{weights}-{variant}-{rows}{'' if layout == 'decode' else '-' + layout}"
     cmd = [NCU, "--clock-control", "none", "--kernel-name", "megakernel", "--launch-skip", "4", "--launch-count", "1",
            "--import-source", "no", "-f", "-o", str(rep)]
     for s in SECTIONS:
         cmd += ["--section", s]
     cmd += [sys.executable, "-m", "bench.ncu_step", "--child", "--model", model, "--weights", weights,
-            "--rows", str(rows), "--variant", variant, "--context", str(context)]
+            "--rows", str(rows), "--variant", variant, "--context", str(context), "--layout", layout]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -78,7 +80,7 @@ def profile(model: str, weights: str, rows: int, variant: str, context: int, out
     if cubin is not None:
         (out / f"{rep.name}.cubin").write_bytes(cubin.read_bytes())
     result = {"model": model, "weights": weights, "rows": rows, "variant": variant, "context": context,
-              "metrics": summary(details), **fold(source)}
+              "layout": layout, "metrics": summary(details), **fold(source)}
     report.unlink(missing_ok=True)  # large; the pages above keep what is read from it
     return result
 
@@ -205,6 +207,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[16, 1])
     ap.add_argument("--variant", default="default")
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--layout", default="decode", choices=("decode", "prompt", "half", "mixed"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--read", type=Path, help="fold a written profile (path without suffix) onto source lines")
@@ -215,16 +218,17 @@ def main() -> None:
             print(f"{100 * n / res['samples']:5.1f}%  {w:24s} {why}")
         return
     if a.child:
-        run_step(a.model, a.weights, a.rows[0], a.variant, a.context)
+        run_step(a.model, a.weights, a.rows[0], a.variant, a.context, a.layout)
         return
     a.out.mkdir(parents=True, exist_ok=True)
     for rows in a.rows:
         try:
-            res = profile(a.model, a.weights, rows, a.variant, a.context, a.out)
+            res = profile(a.model, a.weights, rows, a.variant, a.context, a.out, a.layout)
         except Exception as e:  # noqa: BLE001
             print(f"ncu {rows} rows failed: {repr(e)[:2000]}", flush=True)
             continue
-        path = a.out / f"ncu-{a.model}-{a.weights}-{a.variant}-{rows}.json"
+        tag = "" if a.layout == "decode" else f"-{a.layout}"
+        path = a.out / f"ncu-{a.model}-{a.weights}-{a.variant}-{rows}{tag}.json"
         path.write_text(json.dumps(res, indent=1))
         print(f"ncu {a.model} {a.weights} {a.variant} rows={rows}: {res['metrics']}", flush=True)
         for reason, n in list(res.get("by_reason", {}).items())[:8]:
