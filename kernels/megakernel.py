@@ -584,7 +584,7 @@ class Megakernel:
         return AttnShape(self.gpad, c.wide_chunk if wide else c.chunk, 1 if one else self.max_splits,
                          c.wide_split_min_chunks if wide else c.split_min_chunks, s.tiling.attn_heads, c.attn_stages,
                          self.block_queries if blocks else 0, self.max_splits, c.block_merge,
-                         blocks and c.block_min_positions > 0)
+                         blocks and self.block_queries > 0 and c.block_min_positions > 0)
 
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object],
                 blocks: bool = False) -> None:
