@@ -57,9 +57,14 @@ def run_step(model: str, weights: str, rows: int, variant: str, context: int, la
     dec.check_errors()
 
 
+def report_name(model: str, weights: str, variant: str, rows: int, layout: str) -> str:
+    """A profile's file name, without suffix (the decode layout unnamed, as before layouts)."""
+    return f"ncu-{model}-{weights}-{variant}-{rows}" + ("" if layout == "decode" else f"-{layout}")
+
+
 def profile(model: str, weights: str, rows: int, variant: str, context: int, out: Path, layout: str = "decode"
             ) -> dict:
-    rep = out / f"ncu-{model}-{weights}-{variant}-{rows}{'' if layout == 'decode' else '-' + layout}"
+    rep = out / report_name(model, weights, variant, rows, layout)
     cmd = [NCU, "--clock-control", "none", "--kernel-name", "megakernel", "--launch-skip", "4", "--launch-count", "1",
            "--import-source", "no", "-f", "-o", str(rep)]
     for s in SECTIONS:
@@ -227,8 +232,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(f"ncu {rows} rows failed: {repr(e)[:2000]}", flush=True)
             continue
-        tag = "" if a.layout == "decode" else f"-{a.layout}"
-        path = a.out / f"ncu-{a.model}-{a.weights}-{a.variant}-{rows}{tag}.json"
+        path = a.out / f"{report_name(a.model, a.weights, a.variant, rows, a.layout)}.json"
         path.write_text(json.dumps(res, indent=1))
         print(f"ncu {a.model} {a.weights} {a.variant} rows={rows}: {res['metrics']}", flush=True)
         for reason, n in list(res.get("by_reason", {}).items())[:8]:
