@@ -30,8 +30,13 @@ NCU = os.environ.get("NCU", "ncu")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "SourceCounters")
 
 
-def run_step(model: str, weights: str, rows: int, variant: str, context: int, layout: str = "decode") -> None:
-    """The profiled program: warm the kernel up (compile, first launches), then one more eager step."""
+WARM_STEPS = 4  # eager steps before the profiled one (compiles, first launches)
+
+
+def run_step(model: str, weights: str, rows: int, variant: str, context: int, layout: str = "decode",
+             cubin: Path | None = None) -> None:
+    """The profiled program: warm the kernel up (compile, first launches), then one more eager step, whose first
+    launch ncu profiles (the layers' where the LM head has a launch of its own); that launch's cubin to `cubin`."""
     import torch
 
     from bench.decode import blocked, row_layout
@@ -49,12 +54,15 @@ def run_step(model: str, weights: str, rows: int, variant: str, context: int, la
     k.tokens[:rows] = torch.randint(0, config.vocab_size, (rows,), device="cuda", dtype=torch.int32)
     k.slots[:rows], k.positions[:rows] = row_layout(rows, context, layout, min(rows, dec.max_batch))
     k.fill_blocks(rows)
-    for _ in range(4):  # launches 0-3: warm-up; ncu profiles launch 4
+    for _ in range(WARM_STEPS):
         k.step(rows, blocked(dec, rows))
     torch.cuda.synchronize()
     k.step(rows, blocked(dec, rows))
     torch.cuda.synchronize()
     dec.check_errors()
+    if cubin is not None:  # the profiled launch's own kernel: with two launches a step, the newest in Triton's cache
+        # need not be it (the blocks' launch and the default, the layers' and the LM head's)
+        cubin.write_bytes(k.compiled[1 if k.cfg.lm_launch else 0].asm["cubin"])
 
 
 def report_name(model: str, weights: str, variant: str, rows: int, layout: str) -> str:
@@ -64,13 +72,18 @@ def report_name(model: str, weights: str, variant: str, rows: int, layout: str) 
 
 def profile(model: str, weights: str, rows: int, variant: str, context: int, out: Path, layout: str = "decode"
             ) -> dict:
+    from bench.variants import VARIANTS
+
     rep = out / report_name(model, weights, variant, rows, layout)
-    cmd = [NCU, "--clock-control", "none", "--kernel-name", "megakernel", "--launch-skip", "4", "--launch-count", "1",
+    per_step = 2 if VARIANTS[variant](weights).lm_launch else 1
+    cmd = [NCU, "--clock-control", "none", "--kernel-name", "megakernel", "--launch-skip", str(WARM_STEPS * per_step),
+           "--launch-count", "1",
            "--import-source", "no", "-f", "-o", str(rep)]
     for s in SECTIONS:
         cmd += ["--section", s]
     cmd += [sys.executable, "-m", "bench.ncu_step", "--child", "--model", model, "--weights", weights,
-            "--rows", str(rows), "--variant", variant, "--context", str(context), "--layout", layout]
+            "--rows", str(rows), "--variant", variant, "--context", str(context), "--layout", layout,
+            "--cubin", f"{rep}.cubin"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -81,11 +94,11 @@ def profile(model: str, weights: str, rows: int, variant: str, context: int, out
     (out / f"{rep.name}-details.csv").write_text(details)
     (out / f"{rep.name}-sass.csv").write_text(source)
     (out / f"{rep.name}-cuda.csv").write_text(_ncu_page(report, "source", "--print-source", "cuda,sass"))
-    cubin = newest_cubin()
-    if cubin is not None:
-        (out / f"{rep.name}.cubin").write_bytes(cubin.read_bytes())
     result = {"model": model, "weights": weights, "rows": rows, "variant": variant, "context": context,
               "layout": layout, "metrics": summary(details), **fold(source)}
+    if Path(f"{rep}.cubin").exists():
+        by_line = read(rep)
+        result["lines"], result["unmapped"] = by_line["lines"], by_line["unmapped"]
     report.unlink(missing_ok=True)  # large; the pages above keep what is read from it
     return result
 
@@ -93,13 +106,6 @@ def profile(model: str, weights: str, rows: int, variant: str, context: int, out
 def _ncu_page(report: Path, page: str, *extra: str) -> str:
     proc = subprocess.run([NCU, "-i", str(report), "--page", page, "--csv", *extra], capture_output=True, text=True)
     return proc.stdout if proc.returncode == 0 else f"ncu failed: {proc.stderr[-2000:]}"
-
-
-def newest_cubin() -> Path | None:
-    """The megakernel's most recently compiled cubin in Triton's cache (the child process's compile)."""
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    found = sorted(cache.rglob("megakernel.cubin"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
 
 
 def summary(details_csv: str) -> dict[str, str]:
@@ -202,7 +208,10 @@ def read(prefix: Path, top: int = 40) -> dict:
                 per_line[where][c.removeprefix("stall_")] += v
     total = sum(sum(v.values()) for v in per_line.values())
     ranked = sorted(per_line.items(), key=lambda kv: -sum(kv[1].values()))[:top]
-    return {"samples": total, "lines": [[w, sum(v.values()), dict(v.most_common(3))] for w, v in ranked]}
+    # samples on no source line: a share over a few percent says the cubin is not the profiled launch's
+    unmapped = sum(per_line["?"].values()) / total if total else 0.0
+    return {"samples": total, "unmapped": unmapped,
+            "lines": [[w, sum(v.values()), dict(v.most_common(3))] for w, v in ranked]}
 
 
 def main() -> None:
@@ -215,15 +224,17 @@ def main() -> None:
     ap.add_argument("--layout", default="decode", choices=("decode", "prompt", "half", "mixed"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cubin", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--read", type=Path, help="fold a written profile (path without suffix) onto source lines")
     a = ap.parse_args()
     if a.read is not None:
         res = read(a.read)
+        print(f"samples on no line: {100 * res['unmapped']:.1f}%")
         for w, n, why in res["lines"]:
             print(f"{100 * n / res['samples']:5.1f}%  {w:24s} {why}")
         return
     if a.child:
-        run_step(a.model, a.weights, a.rows[0], a.variant, a.context, a.layout)
+        run_step(a.model, a.weights, a.rows[0], a.variant, a.context, a.layout, a.cubin)
         return
     a.out.mkdir(parents=True, exist_ok=True)
     for rows in a.rows:

@@ -427,6 +427,7 @@ class Megakernel:
         self.prof: torch.Tensor | None = None
         self.schedules: dict[int, I.Schedule] = {}
         self._launches: dict[int, _Launch] = {}
+        self.compiled: dict[int, object] = {}  # each part's kernel as its last launch compiled it (its cubin: ncu-step)
         s = weights.scales
         self._scales = Scales(*(s[n] for n in PackedWeights.MATRICES)) if s is not None else None
 
@@ -590,7 +591,7 @@ class Megakernel:
                 blocks: bool = False) -> None:
         """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2)."""
         d, c, w = self.dims, self.cfg, self.w
-        megakernel[(self.num_programs,)](
+        self.compiled[part] = megakernel[(self.num_programs,)](
             launch.sched._replace(prof=self.prof_buffer(s)),
             StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks, self.blocks,
                        self.blocks.stride(0)),
