@@ -189,7 +189,7 @@ VOICE_TURNS = 8  # the voice scenario's (parley-loadtest --scenario voice): for 
 def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sessions: int = 4, warmup: int = 1,
           think_s: float = 0.5, fresh: str = "32,1000,2000,4000", fresh_requests: int = 10, fresh_out: int = 64,
           sweep_rates: str = "1,2,4,8,16", sweep_s: float = 10.0, sweep_workers: int = 1,
-          endpoints: str = "chat,realtime", voice_args: str = "") -> Benchmark:
+          endpoints: str = "chat,realtime", voice_args: str = "", capacity_rates: str = "8,16") -> Benchmark:
     """Voice: one server (synthetic Llama-3.2-1B, the megakernel, `weights`, 8k context; `serve_args` replace or add
     flags) measured by `parley-loadtest --scenario voice` (8 turns, a 1,500-token system prompt, 40-token messages,
     64-token replies, barge-in and preemptive starts on 30% of turns; `voice_args` changes them): `sessions` voice
@@ -197,7 +197,9 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
     message), `think_s` between a reply and the next turn; `fresh_requests` fresh prompts of each length in
     `fresh`, one at a time, `fresh_out` tokens each; then sessions arriving as a Poisson process at each of
     `sweep_rates` per second for `sweep_s` seconds per endpoint. `warmup`: sessions (or requests) sent first,
-    left out of the figures."""
+    left out of the figures. `capacity_rates` (empty: none): the same server again with admission off, the sessions of
+    the sweep arriving at those rates, judged by the client against the same SLA: how many turns the GPU can serve
+    on time, beside how many admission let in and served on time (the report's "capacity")."""
     extra = tuple(shlex.split(voice_args))
     turn_s = think_s + 0.15
     session_tests = [
@@ -215,16 +217,22 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
         for n in (int(x) for x in _names(fresh))]
     rates = _floats(sweep_rates)
     # Other sessions than the single ones (another seed); a rate lasts its arrivals and the last session's turns.
-    sweep_tests = [
-        Loadtest(f"sweep-{ep}", ("--scenario", "voice", "--endpoint", ep, "--sweep", "--sweep-rates",
-                                 ",".join(f"{r:g}" for r in rates), "--duration", f"{sweep_s:g}",
-                                 "--workers", str(sweep_workers), "--warmup", str(warmup),
-                                 "--think-s", f"{think_s:g}", "--seed", "1", *extra),
-                 3 + len(rates) * (sweep_s + 2 + VOICE_TURNS * turn_s))
-        for ep in _names(endpoints)]
+
+    def swept(kind: str, ep: str, at: list[float]) -> Loadtest:
+        return Loadtest(f"{kind}-{ep}", ("--scenario", "voice", "--endpoint", ep, "--sweep", "--sweep-rates",
+                                         ",".join(f"{r:g}" for r in at), "--duration", f"{sweep_s:g}",
+                                         "--workers", str(sweep_workers), "--warmup", str(warmup),
+                                         "--think-s", f"{think_s:g}", "--seed", "1", *extra),
+                        3 + len(at) * (sweep_s + 2 + VOICE_TURNS * turn_s))
+
+    sweep_tests = [swept("sweep", ep, rates) for ep in _names(endpoints)]
     serve = with_flags((*LLAMA, *MEGAKERNEL, "--weights", weights, "--max-context", "8192", *PRICE), serve_args)
-    return Benchmark(name, "voice", (Server(f"megakernel.{weights}", serve,
-                                            (*session_tests, *fresh_tests, *sweep_tests)),))
+    servers = [Server(f"megakernel.{weights}", serve, (*session_tests, *fresh_tests, *sweep_tests))]
+    if _floats(capacity_rates):  # the same arrivals (the same seed) with admission off
+        servers.append(Server(f"megakernel.{weights}.admissionoff", with_flags(serve, ADMISSION_OFF),
+                              tuple(swept("capacity", ep, _floats(capacity_rates)) for ep in _names(endpoints)),
+                              start_s=WARM_START_S, needs_own_server=True))
+    return Benchmark(name, "voice", tuple(servers))
 
 
 BENCHMARKS: dict[str, Callable[..., Benchmark]] = {

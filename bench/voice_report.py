@@ -4,9 +4,13 @@
 
 The raw folder holds parley-loadtest JSON files as bench/runs.py names them: session-<endpoint>.json (voice
 sessions one at a time), fresh-<tokens>.json (fresh prompts, one at a time), sweep-<endpoint>.json (voice sessions
-arriving as a Poisson process, at several rates), and device.json (bench/device.py, written on the GPU host).
+arriving as a Poisson process, at several rates), capacity-<endpoint>.json (the same arrivals at some of those rates,
+the server with admission off), and device.json (bench/device.py, written on the GPU host).
 The JSON: {device, torch, triton, model, sla_tokens, sla_ms, records: [one per (endpoint, turn) of the single
-sessions and one per fresh prompt length], sweep: [one per (endpoint, rate)], targets: [...]}.
+sessions and one per fresh prompt length], sweep: [one per (endpoint, rate)], capacity: [the same, admission off],
+targets: [...]}. Each sweep row's `on_time_share`: the replies admitted and on time, of all replies (admission off:
+those on time by the client's clock, of all): what admission keeps of what the GPU can serve is the one over the
+other at a rate.
 """
 
 from __future__ import annotations
@@ -52,20 +56,41 @@ def build(raw: Path) -> dict[str, Any]:
     for length, doc in sorted(_runs(raw, "fresh"), key=lambda x: int(x[0])):
         records.append({"run": "fresh", "endpoint": doc["config"]["endpoint"], "turn": 1,
                         "fresh_prompt_len": int(length), **conversation_figures(_records(doc["runs"][0]), n)})
-    sweep = []
-    for endpoint, doc in _runs(raw, "sweep"):
-        for run in sorted(doc["runs"], key=lambda r: r["rate"]):
-            recs = _records(run)
-            sweep.append({"endpoint": endpoint, "rate": run["rate"], "sessions": len({r.session for r in recs}),
-                          "think_s": doc["config"]["think_s"], **conversation_figures(recs, n)})
+    sweep, capacity = _swept(raw, "sweep", n), _swept(raw, "capacity", n)
     plan = raw / "plan.json"  # the server's flags (absent where the server was measured at --url only)
     planned: dict[str, Any] = json.loads(plan.read_text()) if plan.exists() else {"url": "?"}
     serve = None if planned.get("url") else planned["servers"][0]["serve"]
     startup = raw / "startup.json"  # seconds from the server's start to /health 200
     startup_s = next(iter(json.loads(startup.read_text()).values()), None) if startup.exists() else None
     out = {**info, "model": cfg["model"], "serve": serve, "startup_s": startup_s, "sla_tokens": n,
-           "sla_ms": cfg["sla_ms"], "records": records, "sweep": sweep}
+           "sla_ms": cfg["sla_ms"], "records": records, "sweep": sweep, "capacity": capacity}
     return out | {"targets": targets(out)}
+
+
+def _swept(raw: Path, kind: str, n: int) -> list[dict[str, Any]]:
+    """One row per (endpoint, rate) of RAW/kind-<endpoint>.json, with its on-time share of all replies."""
+    rows = []
+    for endpoint, doc in _runs(raw, kind):
+        for run in sorted(doc["runs"], key=lambda r: r["rate"]):
+            recs = _records(run)
+            figures = conversation_figures(recs, n)
+            replies = [r for r in recs if r.kind != "preemptive"]
+            rows.append({"endpoint": endpoint, "rate": run["rate"], "sessions": len({r.session for r in recs}),
+                         "think_s": doc["config"]["think_s"], **figures,
+                         "on_time_share": sum(r.sla_met for r in replies) / len(replies) if replies else None})
+    return rows
+
+
+def kept_of_capacity(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (endpoint, rate) measured both ways: the on-time shares with admission on and off, and their ratio."""
+    off = {(r["endpoint"], r["rate"]): r["on_time_share"] for r in doc.get("capacity", [])}
+    out = []
+    for r in doc["sweep"]:
+        cap = off.get((r["endpoint"], r["rate"]))
+        if cap is not None and r["on_time_share"] is not None:
+            out.append({"endpoint": r["endpoint"], "rate": r["rate"], "on_time_share": r["on_time_share"],
+                        "capacity_on_time_share": cap, "kept": r["on_time_share"] / cap if cap else None})
+    return out
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -165,6 +190,19 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{_pct(r['admitted_share'])} | {_f(r['sla_attainment_admitted'], 3)} | "
                      f"{_f(r['ttft_ms_p99'])} | {_f(r[f'ttf{n}_ms_p99'])} | {_pct(r['cached_share'])} | "
                      f"{r['preemptive']} ({_pct(r['preemptive_admitted_share'])}) |")
+    if doc.get("capacity"):
+        lines += ["", "## Capacity: the same arrivals, admission off", "",
+                  "The server again with `--sla-ms 100000` (it admits every turn), judged by the client against the "
+                  "same SLA. `on time` = replies on time of all replies (with admission on: admitted and on time); "
+                  "`kept` = on time with admission on / on time with it off: what admission keeps of what the GPU "
+                  "serves on time at that rate.", "",
+                  f"| endpoint | sessions/s | replies | on time, admission off | TTF{n} p99 (off) | "
+                  "on time, admission on | kept |", "|---|---|---|---|---|---|---|"]
+        kept = {(k["endpoint"], k["rate"]): k for k in kept_of_capacity(doc)}
+        for r in doc["capacity"]:
+            k = kept.get((r["endpoint"], r["rate"]), {})
+            lines.append(f"| {r['endpoint']} | {_f(r['rate'], 2)} | {r['requests']} | {_pct(r['on_time_share'])} | "
+                         f"{_f(r[f'ttf{n}_ms_p99'])} | {_pct(k.get('on_time_share'))} | {_f(k.get('kept'), 2)} |")
     lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {_f(t['measured'], 3)} | {'–' if t['met'] is None else 'yes' if t['met'] else 'no'} |"
               for t in doc["targets"]]

@@ -201,6 +201,33 @@ def test_benchmark_on_the_scripted_server(tmp_path, url):  # noqa: F811
         percentile([x["ttfn_ms"] for x in fresh], 50))
 
 
+def test_voice_report_puts_the_capacity_beside_the_sweep(tmp_path, url):  # noqa: F811
+    """The sweep and the capacity sweep (admission off) at the same rate side by side: the share of replies on time
+    with admission on and off, and their ratio. Here the scripted server's replies come slower in the sweep (the
+    64th token at ~192 ms: late) than in the capacity run (~65 ms), so the sweep keeps none of the capacity."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "device.json").write_text(json.dumps({"device": "test-device"}))
+    common = ["--scenario", "voice", "--endpoint", "chat", "--sweep", "--sweep-rates", "8", "--duration", "0.5",
+              "--warmup", "0", "--think-s", "0", "--turns", "2", "--system-len", "20", "--input-len", "8",
+              "--output-len", "64", "--cancel-share", "0", "--preemptive-share", "0", "--seed", "1"]
+    for kind, itl in (("sweep", 3), ("capacity", 1)):
+        run_cli(tmp_path, url, *common, "--extra-body", json.dumps({"script": f"ttft=2 itl={itl}"}))
+        (tmp_path / "run.json").rename(raw / f"{kind}-chat.json")
+    out = subprocess.run([sys.executable, "-m", "bench", "voice", "--report-only", "--raw", str(raw), "--out",
+                          str(tmp_path / "results")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [report] = (tmp_path / "results").glob("voice-*.json")
+    doc = json.loads(report.read_text())
+    [on], [off] = doc["sweep"], doc["capacity"]
+    assert (on["endpoint"], on["rate"]) == (off["endpoint"], off["rate"]) == ("chat", 8)
+    assert on["requests"] > 0 and off["requests"] > 0
+    assert on["on_time_share"] == 0.0 and off["on_time_share"] == 1.0
+    md = report.with_suffix(".md").read_text()
+    assert "## Capacity: the same arrivals, admission off" in md
+    assert f"| chat | 8.00 | {off['requests']} | 100% | " in md and md.rstrip().count("| 0% | 0.00 |") == 1
+
+
 @pytest.mark.slow
 def test_benchmark_on_parley(tmp_path, shared_server: Server):
     """The whole benchmark, tiny, against the real server: every reply of every session is served, and over the
