@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from bench.voice_report import capacity_rates
 from loadtest.record import RequestRecord, finish
 from loadtest.stats import by_turn, conversation_figures, percentile
 from loadtest.workload import synthetic_sessions
@@ -202,30 +203,41 @@ def test_benchmark_on_the_scripted_server(tmp_path, url):  # noqa: F811
 
 
 def test_voice_report_puts_the_capacity_beside_the_sweep(tmp_path, url):  # noqa: F811
-    """The sweep and the capacity sweep (admission off) at the same rate side by side: the share of replies on time
-    with admission on and off, and their ratio. Here the scripted server's replies come slower in the sweep (the
-    64th token at ~192 ms: late) than in the capacity run (~65 ms), so the sweep keeps none of the capacity."""
+    """The capacity sweep (admission off) beside the sweep at the same rates: the replies on time both ways, and the
+    capacity (the highest rate with 99% of replies on time, admission off). Here the scripted server's replies come
+    later in the sweep (the 64th token at ~192 ms: late) than in the capacity run (~65 ms: on time at both rates)."""
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "device.json").write_text(json.dumps({"device": "test-device"}))
-    common = ["--scenario", "voice", "--endpoint", "chat", "--sweep", "--sweep-rates", "8", "--duration", "0.5",
-              "--warmup", "0", "--think-s", "0", "--turns", "2", "--system-len", "20", "--input-len", "8",
-              "--output-len", "64", "--cancel-share", "0", "--preemptive-share", "0", "--seed", "1"]
-    for kind, itl in (("sweep", 3), ("capacity", 1)):
-        run_cli(tmp_path, url, *common, "--extra-body", json.dumps({"script": f"ttft=2 itl={itl}"}))
+    common = ["--scenario", "voice", "--endpoint", "chat", "--sweep", "--duration", "0.5", "--warmup", "0",
+              "--think-s", "0", "--turns", "2", "--system-len", "20", "--input-len", "8", "--output-len", "64",
+              "--cancel-share", "0", "--preemptive-share", "0", "--seed", "1"]
+    for kind, rates, itl in (("sweep", "8", 3), ("capacity", "4,8", 1)):
+        run_cli(tmp_path, url, *common, "--sweep-rates", rates,
+                "--extra-body", json.dumps({"script": f"ttft=2 itl={itl}"}))
         (tmp_path / "run.json").rename(raw / f"{kind}-chat.json")
     out = subprocess.run([sys.executable, "-m", "bench", "voice", "--report-only", "--raw", str(raw), "--out",
                           str(tmp_path / "results")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [report] = (tmp_path / "results").glob("voice-*.json")
     doc = json.loads(report.read_text())
-    [on], [off] = doc["sweep"], doc["capacity"]
-    assert (on["endpoint"], on["rate"]) == (off["endpoint"], off["rate"]) == ("chat", 8)
-    assert on["requests"] > 0 and off["requests"] > 0
-    assert on["on_time_share"] == 0.0 and off["on_time_share"] == 1.0
+    [on], off = doc["sweep"], doc["capacity"]
+    assert [(r["endpoint"], r["rate"]) for r in off] == [("chat", 4), ("chat", 8)] and on["rate"] == 8
+    assert on["requests"] > 0 and on["on_time_share"] == 0.0
+    assert all(r["requests"] > 0 and r["on_time_share"] == 1.0 for r in off)
+    assert doc["capacity_rate"] == {"chat": 8}
     md = report.with_suffix(".md").read_text()
-    assert "## Capacity: the same arrivals, admission off" in md
-    assert f"| chat | 8.00 | {off['requests']} | 100% | " in md and md.rstrip().count("| 0% | 0.00 |") == 1
+    assert "## Capacity: the same arrivals, admission off" in md and "Capacity, chat: 8 sessions/s." in md
+    n4, n8 = (r["requests"] for r in off)
+    assert f"| chat | 4.00 | {n4} | {n4} (100%) | " in md  # no sweep at 4/s: its side is empty
+    assert f"| chat | 8.00 | {n8} | {n8} (100%) | " in md and f"| {on['requests']} | 100% | 0 (0%) |" in md
+
+
+def test_voice_capacity_is_the_highest_rate_served_on_time_with_admission_off() -> None:
+    rows = [{"endpoint": "chat", "rate": r, "on_time_share": s} for r, s in ((2, 1.0), (4, 0.995), (8, 0.45))]
+    rows += [{"endpoint": "realtime", "rate": r, "on_time_share": s} for r, s in ((2, 0.98), (4, None))]
+    assert capacity_rates({"capacity": rows}) == {"chat": 4, "realtime": None}
+    assert capacity_rates({"sweep": []}) == {}
 
 
 @pytest.mark.slow
