@@ -189,7 +189,8 @@ VOICE_TURNS = 8  # the voice scenario's (parley-loadtest --scenario voice): for 
 def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sessions: int = 4, warmup: int = 1,
           think_s: float = 0.5, fresh: str = "32,1000,2000,4000", fresh_requests: int = 10, fresh_out: int = 64,
           sweep_rates: str = "1,2,4,8,16", sweep_s: float = 10.0, sweep_workers: int = 1,
-          endpoints: str = "chat,realtime", voice_args: str = "", capacity_rates: str = "2,4,8,16") -> Benchmark:
+          endpoints: str = "chat,realtime", voice_args: str = "", capacity_rates: str = "2,4,8,16",
+          after_refusal: str = "fall-back") -> Benchmark:
     """Voice: one server (synthetic Llama-3.2-1B, the megakernel, `weights`, 8k context; `serve_args` replace or add
     flags) measured by `parley-loadtest --scenario voice` (8 turns, a 1,500-token system prompt, 40-token messages,
     64-token replies, barge-in and preemptive starts on 30% of turns; `voice_args` changes them): `sessions` voice
@@ -200,8 +201,10 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
     left out of the figures. `capacity_rates` (empty: none): the same server again with admission off, the sessions of
     the sweep arriving at those rates, judged by the client against the same SLA: how many turns the GPU can serve
     on time, beside how many admission let in and served on time; the report's capacity is the highest of those rates
-    at which it served 99% of them on time."""
-    extra = tuple(shlex.split(voice_args))
+    at which it served 99% of them on time. `after_refusal`: what a session does at a refused turn (parley-loadtest
+    --after-refusal): by default it goes on as a voice agent with a fallback LLM does, so admission on and off are
+    asked for the same turns (before 2026-12-03 the sweeps hung up: fewer turns asked, higher admitted shares)."""
+    extra = ("--after-refusal", after_refusal, *shlex.split(voice_args))
     turn_s = think_s + 0.15
     session_tests = [
         Loadtest(f"session-{ep}", ("--scenario", "voice", "--endpoint", ep, "--concurrency", "1",

@@ -124,6 +124,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--preemptive-after-tokens", type=int, default=4, help="cancel a preemptive start after K tokens")
     g.add_argument("--think-s", type=float, default=0.0,
                    help="seconds between a reply's end and the session's next turn (the caller listens, speaks)")
+    g.add_argument("--after-refusal", choices=("hang-up", "fall-back"), default="hang-up",
+                   help="when a reply is refused (429): end the session (hang-up), or go on as a voice agent with a "
+                        "fallback LLM does (fall-back: that turn answered elsewhere, the next asked here again)")
     g = p.add_argument_group("SLA and cost")
     g.add_argument("--sla-tokens", type=int, default=64, help="N: the SLA is on the time to the Nth token")
     g.add_argument("--sla-ms", type=float, default=100.0, help="deadline for the Nth token, ms")
@@ -154,7 +157,7 @@ def load_from(args: argparse.Namespace) -> Load:
     return Load(rate=args.rate, burstiness=args.burstiness, concurrency=conc, num_sessions=num,
                 duration_s=args.duration, cancel_after=args.cancel_after_tokens, cancel_share=args.cancel_share,
                 preemptive_after=args.preemptive_after_tokens, think_s=args.think_s, sla_tokens=args.sla_tokens,
-                sla_ms=args.sla_ms, seed=args.seed)
+                sla_ms=args.sla_ms, seed=args.seed, after_refusal=args.after_refusal)
 
 
 async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:

@@ -233,6 +233,19 @@ class RealtimeSession:
                 return event
         raise ConnectionError("the server closed the WebSocket")
 
+    async def add(self, messages: list[Message], rec: RequestRecord) -> bool:
+        """conversation.item.create for each message (a refused turn as the agent's fallback answered it); False,
+        with the server's error in `rec.error`, where one was not added."""
+        assert self.ws is not None
+        for m in messages:
+            await self.ws.send(json.dumps({"type": "conversation.item.create",
+                                           "item": {"type": "message", "role": m["role"], "content": m["content"]}}))
+            event = await self._next_event("conversation.item.created")
+            if event.get("type") == "error":
+                rec.error = "conversation.item.create: " + json.dumps(event.get("error"))[:300]
+                return False
+        return True
+
     async def truncate(self, item_id: str, text_end: int, rec: RequestRecord) -> None:
         """conversation.item.truncate: the reply `item_id` was heard up to `text_end` characters."""
         assert self.ws is not None

@@ -8,6 +8,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from loadtest.clients import ClientPool, RealtimeSession, Target, http_turn
 from loadtest.record import RequestRecord, finish
@@ -25,6 +26,10 @@ class Load:
     cancel_share: float = 0.0  # ...on this share of turns
     preemptive_after: int = 4  # a preemptive start is cancelled after this many tokens
     think_s: float = 0.0  # between a reply's end and the next turn: the caller listens, then speaks
+    # What a session does when a reply is refused (429): "hang-up" ends it; "fall-back" goes on as a voice agent with
+    # a fallback LLM does: that turn answered elsewhere (FALLBACK_REPLY joins the conversation), the next one asked
+    # here again
+    after_refusal: Literal["hang-up", "fall-back"] = "hang-up"
     sla_tokens: int = 64
     sla_ms: float = 100.0
     seed: int = 0
@@ -32,14 +37,16 @@ class Load:
 
 
 OnRecord = Callable[[RequestRecord], None]
+FALLBACK_REPLY = "Sorry, could you say that again?"  # what the agent's fallback said for a refused turn
 
 
 async def run_session(pool: ClientPool, target: Target, session: Session, load: Load, t0: float,
                       on_record: OnRecord) -> list[RequestRecord]:
     """All turns of one session: each turn's preemptive starts (cancelled after a few tokens; whatever becomes of
-    them, the turn goes on), then its reply. It stops at the first rejected or failed reply (as a caller would hang
-    up). Over HTTP every request carries the whole conversation, as heard (a barged-in reply cut where the client
-    stopped reading); over the realtime WebSocket only the turn's new messages."""
+    them, the turn goes on), then its reply. It stops at the first failed reply, and at the first rejected one (as a
+    caller would hang up) unless `load.after_refusal` falls back. Over HTTP every request carries the whole
+    conversation, as heard (a barged-in reply cut where the client stopped reading); over the realtime WebSocket only
+    the turn's new messages."""
     records: list[RequestRecord] = []
     conversation: list[Message] = [{"role": "system", "content": session.system}] if session.system else []
     rt = RealtimeSession(target, session.system) if target.endpoint == "realtime" else None
@@ -75,6 +82,12 @@ async def run_session(pool: ClientPool, target: Target, session: Session, load: 
                 and should_cancel(load.seed, session.index, k, load.cancel_share)
             rec = await request(k, "barge-in" if barge_in else "turn", turn.messages, turn.max_tokens,
                                 load.cancel_after if barge_in else None)
+            if rec.outcome == "rejected" and load.after_refusal == "fall-back" and (rt is None or rt.ws is not None):
+                fallback: list[Message] = [*turn.messages, {"role": "assistant", "content": FALLBACK_REPLY}]
+                if rt is not None and not await rt.add(fallback, rec):
+                    break
+                conversation += fallback
+                continue
             if rec.outcome not in ("ok", "cancelled"):
                 break
             conversation += [*turn.messages, {"role": "assistant", "content": rec.text}]

@@ -1,7 +1,9 @@
 """A scripted OpenAI-style server whose token timings are known, for the loadtest tests.
 
 Each request's last user message may hold directives `key=value`: ttft=<ms> (default 5), itl=<ms> (default 0.5),
-status=<429|500> (answer that instead), usage=<n> (report n completion tokens whatever was streamed); a `script`
+status=<429|500> (answer that instead), refuse_turn=<i> (answer 429 to a session's turn i, 0-based: over HTTP the
+request whose conversation holds i + 1 user messages, on the WebSocket the i-th in-band response.create), usage=<n>
+(report n completion tokens whatever was streamed); a `script`
 field of the body (realtime: of `response`) holds more, which win. Token i (0-based) is sent at ttft + i × itl ms
 after the request arrived; every chunk carries one token " t". A prompt's tokens are its words: over HTTP,
 `cached_tokens` is the prefix it shares with the previous request's prompt; on the WebSocket, the session's
@@ -89,7 +91,8 @@ async def complete(request: Request) -> Any:
     if chat:
         STATS["message_counts"].append(len(body["messages"]))
     d = directives(text, body.get("script"))
-    if d.get("status") == 429:
+    turn = sum(m["role"] == "user" for m in body["messages"]) - 1 if chat else 0
+    if d.get("status") == 429 or d.get("refuse_turn") == turn:
         return JSONResponse({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status_code=429,
                             headers={"Retry-After": "0.5", "x-should-retry": "false"})
     if "status" in d:
@@ -132,6 +135,7 @@ async def realtime(ws: WebSocket) -> None:
     instructions: list[str] = []
     conversation: list[str] = []  # contents, in order
     replies: dict[str, int] = {}  # assistant item id → its place in the conversation
+    turns = 0  # in-band response.create events so far
 
     async def respond(rid: str, d: dict[str, float], n: int, inputs: list[str], in_band: bool) -> None:
         sent = 0
@@ -169,13 +173,20 @@ async def realtime(ws: WebSocket) -> None:
                 messages = r["input"] if isinstance(r["input"], list) else [{"role": "user", "content": r["input"]}]
                 STATS["ws_inputs"].append(messages)
                 d = directives(last_user(messages), r.get("script"))
-                if d.get("status") == 429:
+                in_band = r.get("conversation") != "none"
+                turns += in_band
+                if d.get("status") == 429 or (in_band and d.get("refuse_turn") == turns - 1):
                     await ws.send_json({"type": "error", "error": {"type": "rate_limit_error", "code":
                                         "rate_limit_exceeded", "message": "overloaded", "retry_after_ms": 500}})
                     continue
                 rid = r.get("id") or f"resp_{len(STATS['ws_inputs'])}"
                 running[rid] = asyncio.create_task(respond(rid, d, int(r["max_tokens"]), [m["content"] for m in
-                                                   messages], r.get("conversation") != "none"))
+                                                   messages], in_band))
+            elif event["type"] == "conversation.item.create":
+                item = event["item"]
+                conversation.append(item["content"])
+                await ws.send_json({"type": "conversation.item.created", "item": {"id": f"item_{len(conversation)}",
+                                                                                  **item}})
             elif event["type"] == "response.cancel":
                 STATS["ws_cancels"] += 1
                 task = running.get(event["response_id"])

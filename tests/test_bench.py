@@ -94,6 +94,7 @@ def test_voice_plan_fits_one_call() -> None:
                      "sweep-chat", "sweep-realtime"]
     sweep = server.loadtests[-1].args
     assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8,16"  # issue 36: 1-16 sessions/s
+    assert sweep[sweep.index("--after-refusal") + 1] == "fall-back"  # a refused turn: the agent's fallback answers
     # the capacity: the same server with admission off, the same sessions (seed) at the sweep's rates from 2/s
     assert off.needs_own_server and off.serve == with_flags(server.serve, "--sla-ms 100000")
     assert [t.name for t in off.loadtests] == ["capacity-chat", "capacity-realtime"]

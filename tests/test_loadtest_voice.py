@@ -17,6 +17,7 @@ import pytest
 
 from bench.voice_report import capacity_rates
 from loadtest.record import RequestRecord, finish
+from loadtest.runner import FALLBACK_REPLY
 from loadtest.stats import by_turn, conversation_figures, percentile
 from loadtest.workload import synthetic_sessions
 from tests.server_support import ROOT, Server, poll
@@ -119,6 +120,37 @@ def test_realtime_sends_only_the_new_turn(tmp_path, url):  # noqa: F811
         if a["session"] == b["session"]:  # the next turn's cache: the last prompt and the reply as heard
             heard = K_BARGE if a["kind"] == "barge-in" else OUT
             assert b["cached_tokens"] == a["prompt_tokens"] + heard
+
+
+REFUSED = ["--scenario", "voice", "--num-requests", "2", "--concurrency", "1", "--turns", "3", "--system-len", "10",
+           "--input-len", "5", "--output-len", "4", "--cancel-share", "0", "--preemptive-share", "0", "--seed", "3",
+           "--extra-body", json.dumps({"script": "ttft=1 itl=1 refuse_turn=1"})]  # every session's 2nd turn: 429
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "realtime"])
+def test_a_refused_turn_ends_the_session_or_falls_back(tmp_path, url, endpoint):  # noqa: F811
+    """A caller hangs up at a refused turn (the default); a voice agent with a fallback LLM goes on: the refused turn
+    joins the conversation as the fallback answered it, and the next turn is asked here again."""
+    hung_up = replies(run_cli(tmp_path, url, "--endpoint", endpoint, *REFUSED))
+    assert [(r["session"], r["turn"], r["outcome"]) for r in hung_up] == [
+        (s, t, o) for s in (0, 1) for t, o in ((0, "ok"), (1, "rejected"))]
+    before = len(stats(url)["bodies"]), len(stats(url)["ws_events"])
+    went_on = replies(run_cli(tmp_path, url, "--endpoint", endpoint, "--after-refusal", "fall-back", *REFUSED))
+    assert [(r["session"], r["turn"], r["outcome"]) for r in went_on] == [
+        (s, t, o) for s in (0, 1) for t, o in ((0, "ok"), (1, "rejected"), (2, "ok"))]
+    if endpoint == "chat":  # the third turn's conversation: the refused turn's message and the fallback's reply
+        third = [b for b in stats(url)["bodies"][before[0]:] if sum(m["role"] == "user" for m in b["messages"]) == 3]
+        assert len(third) == 2
+        for body in third:
+            assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+            assert body["messages"][4]["content"] == FALLBACK_REPLY
+    else:  # between the refused response.create and the next: the user's message and the fallback's reply, added
+        events = stats(url)["ws_events"][before[1]:]
+        added = [e["item"] for e in events if e["type"] == "conversation.item.create"]
+        assert [(i["role"], i["content"] == FALLBACK_REPLY) for i in added] == [("user", False),
+                                                                                 ("assistant", True)] * 2
+        creates = [e["response"] for e in events if e["type"] == "response.create"]
+        assert [i["content"] for i in added[::2]] == [c["input"][0]["content"] for c in creates[1::3]]
 
 
 # -- the figures -----------------------------------------------------------------------------------------------------
