@@ -76,7 +76,8 @@ def _swept(raw: Path, kind: str, n: int) -> list[dict[str, Any]]:
             figures = conversation_figures(recs, n)
             replies = [r for r in recs if r.kind != "preemptive"]
             rows.append({"endpoint": endpoint, "rate": run["rate"], "sessions": len({r.session for r in recs}),
-                         "think_s": doc["config"]["think_s"], **figures,
+                         "think_s": doc["config"]["think_s"],
+                         "after_refusal": doc["config"].get("after_refusal", "hang-up"), **figures,
                          "on_time_share": sum(r.sla_met for r in replies) / len(replies) if replies else None})
     return rows
 
@@ -198,8 +199,12 @@ def markdown(doc: dict[str, Any]) -> str:
     if doc.get("capacity"):
         lines += ["", "## Capacity: the same arrivals, admission off", "",
                   "The server again with `--sla-ms 100000` (it admits every turn), the sweep's sessions at some of its "
-                  "rates, judged by the client against the same SLA. A session ends at its first refused turn (the "
-                  "caller hangs up), so with admission on fewer replies are asked for: compare the replies on time. "
+                  "rates, judged by the client against the same SLA. " + (
+                      "A session goes on past a refused turn (an agent's fallback LLM answers it), so both servers are "
+                      "asked for the same turns. "
+                      if all(r["after_refusal"] == "fall-back" for r in doc["sweep"]) else
+                      "A session ends at its first refused turn (the caller hangs up), so with admission on fewer "
+                      "replies are asked for: compare the replies on time. ") +
                   f"Capacity: the highest rate with >= {ATTAINMENT_TARGET:g} of replies on time, admission off.", "",
                   f"| endpoint | sessions/s | off: replies | off: on time | off: TTF{n} p99 | on: replies | "
                   "on: admitted | on: on time |", "|---|---|---|---|---|---|---|---|"]

@@ -243,7 +243,7 @@ def test_voice_report_puts_the_capacity_beside_the_sweep(tmp_path, url):  # noqa
     (raw / "device.json").write_text(json.dumps({"device": "test-device"}))
     common = ["--scenario", "voice", "--endpoint", "chat", "--sweep", "--duration", "0.5", "--warmup", "0",
               "--think-s", "0", "--turns", "2", "--system-len", "20", "--input-len", "8", "--output-len", "64",
-              "--cancel-share", "0", "--preemptive-share", "0", "--seed", "1"]
+              "--cancel-share", "0", "--preemptive-share", "0", "--seed", "1", "--after-refusal", "fall-back"]
     for kind, rates, itl in (("sweep", "8", 3), ("capacity", "4,8", 1)):
         run_cli(tmp_path, url, *common, "--sweep-rates", rates,
                 "--extra-body", json.dumps({"script": f"ttft=2 itl={itl}"}))
@@ -260,6 +260,7 @@ def test_voice_report_puts_the_capacity_beside_the_sweep(tmp_path, url):  # noqa
     assert doc["capacity_rate"] == {"chat": 8}
     md = report.with_suffix(".md").read_text()
     assert "## Capacity: the same arrivals, admission off" in md and "Capacity, chat: 8 sessions/s." in md
+    assert "both servers are asked for the same turns" in md  # the sessions fell back at a refusal
     n4, n8 = (r["requests"] for r in off)
     assert f"| chat | 4.00 | {n4} | {n4} (100%) | " in md  # no sweep at 4/s: its side is empty
     assert f"| chat | 8.00 | {n8} | {n8} (100%) | " in md and f"| {on['requests']} | 100% | 0 (0%) |" in md
