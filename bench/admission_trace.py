@@ -82,11 +82,19 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
                           # the same spans against the latest forecast, and against their own verdict's
                           "latest_score_p99": p99(ts, lambda t: t.get("latest_score")),
                           "first_score_p99": p99(ts, first_score),
+                          # a score split: the steps over their forecast, and the time around the steps
+                          "steps_over_model_p99": p99(ts, lambda t: _ratio(t.get("steps_ms"), t.get("model_ms"))),
+                          "wall_over_steps_p99": p99(ts, lambda t: _ratio(t.get("after_verdict_ms"),
+                                                                          t.get("steps_ms"))),
                           "stretch_p50": quantile([t["stretch"] for t in ts], 0.5),
                           "over_stretch": sum(1 for t in ts if (t["score"] or 0) > t["stretch"]),
                           "late": sum(1 for t in ts if t["late"])}
                    for name, ts in sorted(by_level.items())},
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def of_raw(raw: Path) -> dict[str, dict[str, Any]]:
@@ -119,12 +127,15 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
         if s["levels"]:
             lines += ["", "Admitted requests' scores (time from the first verdict to the SLA token over what the "
                           "latency model predicted for the steps that ran; p99 also against the latest forecast and "
-                          "against their own verdict's) by the level they were last judged at; refusals at the same "
+                          "against their own verdict's; the score split: the steps' measured time over the model's, "
+                          "the wall's over the steps') by the level they were last judged at; refusals at the same "
                           "level", "",
-                      "| level | SLA tokens | score p50 | score p99 | latest p99 | own verdict's p99 | stretch p50 | "
-                      "over their stretch | late | refused |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| level | SLA tokens | score p50 | score p99 | latest p99 | own verdict's p99 | "
+                      "steps / model p99 | wall / steps p99 | stretch p50 | over their stretch | late | refused |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {name} | {v['n']} | {_f(v['score_p50'], 3)} | {_f(v['score_p99'], 3)} | "
                       f"{_f(v.get('latest_score_p99'), 3)} | {_f(v.get('first_score_p99'), 3)} | "
+                      f"{_f(v.get('steps_over_model_p99'), 3)} | {_f(v.get('wall_over_steps_p99'), 3)} | "
                       f"{_f(v['stretch_p50'], 3)} | {v['over_stretch']} | {v['late']} | "
                       f"{s['refused_levels'].get(name, 0)} |" for name, v in s["levels"].items()]
     return lines

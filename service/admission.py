@@ -284,7 +284,7 @@ class AdmissionController:
         over its span (ModelClock; nothing to score where no step was committed since its verdict)."""
         with self._lock:
             promise = self._promises.pop(req.id, None)
-        model_s = self.model_clock.span(req.id)
+        model_s, ran_s = self.model_clock.span(req.id), self.model_clock.ran(req.id)
         self.model_clock.forget(req.id)
         if req.deadline is not None:
             self.guard.judged(at > req.deadline)
@@ -294,7 +294,7 @@ class AdmissionController:
         self.guard.observe(promise.level, score, promise.stretch)
         if self.trace is not None:
             self.trace.record("sla_token", t=at, req=req.id, after_verdict_ms=(at - promise.at) * 1e3,
-                              model_ms=_ms(model_s),
+                              model_ms=_ms(model_s), steps_ms=_ms(ran_s),
                               forecast_ms=(promise.predicted - promise.at) * 1e3, score=score,
                               latest_score=promise.latest_score(at), stretch=promise.stretch,
                               level=promise.level.labels, late=req.deadline is not None and at > req.deadline,

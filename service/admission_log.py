@@ -16,10 +16,12 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   refusal adds its victim's `victim_over_ms` (past its deadline at the stretch beside the newcomer),
   `victim_alone_over_ms` (without it), `victim_since_ms` (since its first verdict) and `victim_model_ms` (the model
   clock's time since then: what its steps so far were predicted to take);
-- {"kind": "sla_token", "t", "req", "after_verdict_ms", "model_ms", "forecast_ms", "score", "latest_score",
-  "stretch", "level", "late", "since_arrival_ms"}: an admitted request's SLA token. `score` is what the guard learns:
-  `after_verdict_ms` over `model_ms`, what the latency model predicted for the steps that ran since its first verdict
-  (service/model_clock.py); `latest_score` is against its last promise's forecast, `forecast_ms` (service/admission.py's
+- {"kind": "sla_token", "t", "req", "after_verdict_ms", "model_ms", "steps_ms", "forecast_ms", "score",
+  "latest_score", "stretch", "level", "late", "since_arrival_ms"}: an admitted request's SLA token. `score` is what the
+  guard learns: `after_verdict_ms` over `model_ms`, what the latency model predicted for the steps that ran since its
+  first verdict (service/model_clock.py); `steps_ms` is what those steps took (their cadence, the host's time between
+  steps included), so a score splits into the steps over the model (steps / model) and the time outside their cadence
+  (after_verdict / steps); `latest_score` is against its last promise's forecast, `forecast_ms` (service/admission.py's
   Promise), for comparison.
 """
 

@@ -254,6 +254,28 @@ def test_the_model_clock_counts_a_span_from_its_start_with_the_step_in_flight_as
     clock.start("idle", 20.0)  # a verdict on an idle engine: its first step, a launch, starts 0.3 ms later
     clock.tick(0.005, 20.0103, seconds=0.010)  # predicted 5 ms, took 10
     assert clock.span("idle") == pytest.approx(0.0053)  # all of the launch as predicted, the wait as it ran
+    assert clock.ran("idle") == pytest.approx(0.0103)  # in the steps' own time: the launch as it ran
+
+
+def test_the_model_clock_also_reads_a_span_in_the_steps_measured_time():
+    """Beside the forecast's time, the time the same steps took: a span's score (wall over model) splits into the
+    steps running over the model (ran / span) and the time between them (wall / ran). A step not measured counts as
+    predicted; one in flight at the span's start counts its part after it, as it ran, in both."""
+    from service.model_clock import ModelClock
+
+    clock = ModelClock()
+    clock.start("b", 30.0)
+    clock.tick(0.002, 30.003, seconds=0.003)  # predicted 2 ms, took 3
+    clock.tick(0.002, 30.0065, seconds=0.003)  # 0.5 ms of the host's between the two
+    assert clock.span("b") == pytest.approx(0.004) and clock.ran("b") == pytest.approx(0.006)
+    clock.tick(0.001, 30.008)  # not measured: as predicted
+    assert clock.span("b") == pytest.approx(0.005) and clock.ran("b") == pytest.approx(0.007)
+    clock.start("c", 40.001)  # begun while a step ran (40.000 to 40.003)
+    assert clock.ran("c") is None
+    clock.tick(0.002, 40.003, seconds=0.003)
+    assert clock.span("c") == pytest.approx(0.002) == clock.ran("c")
+    clock.forget("b")
+    assert clock.ran("b") is None
 
 
 def test_a_score_over_its_stretch_is_logged_with_its_level(caplog):

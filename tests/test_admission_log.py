@@ -59,6 +59,7 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert token["req"] == running.id and token["model_ms"] == pytest.approx(2 + 64 * 2)  # every step it waited on
     assert token["score"] == pytest.approx(64 * 3 / 130, rel=1e-3) == token["after_verdict_ms"] / token["model_ms"]
     assert token["latest_score"] == pytest.approx(token["after_verdict_ms"] / token["forecast_ms"], abs=1e-4)
+    assert token["steps_ms"] == pytest.approx(token["model_ms"])  # steps not measured count as predicted
     assert token["late"] is True  # its deadline was moved to 10 ms from then
 
     s = admission_trace.summary(admission_trace.read(path))
@@ -69,6 +70,8 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert s["late_refusals_by_stretch_alone"] == 0  # 150 ms gone: not even the bare forecast fits
     (level,) = s["levels"].values()
     assert level["score_p99"] == pytest.approx(token["score"])
+    assert level["steps_over_model_p99"] == pytest.approx(1.0)  # the split: all of the score is around the steps
+    assert level["wall_over_steps_p99"] == pytest.approx(token["score"], rel=1e-3)
     assert level["first_score_p99"] == pytest.approx(token["after_verdict_ms"] / first["forecast_ms"], abs=1e-4)
     text = "\n".join(admission_trace.markdown({"server": s}))
     assert "4 verdicts, 2 admitted; refused: 1 overloaded (delays), 1 overloaded (late)" in text
