@@ -201,6 +201,27 @@ class AdmissionGuard:
             self._exceeded.append((self._clock(), score > stretch))
             self._trim()
 
+    def scores(self) -> dict[Level, list[float]]:
+        """Each level's recent scores, oldest first (what guard_memory.py keeps across restarts)."""
+        with self._lock:
+            return {lv: list(window.order) for lv, window in self._scores.items()}
+
+    def seed(self, scores: dict[Level, list[float]]) -> int:
+        """Start from scores a previous run of this server learned (oldest first): each level's window as if it had
+        seen them; how many were read. Scores seen since stay the newest."""
+        taken = 0
+        with self._lock:
+            for lv, xs in scores.items():
+                window = RecentWindow(WINDOW_PER_N * self.enough)
+                for x in xs:
+                    if math.isfinite(x) and x > 0:
+                        window.add(x)
+                        taken += 1
+                for x in self._scores[lv].order if lv in self._scores else ():
+                    window.add(x)
+                self._scores[lv] = window
+        return taken
+
     def judged(self, late: bool) -> None:
         """An admitted request's SLA was judged: its SLA token came (or it ended before it), late or in time."""
         with self._lock:

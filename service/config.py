@@ -80,6 +80,10 @@ class ServeConfig(BaseSettings):
                                           "file per device, model, weight format and step limits: a restart times "
                                           "one step instead of the sweep); off: no cache. Unset: "
                                           "$XDG_CACHE_HOME/parley/calibration or ~/.cache/parley/calibration")
+    guard_memory: bool = Field(True, description="keep what the admission guard learned (how far forecasts ran "
+                               "off, per load level) beside the calibration's cache, and start from it after a "
+                               "restart: a fresh guard stretches forecasts beside others by a prior and refuses more "
+                               "until it has learned. Needs the calibration cache")
     sla_ms: float = Field(100.0, description="the deadline of the SLA token, in ms from arrival")
     sla_tokens: int = Field(64, description="which token the SLA is about (the Nth)")
     strict_sla: bool = Field(False, description="refuse what cannot meet the SLA even where no request could "

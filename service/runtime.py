@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from service import guard_memory
 from service.admission import AdmissionController
 from service.admission_log import AdmissionLog
 from service.backends import make_decoder, resolve_backend
@@ -97,12 +98,14 @@ def build_engine(cfg: ServeConfig) -> Runtime:
                    max_batch=cfg.max_batch, max_rows=max_rows, prefill_rows=prefill_rows)
     log.info("warmed up in %.1f s", time.perf_counter() - t0)
     # every step width the planner may choose is timed: up to the prompt-only step's
-    latency = calibrated_latency(cfg, decoder, model.config, backend, prefill_rows, seen)
+    key = calibration_key(cfg, decoder, model.config, backend, prefill_rows)
+    latency = calibrated_latency(cfg, decoder, key, prefill_rows, seen)
     trace = AdmissionLog(cfg.admission_log) if cfg.admission_log else None
     if trace is not None:
         atexit.register(trace.close)  # the last lines written at a clean exit (SIGTERM's drain)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
                                     strict=cfg.strict_sla, target=cfg.sla_target, trace=trace)
+    remember_guard(cfg, key, admission)
     metrics = Metrics(cfg.sla_tokens)
     metrics.export_guard(admission.guard)
     metrics.info.labels(model=cfg.model, backend=backend, device=device, weights=cfg.weights).set(1)
@@ -117,14 +120,30 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     return Runtime(cfg, model, engine, backend, device, model_id=cfg.model, latency=latency, admission=admission)
 
 
-def calibrated_latency(cfg: ServeConfig, decoder: Decoder, config: ModelConfig, backend: str,
-                       max_rows: int, seen: dict[int, float] | None = None) -> LatencyModel:
+def calibration_key(cfg: ServeConfig, decoder: Decoder, config: ModelConfig, backend: str,
+                    max_rows: int) -> dict[str, object]:
+    """What this server's step times depend on: its calibration's cache key, and its guard memory's."""
+    return cache_key(decoder.device, cfg.model, config, cfg.weights, backend, max_rows, cfg.max_batch,
+                     decoder.max_context, batch_invariant=cfg.batch_invariant, step_delay_ms=cfg.step_delay_ms)
+
+
+def remember_guard(cfg: ServeConfig, key: dict[str, object], admission: AdmissionController) -> None:
+    """Where the calibration is cached (and --guard-memory is on), the guard starts from what the last run of this
+    server learned and leaves what it learns at a clean exit (service/guard_memory.py)."""
+    directory = cache_dir_of(cfg.calibration_cache)
+    if directory is None or not cfg.guard_memory:
+        return
+    path = guard_memory.memory_path(directory, key)
+    guard_memory.load(path, key, admission.guard)
+    atexit.register(guard_memory.save, path, key, admission.guard)
+
+
+def calibrated_latency(cfg: ServeConfig, decoder: Decoder, key: dict[str, object], max_rows: int,
+                       seen: dict[int, float] | None = None) -> LatencyModel:
     """The latency model admission starts from: the cached calibration of this device, model, weight format and
-    step limits where --calibration-cache has one (a restart times one step), else measured within
+    step limits (`key`) where --calibration-cache has one (a restart times one step), else measured within
     --calibration-budget-s (no step slower than the warm-up saw one of as many rows or more: `seen`) and cached."""
     t0 = time.perf_counter()
-    key = cache_key(decoder.device, cfg.model, config, cfg.weights, backend, max_rows, cfg.max_batch,
-                    decoder.max_context, batch_invariant=cfg.batch_invariant, step_delay_ms=cfg.step_delay_ms)
     budget = cfg.calibration_budget_s or default_budget(decoder.device, process_age_s())
     cal = calibrated(decoder, key, cache_dir_of(cfg.calibration_cache), max_rows, cfg.max_batch, budget, seen=seen)
     latency = cal.latency_model()

@@ -192,3 +192,40 @@ def test_the_guard_on_metrics():
     assert fams["parley_admission_guard_target"].samples[0].value == 0.95
     assert fams["parley_admission_guard_miss_rate"].samples[0].value == 0.5
     assert fams["parley_admission_guard_exceeded_rate"].samples[0].value == 0.0
+
+
+def test_a_restarted_guard_starts_from_what_the_last_run_learned(tmp_path):
+    """The guard's memory (service/guard_memory.py): a server that learned its levels leaves their scores beside its
+    calibration at exit; the next run of the same server starts from them (its stretch as before the restart, not the
+    prior); a memory for another server, a torn file or none leaves the prior; scores seen before the memory was read
+    stay the newest."""
+    from service import guard_memory
+
+    rng = random.Random(7)
+    key = {"device": "test", "model": "synthetic:tiny", "weights": "bf16", "max_rows": 16}
+    learned = AdmissionGuard(0.99)
+    for _ in range(learned.enough * 2):
+        learned.observe(BUSY, rng.uniform(0.95, 1.1), 1.0)
+        learned.observe(BESIDE_ONE, rng.uniform(0.98, 1.03), 1.0)
+    path = guard_memory.memory_path(tmp_path, key)
+    guard_memory.save(path, key, learned)
+    assert path.name.endswith(".guard.json") and path.parent == tmp_path
+
+    restarted = AdmissionGuard(0.99)
+    assert restarted.stretch(BUSY) == PRIOR_LOADED
+    assert guard_memory.load(path, key, restarted) == 4 * learned.enough
+    assert restarted.stretch(BUSY) == learned.stretch(BUSY) < 1.1
+    assert restarted.stretch(BESIDE_ONE) == learned.stretch(BESIDE_ONE) < 1.03
+    assert restarted.scores() == learned.scores()
+
+    other = AdmissionGuard(0.99)
+    assert guard_memory.load(path, {**key, "max_rows": 64}, other) == 0  # another server's memory
+    assert guard_memory.load(tmp_path / "none.guard.json", key, other) == 0
+    path.write_text('{"format": 1, "key"')
+    assert guard_memory.load(path, key, other) == 0
+    assert other.stretch(BUSY) == PRIOR_LOADED
+
+    seen = AdmissionGuard(0.99)  # a score seen before the memory was read stays the newest of its level
+    seen.observe(BUSY, 1.5, 1.0)
+    assert seen.seed({BUSY: [1.0] * WINDOW_PER_N * seen.enough}) == WINDOW_PER_N * seen.enough
+    assert seen.scores()[BUSY][-1] == 1.5 and len(seen.scores()[BUSY]) == WINDOW_PER_N * seen.enough

@@ -157,8 +157,9 @@ IDLE_ROOM = 1.5
 
 
 def strict_flags(cache: Path, sla_ms: int, strict: bool = True) -> tuple[str, ...]:
+    # each server fresh: its guard from the prior, not from what the last one learned (--no-guard-memory)
     return ("--sla-ms", str(sla_ms), *(("--strict-sla",) if strict else ()), "--max-batch", str(STRICT_SLOTS),
-            "--calibration-cache", str(cache))
+            "--calibration-cache", str(cache), "--no-guard-memory")
 
 
 @dataclass(frozen=True)

@@ -208,3 +208,39 @@ def test_process_age_is_what_start_up_has_taken_so_far():
     age = process_age_s()
     time.sleep(0.05)
     assert 0.0 < age < process_age_s() < 24 * 3600
+
+
+def test_a_restart_starts_admission_from_what_the_guard_learned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Beside the calibration's cache the guard's scores outlive the process: a build registers their writing at exit
+    and reads what the last run of the same server left, so a restarted server stretches forecasts as it had learned
+    to, not by the prior; --no-guard-memory (or no calibration cache) leaves every start fresh."""
+    import service.runtime
+    from service.admission_guard import PRIOR_LOADED, Level
+    from service.config import ServeConfig
+    from service.runtime import build_engine
+
+    at_exit: list = []
+    monkeypatch.setattr(service.runtime.atexit, "register", lambda fn, *args: at_exit.append((fn, args)))
+    busy = Level(2, 1)
+
+    def build(**settings):
+        cfg = ServeConfig(**{"model": "synthetic:tiny", "device": "cpu", "max_batch": 4, "max_rows": 16,
+                             "max_context": 256, "calibration_budget_s": 1, "calibration_cache": str(tmp_path),
+                             **settings})
+        rt = build_engine(cfg)
+        rt.engine.stop()
+        return rt
+
+    first = build()
+    assert first.admission.guard.stretch(busy) == PRIOR_LOADED
+    for _ in range(first.admission.guard.enough):
+        first.admission.guard.observe(busy, 1.02, 1.0)
+    [(save, args)] = at_exit
+    save(*args)  # the clean exit
+    assert len(list(tmp_path.glob("*.guard.json"))) == 1
+    second = build()
+    assert second.admission.guard.stretch(busy) == pytest.approx(1.02)
+    assert second.admission.guard.scores() == first.admission.guard.scores()
+    at_exit.clear()
+    fresh = build(guard_memory=False)
+    assert fresh.admission.guard.stretch(busy) == PRIOR_LOADED and not at_exit

@@ -1,0 +1,71 @@
+"""What the admission guard learned, kept across restarts beside the calibration it scored against.
+
+A fresh guard knows nothing of its server: beside other requests it stretches forecasts by a prior (2x, weighing as
+20 scores) until each load level has ~200 scores of its own. On the H200's voice sweep a fresh server's loaded levels
+stretched by 1.24-1.33 in its first seconds of load and refused a third of the turns at 4 sessions/s, where the same
+server with admission off served 93% of them on time; a minute later the learned stretch read 1.03-1.09. The scores
+are the latency model's own error (actual over predicted time, service/model_clock.py), so they belong with the
+calibration they were scored against: one file beside it, for the same device, model, weights and step limits
+(calibration.cache_key). A restart (a deploy, a crash and its supervisor's restart) starts from them; a server whose
+calibration is not cached (--calibration-cache off) starts from the prior, as before. Written at a clean exit
+(SIGTERM's drain).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from service.admission_guard import AdmissionGuard, Level
+from service.calibration import cache_path
+
+log = logging.getLogger("parley.admission")
+
+FORMAT = 1
+
+
+def memory_path(directory: Path, key: dict[str, Any]) -> Path:
+    """Beside the calibration cached for `key`: <its stem>.guard.json."""
+    calibration = cache_path(directory, key)
+    return calibration.with_name(f"{calibration.stem}.guard.json")
+
+
+def load(path: Path, key: dict[str, Any], guard: AdmissionGuard) -> int:
+    """Seed `guard` with the scores kept at `path` for `key`; how many (0 where there is no usable file)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as e:
+        log.warning("admission guard memory %s unreadable (%s): starting from the prior", path, e)
+        return 0
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
+        log.warning("admission guard memory %s is for another server: starting from the prior", path)
+        return 0
+    try:
+        scores = {Level(int(row["in_flight"]), int(row["prompt"])): [float(x) for x in row["scores"]]
+                  for row in data["levels"]}
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("admission guard memory %s malformed (%s): starting from the prior", path, e)
+        return 0
+    taken = guard.seed(scores)
+    log.info("admission guard: %d scores of %d load levels from %s", taken, len(scores), path)
+    return taken
+
+
+def save(path: Path, key: dict[str, Any], guard: AdmissionGuard) -> None:
+    """Keep the guard's scores at `path` (written whole, then renamed: a reader never sees half a file)."""
+    levels = [{"in_flight": lv.in_flight, "prompt": lv.prompt, "scores": xs}
+              for lv, xs in sorted(guard.scores().items()) if xs]
+    if not levels:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "key": key, "levels": levels}))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("admission guard memory not written to %s: %s", path, e)
