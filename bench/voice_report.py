@@ -31,6 +31,7 @@ ATTAINMENT_TARGET = 0.99
 # prompt of FRESH_TARGET_TOKENS admitted and on time on an idle server.
 ADMITTED_TARGET = 0.95
 FRESH_TARGET_TOKENS = 2000
+KEPT_TARGET = 0.9  # admission admits what fits (issue 36): replies on time with it, over those with it off
 
 
 def _records(run: dict[str, Any]) -> list[RequestRecord]:
@@ -117,6 +118,12 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     fresh_on_time = None if fresh is None or fresh["admitted_share"] is None else \
         fresh["admitted_share"] * (fresh["sla_attainment_admitted"] or 0.0)
     rate = "–" if top is None else f"{top:g}"
+    kept = kept_of_capacity(doc)
+    worst_kept = min(kept, key=lambda k: k["kept"], default=None)
+    kept_rows = [] if worst_kept is None else [
+        row(f"capacity: replies on time with admission on >= {KEPT_TARGET:g} x with it off, at each rate measured "
+            f"both ways (worst: {worst_kept['endpoint']} at {worst_kept['rate']:g}/s)", worst_kept["kept"],
+            worst_kept["kept"] >= KEPT_TARGET)]
     return [
         row("single session: every turn admitted (lowest admitted share of a turn)", admitted,
             admitted is not None and admitted >= 1.0),
@@ -134,7 +141,21 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             top_attainment, top_attainment is not None and top_attainment >= ATTAINMENT_TARGET),
         row(f"fresh {FRESH_TARGET_TOKENS}-token prompt, idle server: every one admitted and on time (share)",
             fresh_on_time, fresh_on_time is not None and fresh_on_time >= 1.0),
+        *kept_rows,
     ]
+
+
+def kept_of_capacity(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (endpoint, rate) measured both ways, where the sessions fell back at a refusal (both servers asked for the
+    same turns): the replies on time with admission on over those with it off."""
+    on = {(r["endpoint"], r["rate"]): r for r in doc["sweep"] if r.get("after_refusal") == "fall-back"}
+    out = []
+    for off in doc.get("capacity", []):
+        r = on.get((off["endpoint"], off["rate"]))
+        if r is not None and off.get("after_refusal") == "fall-back" and off["on_time_share"]:
+            out.append({"endpoint": r["endpoint"], "rate": r["rate"],
+                        "kept": r["on_time_share"] * r["requests"] / (off["on_time_share"] * off["requests"])})
+    return out
 
 
 def _f(x: Any, digits: int = 1) -> str:

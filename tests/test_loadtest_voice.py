@@ -261,6 +261,9 @@ def test_voice_report_puts_the_capacity_beside_the_sweep(tmp_path, url):  # noqa
     md = report.with_suffix(".md").read_text()
     assert "## Capacity: the same arrivals, admission off" in md and "Capacity, chat: 8 sessions/s." in md
     assert "both servers are asked for the same turns" in md  # the sessions fell back at a refusal
+    # admission keeps what fits: on time with it (none at 8/s here) over on time without it, where both ran
+    [kept] = [t for t in doc["targets"] if t["target"].startswith("capacity: replies on time")]
+    assert kept["measured"] == 0.0 and kept["met"] is False and "chat at 8/s" in kept["target"]
     n4, n8 = (r["requests"] for r in off)
     assert f"| chat | 4.00 | {n4} | {n4} (100%) | " in md  # no sweep at 4/s: its side is empty
     assert f"| chat | 8.00 | {n8} | {n8} (100%) | " in md and f"| {on['requests']} | 100% | 0 (0%) |" in md
