@@ -405,18 +405,46 @@ def cache_path(directory: Path, key: dict[str, Any]) -> Path:
     return directory / f"{name}-{key['weights']}-{digest}.json"
 
 
-def read_cache(directory: Path, key: dict[str, Any]) -> Calibration | None:
-    """The calibration cached for `key`; None (with a warning where a file is there but unusable) otherwise."""
-    path = cache_path(directory, key)
+def read_keyed(path: Path, key: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """The JSON object at `path` where it was written for `key` (write_keyed); None where there is none, and with a
+    warning naming `what` where a file is there but unreadable or for another key."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        log.warning("ignoring the calibration cache %s: unreadable (%s)", path, e)
+        log.warning("ignoring the %s %s: unreadable (%s)", what, path, e)
         return None
     if not isinstance(data, dict) or data.get("key") != key:
-        log.warning("ignoring the calibration cache %s: it was measured for something else", path)
+        log.warning("ignoring the %s %s: it was measured for something else", what, path)
+        return None
+    return data
+
+
+def write_keyed(path: Path, key: dict[str, Any], body: dict[str, Any], what: str) -> None:
+    """`body` with `key` as one JSON object at `path`, atomically (a temporary file renamed over it): a reader sees the
+    old file or the new one, never half of one. A file that cannot be written costs a warning naming `what`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": key, **body}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        log.warning("could not write the %s %s: %s", what, path, e)
+
+
+def read_cache(directory: Path, key: dict[str, Any]) -> Calibration | None:
+    """The calibration cached for `key`; None (with a warning where a file is there but unusable) otherwise."""
+    path = cache_path(directory, key)
+    data = read_keyed(path, key, "calibration cache")
+    if data is None:
         return None
     try:
         return calibration_from_json(data["calibration"])
@@ -426,23 +454,8 @@ def read_cache(directory: Path, key: dict[str, Any]) -> Calibration | None:
 
 
 def write_cache(directory: Path, key: dict[str, Any], cal: Calibration) -> None:
-    """Atomically (a temporary file renamed over it): a reader sees the old file or the new one, never half of
-    one. A cache that cannot be written costs the next start-up a sweep, nothing more: a warning."""
-    path = cache_path(directory, key)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": key, "calibration": calibration_to_json(cal)}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as e:
-        log.warning("could not write the calibration cache %s: %s", path, e)
+    """The calibration for `key` (write_keyed: a cache that cannot be written costs the next start-up a sweep)."""
+    write_keyed(cache_path(directory, key), key, {"calibration": calibration_to_json(cal)}, "calibration cache")
 
 
 def calibrated(decoder: Decoder, key: dict[str, Any], directory: Path | None, max_rows: int, max_batch: int,

@@ -13,18 +13,17 @@ calibration is not cached (--calibration-cache off) starts from the prior, as be
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from service.admission_guard import AdmissionGuard, Level
-from service.calibration import cache_path
+from service.calibration import cache_path, read_keyed, write_keyed
 
 log = logging.getLogger("parley.admission")
 
-FORMAT = 1
+FORMAT = 1  # in the file's key: a memory of another layout is for something else
+WHAT = "admission guard memory"
 
 
 def memory_path(directory: Path, key: dict[str, Any]) -> Path:
@@ -34,22 +33,15 @@ def memory_path(directory: Path, key: dict[str, Any]) -> Path:
 
 
 def load(path: Path, key: dict[str, Any], guard: AdmissionGuard) -> int:
-    """Seed `guard` with the scores kept at `path` for `key`; how many (0 where there is no usable file)."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return 0
-    except (OSError, ValueError) as e:
-        log.warning("admission guard memory %s unreadable (%s): starting from the prior", path, e)
-        return 0
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
-        log.warning("admission guard memory %s is for another server: starting from the prior", path)
+    """Seed `guard` with the scores kept at `path` for `key`; how many (0 where there is no usable file: the prior)."""
+    data = read_keyed(path, {**key, "guard_memory": FORMAT}, WHAT)
+    if data is None:
         return 0
     try:
         scores = {Level(int(row["in_flight"]), int(row["prompt"])): [float(x) for x in row["scores"]]
                   for row in data["levels"]}
     except (KeyError, TypeError, ValueError) as e:
-        log.warning("admission guard memory %s malformed (%s): starting from the prior", path, e)
+        log.warning("ignoring the %s %s: malformed (%s)", WHAT, path, e)
         return 0
     taken = guard.seed(scores)
     log.info("admission guard: %d scores of %d load levels from %s", taken, len(scores), path)
@@ -57,15 +49,8 @@ def load(path: Path, key: dict[str, Any], guard: AdmissionGuard) -> int:
 
 
 def save(path: Path, key: dict[str, Any], guard: AdmissionGuard) -> None:
-    """Keep the guard's scores at `path` (written whole, then renamed: a reader never sees half a file)."""
+    """Keep the guard's scores at `path` (write_keyed: atomically; a failure costs a warning)."""
     levels = [{"in_flight": lv.in_flight, "prompt": lv.prompt, "scores": xs}
               for lv, xs in sorted(guard.scores().items()) if xs]
-    if not levels:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "key": key, "levels": levels}))
-        tmp.replace(path)
-    except OSError as e:
-        log.warning("admission guard memory not written to %s: %s", path, e)
+    if levels:
+        write_keyed(path, {**key, "guard_memory": FORMAT}, {"levels": levels}, WHAT)
