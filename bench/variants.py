@@ -27,6 +27,8 @@ def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **cha
 
 
 WIDE = 32  # the buckets whose default tiles differ (default_tiles)
+_CALL_NONE = {"call_min_rows": 1 << 20, "call_min_rows_8bit": 1 << 20}  # KernelConfig: every op inlined
+_CALL_ALL = {"call_min_rows": 1, "call_min_rows_8bit": 1}  # the matvecs called at every row count
 K_CHUNK = {"bf16": 256, "fp8": 512, "int8": 256}  # the narrow buckets' default k chunk
 
 
@@ -199,6 +201,14 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # timing only, its logits WRONG by design: no task waits for its inputs, so the step costs what its tasks cost
     # streamed back to back; against the default, what the dependency waits and phase boundaries cost
     "no-wait": lambda w: KernelConfig(skip_waits=True),
+    # each layer's matvec and attention inlined into the task loop at every row count (the default before s64);
+    # attention inlined where the matvecs are called (from 1 row, both formats); both called at every row count
+    "inline": lambda w: KernelConfig(**_CALL_NONE),
+    "inline-attn": lambda w: KernelConfig(**_CALL_ALL, call_attention_max_rows=0),
+    "call-all": lambda w: KernelConfig(**_CALL_ALL, call_attention_max_rows=1 << 20),
+    "qblocks-inline": lambda w: KernelConfig(query_blocks=True, **_CALL_NONE),
+    "qblocks-inline-attn": lambda w: KernelConfig(query_blocks=True, **_CALL_ALL, call_attention_max_rows=0),
+    "qblocks-call-all": lambda w: KernelConfig(query_blocks=True, **_CALL_ALL, call_attention_max_rows=1 << 20),
     # up to 16 rows: QKV's 96 tiles (Llama-3.2-1B) cut into 2 or 4 parts of K, so its tasks cover every program
     # (96 of 132 streamed, at ~20 GB/s each); the last part to arrive finishes the tile
     "qkv-k2": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV,), k_splits=2)),

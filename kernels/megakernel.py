@@ -103,6 +103,23 @@ def _k_split(r, sched):
     return KSplit(r[I.MV_K_SPLIT], r[I.MV_ARRIVE], r[I.MV_SLOT], sched.counters, sched.k_sums)
 
 
+@triton.jit(noinline=True)
+def matvec_call(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps, dt: tl.constexpr,
+                MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr, BPAD: tl.constexpr,
+                SSQ_STRIDE: tl.constexpr, CG: tl.constexpr, ks=None):
+    """A layer's matvec as a function of its own (KernelConfig.call_min_rows): no result (a call's tensors cannot
+    cross it), and none of its loop-invariant values hoisted into the task loop."""
+    matvec(OP, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps, dt, MODEL, K, N, TILE, BPAD, SSQ_STRIDE, CG, ks)
+
+
+@triton.jit(noinline=True)
+def attention_call(layer, b, g0, s, S, arrive, arrive_row_stride, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr,
+                   sm_scale, MODEL: tl.constexpr, ATT: tl.constexpr, CG: tl.constexpr):
+    """attention as a function of its own (KernelConfig.call_attention_max_rows); its result is a scalar."""
+    return attention(layer, b, g0, s, S, arrive, arrive_row_stride, cnt_ptr, inputs, q_ptr, cache, scratch, attn_ptr,
+                     sm_scale, MODEL, ATT, CG)
+
+
 @triton.jit
 def megakernel(
     sched,  # Sched
@@ -133,6 +150,8 @@ def megakernel(
     DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
     PROFILE: tl.constexpr,
     SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): no task waits for its inputs
+    MATVEC: tl.constexpr,  # a layer's matvec: matvec inlined, or matvec_call (KernelConfig.call_min_rows)
+    ATTENTION: tl.constexpr,  # attention inlined, or attention_call
     PART: tl.constexpr = 0,  # which tasks this launch runs: 0 the whole step, 1 the layers, 2 the LM head's tail
 ):
     NF: tl.constexpr = I.RECORD_LEN
@@ -190,17 +209,17 @@ def megakernel(
             wl = w.wqkv + layer * QKVR * H
             sc = scales.qkv + layer * QKVR if FP8 else None
             bias = w.bqkv + layer * QKVR if w.bqkv is not None else None
-            matvec(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
+            MATVEC(I.QKV, row0, tiles, batch, layer, MatvecWeights(wl, wl, sc, sc, bias, d_qkv, d_qkv, layer * QKVR),
                     xn_ptr, ssq, QkvOut(acts.q, cache, cos, sin, inputs.slots, inputs.positions), eps, dt,
                     MODEL, H, QKVR, T_QKV, BPAD, BPAD, CG, _k_split(r, sched))
         elif (op == I.ATTN) and LAYERS:
-            inc = attention(layer, r[I.ATTN_ROW], r[I.ATTN_KV_HEAD], r[I.ATTN_SPLIT], attn_splits, r[I.ATTN_ARRIVE],
+            inc = ATTENTION(layer, r[I.ATTN_ROW], r[I.ATTN_KV_HEAD], r[I.ATTN_SPLIT], attn_splits, r[I.ATTN_ARRIVE],
                              r[I.ATTN_ARRIVE_ROW_STRIDE], sched.counters, inputs, acts.q, cache, attn_scratch,
                              acts.attn, sm_scale, MODEL, ATT, CG)
         elif (op == I.OPROJ) and LAYERS:
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sc = scales.o + layer * H if FP8 else None
-            matvec(I.OPROJ, row0, tiles, batch, layer,
+            MATVEC(I.OPROJ, row0, tiles, batch, layer,
                     MatvecWeights(w.wo + layer * H * Q, None, sc, None, None, d_o, None, layer * H),
                     acts.attn, ssq, ResidualOut(x_ptr, xn_ptr, w.mlp_norm + layer * H), eps, dt, MODEL, Q, H,
                     T_OPROJ, BPAD, BPAD, CG, _k_split(r, sched))
@@ -208,7 +227,7 @@ def megakernel(
             row0, tiles, ssq = _matvec_task(r, ssq_ptr, SSQ)
             sg = scales.gate + layer * F if FP8 else None
             su = scales.up + layer * F if FP8 else None
-            matvec(I.GATEUP, row0, tiles, batch, layer,
+            MATVEC(I.GATEUP, row0, tiles, batch, layer,
                     MatvecWeights(w.w_gate + layer * F * H, w.w_up + layer * F * H, sg, su, None, d_g, d_u,
                                   layer * F),
                     xn_ptr, ssq, acts.ffn, eps, dt, MODEL, H, F, T_GATEUP, BPAD, BPAD, CG, _k_split(r, sched))
@@ -217,7 +236,7 @@ def megakernel(
             # x += ffn @ Wdown^T, and the next layer's attention-norm operand (the final norm's after the last)
             nw = tl.where(layer == MODEL.layers - 1, w.final_norm, w.attn_norm + (layer + 1) * H)
             sc = scales.down + layer * H if FP8 else None
-            matvec(I.DOWN, row0, tiles, batch, layer,
+            MATVEC(I.DOWN, row0, tiles, batch, layer,
                     MatvecWeights(w.w_down + layer * H * F, None, sc, None, None, d_d, None, layer * H),
                     acts.ffn, ssq, ResidualOut(x_ptr, xn_ptr, nw, acts.xn_final), eps, dt, MODEL, F, H, T_DOWN,
                     BPAD, BPAD, CG, _k_split(r, sched))
@@ -336,6 +355,18 @@ class KernelConfig:
     # are then what its own phases need, not the most any phase of the step needs. On the H100 the 16-row step 4.7%
     # (FP8) and 5.7% (bf16) faster, 64 rows 6%, one row even (bench/NOTES.md "The LM head in a launch of its own")
     lm_launch: bool = True
+    # Each layer's matvec, and attention in launches of up to call_attention_max_rows rows, called as a function of
+    # its own rather than inlined into the task loop, in launches of call_min_rows rows or more (8-bit weights:
+    # call_min_rows_8bit): the compiler then cannot hoist their loop-invariant values (offsets, masks) out of the
+    # loop, where they stayed live across every task (sm90-compile, 16 rows: 255 -> 168 registers; 64 rows' stack
+    # 184 -> 48 B bf16, 744 -> 224 FP8). On the H200, in turns against both inlined (bench/NOTES.md s64; variants
+    # inline, inline-attn, call-attn, call-all): FP8 faster at every row count (1 row -1.3 to -1.9%, 8 rows -3 to
+    # -4%, 16 rows -3.3% at context 128 and -5.9% at 2,048); bf16 16 rows -1% / -3%, but 1 row +0.4 to +0.9% and 8
+    # rows +1.4% at context 128, so bf16 calls from 16 rows. From 32 rows attention inlined beside called matvecs was
+    # the fastest (64 rows at 2,048 -7% bf16, -9% FP8; called, it lost FP8's 64-row blocks' launch 8%).
+    call_min_rows: int = 16
+    call_min_rows_8bit: int = 1
+    call_attention_max_rows: int = 16
 
 
 @dataclass
@@ -591,6 +622,7 @@ class Megakernel:
                 blocks: bool = False) -> None:
         """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2)."""
         d, c, w = self.dims, self.cfg, self.w
+        called = launch.rows >= (c.call_min_rows if self._scales is None else c.call_min_rows_8bit)
         self.compiled[part] = megakernel[(self.num_programs,)](
             launch.sched._replace(prof=self.prof_buffer(s)),
             StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks, self.blocks,
@@ -612,6 +644,8 @@ class Megakernel:
             DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
             POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
             SKIP_WAITS=c.skip_waits, PART=part,
+            MATVEC=matvec_call if called else matvec,
+            ATTENTION=attention_call if called and launch.rows <= c.call_attention_max_rows else attention,
             num_warps=c.num_warps, num_stages=c.num_stages, **extra,
         )
 

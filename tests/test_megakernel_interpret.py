@@ -50,6 +50,10 @@ CASES = {
     # KernelConfig.lm_launch); these the whole step in one launch
     "llama-one-launch": (False, True, 256, 3, 64, 1, "bf16"),
     "qwen-fp8-one-launch": (True, False, 200, 2, 32, 4, "fp8"),
+    # bf16 launches under 16 rows inline the layers' matvecs and attention into the task loop, 8-bit ones call them
+    # (KernelConfig.call_min_rows): these the other way round
+    "llama-called": (False, True, 256, 3, 64, 1, "bf16"),
+    "llama-fp8-inline": (False, True, 256, 3, 64, 1, "fp8"),
     # the tiles the GPU runs by default (kernels/tiles.py), ragged at these shapes: 8-bit gate/up in 64-row tiles
     # through TMA at one row and 32-row tiles at four, the LM head's 128-row boxes
     "llama-fp8-default-tiles": (False, True, 256, 3, 64, 1, "fp8"),
@@ -413,7 +417,9 @@ def _check(case: str) -> dict:
                            kernel_config=KernelConfig(split_min_chunks=split_min, tiles=tiles,
                                                       chunk=16 if case.endswith("-chunk16") else 64,
                                                       f16_norm_operand="-xn16" in case,
-                                                      lm_launch=not case.endswith("-one-launch")),
+                                                      lm_launch=not case.endswith("-one-launch"),
+                                                      call_min_rows=1 if case.endswith("-called") else 16,
+                                                      call_min_rows_8bit=1 << 20 if case.endswith("-inline") else 1),
                            weight_format=weight_format)
     # bucket 4 (batch 3) splits the cached positions; bucket 1 keeps one split
     mk.kernel.attn_splits = {4: splits, 1: 1}
