@@ -1,14 +1,14 @@
 """What the admission guard learned, kept across restarts beside the calibration it scored against.
 
 A fresh guard knows nothing of its server: beside other requests it stretches forecasts by a prior (2x, weighing as
-20 scores) until each load level has ~200 scores of its own. On the H200's voice sweep a fresh server's loaded levels
-stretched by 1.24-1.33 in its first seconds of load and refused a third of the turns at 4 sessions/s, where the same
-server with admission off served 93% of them on time; a minute later the learned stretch read 1.03-1.09. The scores
-are the latency model's own error (actual over predicted time, service/model_clock.py), so they belong with the
-calibration they were scored against: one file beside it, for the same device, model, weights and step limits
-(calibration.cache_key). A restart (a deploy, a crash and its supervisor's restart) starts from them; a server whose
-calibration is not cached (--calibration-cache off) starts from the prior, as before. Written at a clean exit
-(SIGTERM's drain).
+20 scores) until each load level has ~200 scores of its own. On the H200's voice sweep a fresh server's loaded
+levels stretched by 1.24-1.33 in its first seconds of load and refused a third of the turns at 4 sessions/s, where
+the same server with admission off served 93% of them on time; a minute later the learned stretch read 1.03-1.09.
+The scores are the latency model's own error (actual over predicted time, service/model_clock.py), so they belong
+with the calibration they were scored against: one file beside it, for the same device, model, weights and step
+limits (calibration.cache_key), and the same SLA (memory_key). A restart (a deploy, a crash and its supervisor's
+restart) starts from them; a server whose calibration is not cached (--calibration-cache off) starts from the prior,
+as before. Written at a clean exit (SIGTERM's drain).
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ log = logging.getLogger("parley.admission")
 
 FORMAT = 1  # in the file's key: a memory of another layout is for something else
 WHAT = "admission guard memory"
+
+
+def memory_key(calibration_key: dict[str, Any], sla_ms: float, sla_tokens: int) -> dict[str, Any]:
+    """The calibration's key and the SLA: a score is the time to the SLA token over its forecast, and the loads a
+    server reaches are what its SLA admits. A server with admission off in practice (the benchmarks' --sla-ms 100000)
+    shares the calibration of the one beside it, but not its memory: on the H200 it read the admitting server's
+    scores and wrote its own, of a server that never refused, over them at its exit."""
+    return {**calibration_key, "sla_ms": sla_ms, "sla_tokens": sla_tokens}
 
 
 def memory_path(directory: Path, key: dict[str, Any]) -> Path:

@@ -133,6 +133,7 @@ def remember_guard(cfg: ServeConfig, key: dict[str, object], admission: Admissio
     directory = cache_dir_of(cfg.calibration_cache)
     if directory is None or not cfg.guard_memory:
         return
+    key = guard_memory.memory_key(key, cfg.sla_ms, cfg.sla_tokens)
     path = guard_memory.memory_path(directory, key)
     guard_memory.load(path, key, admission.guard)
     atexit.register(guard_memory.save, path, key, admission.guard)

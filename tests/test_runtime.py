@@ -244,3 +244,12 @@ def test_a_restart_starts_admission_from_what_the_guard_learned(tmp_path: Path, 
     at_exit.clear()
     fresh = build(guard_memory=False)
     assert fresh.admission.guard.stretch(busy) == PRIOR_LOADED and not at_exit
+    # a server judged against another SLA (the benchmarks' admission off) neither reads nor overwrites that memory
+    other_sla = build(sla_ms=100000)
+    assert other_sla.admission.guard.stretch(busy) == PRIOR_LOADED
+    for _ in range(other_sla.admission.guard.enough):
+        other_sla.admission.guard.observe(busy, 1.5, 1.0)
+    [(save, args)] = at_exit
+    save(*args)
+    assert len(list(tmp_path.glob("*.guard.json"))) == 2
+    assert build().admission.guard.stretch(busy) == pytest.approx(1.02)
