@@ -360,7 +360,7 @@ class KernelConfig:
     # call_min_rows_8bit): the compiler then cannot hoist their loop-invariant values (offsets, masks) out of the
     # loop, where they stayed live across every task (sm90-compile, 16 rows: 255 -> 168 registers; 64 rows' stack
     # 184 -> 48 B bf16, 744 -> 224 FP8). On the H200, in turns against both inlined (bench/NOTES.md s64; variants
-    # inline, inline-attn, call-attn, call-all): FP8 faster at every row count (1 row -1.3 to -1.9%, 8 rows -3 to
+    # inline, inline-attn, call-all): FP8 faster at every row count (1 row -1.3 to -1.9%, 8 rows -3 to
     # -4%, 16 rows -3.3% at context 128 and -5.9% at 2,048); bf16 16 rows -1% / -3%, but 1 row +0.4 to +0.9% and 8
     # rows +1.4% at context 128, so bf16 calls from 16 rows. From 32 rows attention inlined beside called matvecs was
     # the fastest (64 rows at 2,048 -7% bf16, -9% FP8; called, it lost FP8's 64-row blocks' launch 8%).

@@ -35,9 +35,8 @@ def memory_key(calibration_key: dict[str, Any], sla_ms: float, sla_tokens: int) 
 
 
 def memory_path(directory: Path, key: dict[str, Any]) -> Path:
-    """Beside the calibration cached for `key`: <its stem>.guard.json."""
-    calibration = cache_path(directory, key)
-    return calibration.with_name(f"{calibration.stem}.guard.json")
+    """In the calibration cache's directory, named as cache_path names `key` (memory_key), then .guard.json."""
+    return cache_path(directory, key).with_suffix(".guard.json")
 
 
 def load(path: Path, key: dict[str, Any], guard: AdmissionGuard) -> int:
