@@ -2,7 +2,8 @@
 
 What is timed: steps of 1, 2, 4, … max_rows rows (the widest step the planner may choose) at a short context (one row
 per slot up to max_batch slots, the rest as consecutive positions of one slot: a prompt chunk riding beside the decode
-rows), one step at the end of the context (what each K/V position a row attends over adds: step_kv_s), and the
+rows), steps at a long context (what each K/V position a row attends over adds: step_kv_s, on a GPU by the step's
+rows, at a voice conversation's length; on the CPU one step at the end of the context), and the
 separate prefill launches of long prompts (fresh, and on top of cached tokens; on a GPU at every pair of graph buckets
 a prefill replays).
 
@@ -43,7 +44,7 @@ from service.model.config import ModelConfig
 
 log = logging.getLogger("parley")
 
-FORMAT = 1  # of the cached calibration: a change of what is measured or how bumps it
+FORMAT = 2  # of the cached calibration: a change of what is measured or how bumps it (2: step_kv_s by rows)
 TRIES = 3  # each point keeps its fastest of at most this many
 STEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
 BUDGET_S = {"cpu": 3.0, "cuda": 10.0}  # start-up's time for measuring, by device type...
@@ -53,6 +54,9 @@ MIN_BUDGET_S = 1.0  # ...but never less than this
 GPU_LAUNCHES = 4  # steps launched back to back per try on a GPU: the engine's cadence there
 SANITY = 3.0  # a cached calibration whose one-row step is this many times slower than now is measured again
 EAGER_FRESH = (256, 64, 1024)  # fresh prefill launches timed without graph buckets, most useful first
+KV_CONTEXT = 2048  # on a GPU the long context's steps are timed at this position (or the context's end, if sooner): a
+# voice conversation's length (1,500-2,200 tokens in `bench voice`), where a position's price is what admission must
+# get right; longer contexts pay less a position, so they are predicted a little long, never short
 EAGER_NEW = 256  # new tokens of the prefills timed on top of cached ones without graph buckets
 
 
@@ -67,13 +71,13 @@ class Calibration:
     max_rows: int
     continued_s: dict[tuple[int, int], float] = field(default_factory=dict)
     buckets: list[int] | None = None
-    step_kv_s: float = 0.0
+    step_kv_s: dict[int, float] = field(default_factory=dict)  # rows → seconds per position beyond SHORT_CONTEXT
     measured: list[str] = field(default_factory=list)  # Point labels, in the order first timed
     seconds: float = 0.0  # how long measuring took
 
     def latency_model(self) -> LatencyModel:
         return LatencyModel(dict(self.step_s), dict(self.prefill_s), self.max_rows, dict(self.continued_s),
-                            None if self.buckets is None else list(self.buckets), self.step_kv_s)
+                            None if self.buckets is None else list(self.buckets), dict(self.step_kv_s))
 
 
 def calibration_to_json(cal: Calibration) -> dict[str, Any]:
@@ -81,7 +85,8 @@ def calibration_to_json(cal: Calibration) -> dict[str, Any]:
             "prefill_s": {str(n): s for n, s in cal.prefill_s.items()},
             "max_rows": cal.max_rows,
             "continued_s": [[n, kv, s] for (n, kv), s in cal.continued_s.items()],
-            "buckets": cal.buckets, "step_kv_s": cal.step_kv_s, "measured": cal.measured, "seconds": cal.seconds}
+            "buckets": cal.buckets, "step_kv_s": {str(r): s for r, s in cal.step_kv_s.items()},
+            "measured": cal.measured, "seconds": cal.seconds}
 
 
 def calibration_from_json(d: dict[str, Any]) -> Calibration:
@@ -97,13 +102,19 @@ def calibration_from_json(d: dict[str, Any]) -> Calibration:
             raise ValueError(f"not a count: {x!r}")
         return x
 
+    def table(x: Any) -> dict[Any, Any]:
+        if not isinstance(x, dict):
+            raise ValueError(f"not a table: {x!r}")
+        return x
+
     cal = Calibration(
         step_s={count(int(r)): seconds(s) for r, s in d["step_s"].items()},
         prefill_s={count(int(n)): seconds(s) for n, s in d["prefill_s"].items()},
         max_rows=count(d["max_rows"]),
         continued_s={(count(n), count(kv)): seconds(s) for n, kv, s in d["continued_s"]},
         buckets=None if d["buckets"] is None else [count(b) for b in d["buckets"]],
-        step_kv_s=seconds(d["step_kv_s"]), measured=[str(p) for p in d["measured"]], seconds=seconds(d["seconds"]))
+        step_kv_s={count(int(r)): seconds(s) for r, s in table(d["step_kv_s"]).items()},
+        measured=[str(p) for p in d["measured"]], seconds=seconds(d["seconds"]))
     if 1 not in cal.step_s or not cal.prefill_s:
         raise ValueError("no one-row step or no prefill")
     return cal
@@ -113,7 +124,7 @@ def calibration_from_json(d: dict[str, Any]) -> Calibration:
 @dataclass(frozen=True)
 class Point:
     """A shape to time. kind "step": `n` rows at a short context; "kv": `n` rows, one per slot, at position `kv`
-    (the long context); "prefill": a launch of `n` new tokens over a K/V length `kv` (0: a fresh prompt), whose
+    (a long context); "prefill": a launch of `n` new tokens over a K/V length `kv` (0: a fresh prompt), whose
     table key is (n, kv) and which runs `run` = (new tokens, K/V length): on a GPU the bucket pair's graph."""
 
     kind: str
@@ -159,11 +170,12 @@ def plan(ctx: int, max_rows: int, max_batch: int, buckets: list[int] | None) -> 
         prefills = prefills[:1] + prefills[len(fresh):len(fresh) + 1] + prefills[1:len(fresh)] + \
             prefills[len(fresh) + 1:]
     first = [steps[1], steps[max_batch], steps[max_rows]]
-    if ctx - 1 >= 2 * SHORT_CONTEXT:
-        first.append(Point("kv", max_batch, ctx - 1))
+    long = [] if ctx - 1 < 2 * SHORT_CONTEXT else [Point("kv", max_batch, ctx - 1)] if buckets is None else \
+        [Point("kv", r, min(ctx - 1, KV_CONTEXT)) for r in step_rows(max_batch, max_batch)]
+    first += long[-1:]  # the full batch's
     first.append(prefills[0])
     first = list(dict.fromkeys(first))
-    rest = [p for p in [*steps.values(), *prefills] if p not in first]
+    rest = [p for p in [*steps.values(), *long, *prefills] if p not in first]
     order = first + first + rest
     for k in range(2, TRIES + 1):
         order += [p for p in first + rest if order.count(p) < k]
@@ -298,18 +310,16 @@ def _guess(point: Point, times: dict[Point, list[float]], ctx: int) -> float:
 def _fit(best: dict[Point, float], max_rows: int, max_batch: int, buckets: list[int] | None) -> Calibration:
     """The constructor arguments from each timed point's fastest try. A stall only ever adds time, and more work
     never takes less: a point is kept at most as slow as any timed point of at least as much work (a step of more
-    rows; a prefill of more new tokens over at least as long a K/V). step_kv_s: the long-context step over the short
-    one of as many rows. Every step point of the plan is there, timed or predicted from those timed
-    (_predict_step), never below a smaller step."""
+    rows; a prefill of more new tokens over at least as long a K/V). step_kv_s: each long-context step over the short
+    one of as many rows, a position's price at those rows. Every step point of the plan is there, timed or predicted
+    from those timed (_predict_step), never below a smaller step."""
     best = _no_slower_than_more_work(best)
     measured = {p.n: s for p, s in best.items() if p.kind == "step"}
     step_s: dict[int, float] = {}
     for r in step_rows(max_rows, max_batch):
         step_s[r] = measured[r] if r in measured else max(_predict_step(measured, r), max(step_s.values(), default=0.0))
-    step_kv_s = 0.0
-    for p, s in best.items():
-        if p.kind == "kv" and p.kv > SHORT_CONTEXT:
-            step_kv_s = max(0.0, s - step_s[p.n]) / (p.n * (p.kv - SHORT_CONTEXT))
+    step_kv_s = {p.n: max(0.0, s - step_s[p.n]) / (p.n * (p.kv - SHORT_CONTEXT))
+                 for p, s in sorted(best.items(), key=lambda ps: ps[0].n) if p.kind == "kv" and p.kv > SHORT_CONTEXT}
     # no prefill launch timed (the budget ran out): one of max_rows tokens is predicted to cost a full step (on the
     # CPU a launch costs about half that a token), a longer one proportionally more
     prefill_s = {p.n: s for p, s in best.items() if p.kind == "prefill" and not p.kv} or {max_rows: step_s[max_rows]}

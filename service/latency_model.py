@@ -5,9 +5,13 @@ Measured at start-up on the running backend (service/calibration.py), then corre
 prefills the engine really takes (an exponentially weighted average per point, where one outlier counts as at most
 OUTLIER times the prediction), so that admission predicts with what the server does now, not what it did at boot.
 
-A step costs step_s[rows] at a short context, plus step_kv_s per K/V position its rows attend over (summed over the
-rows; a row at position p reads p positions): the weights are streamed once whatever the rows, attention reads grow
-with the context. On a GPU a step's rows are padded to a bucket (the measured points), so its cost is the bucket's.
+A step costs step_s[rows] at a short context, plus step_kv_s[rows] per K/V position its rows attend over (summed over
+the rows; a row at position p reads p positions): the weights are streamed once whatever the rows, attention reads grow
+with the context. On a GPU a step's rows are padded to a bucket (the measured points), so its cost is the bucket's. The
+price of a position depends on the rows: on a GPU one row's attention leaves most of the SMs idle, so a position cost
+a one-row step 44 ns and a 16-row one 11 (bf16, context 2,048, the H200); priced at 16 rows for every step, as one
+number measured at max_batch rows did, a voice conversation's few-row steps at 2,000 positions were predicted 7-9%
+short, and admission's learned stretch paid for it (bench/NOTES.md, "Attention's price by rows").
 
 A prefill launch's cost is a 2-D table: new tokens × the cached length it attends over (the K/V length, cached + new;
 0 for a fresh prompt). On a GPU every prefill replays a graph captured at a (new tokens, K/V length) pair of buckets,
@@ -35,16 +39,18 @@ LEARN_CEILING = 1.2  # a step is never learned slower than this many times its c
 class LatencyModel:
     def __init__(self, step_s: dict[int, float], prefill_s: dict[int, float], max_rows: int,
                  continued_s: dict[tuple[int, int], float] | None = None, buckets: list[int] | None = None,
-                 step_kv_s: float = 0.0) -> None:
+                 step_kv_s: float | dict[int, float] = 0.0) -> None:
         """step_s: rows in a step → seconds at a short context; prefill_s: tokens of a fresh prompt → seconds;
         continued_s: (new tokens, K/V length) of a prefill on top of cached tokens → seconds; buckets: the graph
         buckets prefills pad to (None: eager, interpolate; steps too are then interpolated, not padded);
-        step_kv_s: seconds per K/V position a step's rows attend over beyond SHORT_CONTEXT each."""
+        step_kv_s: seconds per K/V position a step's rows attend over beyond SHORT_CONTEXT each, by the rows it was
+        measured at (a step of other rows: interpolated between them, the nearest past them), or one for all."""
         self.max_rows = max_rows
         self._step = dict(sorted(step_s.items()))  # rows → seconds per step (a whole engine iteration)
         self._bases: dict[int, float] = {}  # rows → _base(rows), until _step changes (a forecast asks hundreds)
         self._calibrated = dict(self._step)  # what start-up measured (LEARN_CEILING)
-        self.step_kv_s = step_kv_s
+        self.step_kv_s = dict(sorted(step_kv_s.items())) if isinstance(step_kv_s, dict) and step_kv_s else \
+            {1: step_kv_s if isinstance(step_kv_s, float | int) else 0.0}
         # K/V length (0: a fresh prompt) → new tokens → seconds
         self._prefill: dict[int, dict[int, float]] = {0: dict(sorted(prefill_s.items()))}
         for (n, kv), seconds in sorted((continued_s or {}).items(), key=lambda item: (item[0][1], item[0][0])):
@@ -64,19 +70,33 @@ class LatencyModel:
             base = self._bases.get(r)
             if base is None:
                 base = self._bases[r] = self._base(r)
-            return base + self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
+            return base + self._kv_s(r) * max(0, kv_positions - SHORT_CONTEXT * r)
 
     def steps(self, rows: int, kv_positions: int, grow: int, n: int) -> float:
         """Seconds for n steps of `rows` rows in a row, the first attending over `kv_positions` positions and each
         next one over `grow` more (grow >= 0): the sum of step() over them, in closed form."""
         r = max(1, rows)
-        base = self.step(r)
+        base, kv_s = self.step(r), self._kv_s(r)
         over = kv_positions - SHORT_CONTEXT * r  # positions beyond the short context, at the first step
         if grow <= 0:
-            return n * (base + self.step_kv_s * max(0, over))
+            return n * (base + kv_s * max(0, over))
         first = 0 if over > 0 else min(n, -over // grow + 1)  # the first step attending beyond the short context
         paying = n - first
-        return n * base + self.step_kv_s * (paying * over + grow * (first + n - 1) * paying / 2)
+        return n * base + kv_s * (paying * over + grow * (first + n - 1) * paying / 2)
+
+    def _kv_s(self, rows: int) -> float:
+        """Seconds a K/V position costs a step of `rows` rows: its point's (on a GPU the bucket it pads to) measured
+        price, between two measured row counts linearly, past them the nearest one's (more rows than measured: the
+        widest measured step's price, which more rows only lower)."""
+        table, point = self.step_kv_s, self._point_of(rows)
+        if point in table:
+            return table[point]
+        xs = list(table)
+        i = bisect.bisect_left(xs, point)
+        if i == 0 or i >= len(xs):
+            return table[xs[0] if i == 0 else xs[-1]]
+        lo, hi = xs[i - 1], xs[i]
+        return table[lo] + (table[hi] - table[lo]) * (point - lo) / (hi - lo)
 
     def _base(self, rows: int) -> float:
         point = self._point_of(rows)
@@ -130,7 +150,7 @@ class LatencyModel:
         with self._lock:
             self.observed_steps += 1
             point = self._point_of(max(1, rows))
-            extra = self.step_kv_s * max(0, kv_positions - SHORT_CONTEXT * rows)
+            extra = self._kv_s(rows) * max(0, kv_positions - SHORT_CONTEXT * rows)
             if extra > 0.5 * seconds:
                 return
             learned = self._learn((point,), _interpolate(self._step, point), max(0.0, seconds - extra))
@@ -178,7 +198,7 @@ class LatencyModel:
             return LatencyModel({b: min(s, steps.get(b, s)) for b, s in self._step.items()},
                                 {n: s for (n, kv), s in fastest.items() if not kv}, self.max_rows,
                                 {p: s for p, s in fastest.items() if p[1]}, self.buckets,
-                                min(self.step_kv_s, other.step_kv_s))
+                                {r: min(s, other._kv_s(r)) for r, s in self.step_kv_s.items()})
 
     def _points(self) -> dict[tuple[int, int], float]:
         """Every prefill point as (new tokens, K/V length) → seconds."""
@@ -199,7 +219,8 @@ class LatencyModel:
         with self._lock:
             return {
                 "step_ms": {str(b): round(s * 1e3, 4) for b, s in self._step.items()},  # rows → ms
-                "step_kv_us_per_1k_positions": round(self.step_kv_s * 1e9, 4),
+                # rows → µs per 1,000 positions the step's rows attend over
+                "step_kv_us_per_1k_positions": {str(r): round(s * 1e9, 4) for r, s in self.step_kv_s.items()},
                 "prefill_ms": {str(n): round(s * 1e3, 4) for n, s in self._prefill[0].items()},
                 "prefill_on_cache_ms": {f"{n}@{kv}": round(s * 1e3, 4) for kv, row in self._prefill.items() if kv
                                         for n, s in row.items()},  # new tokens @ the K/V length they attend over

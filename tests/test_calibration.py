@@ -58,11 +58,12 @@ class StandIn:
     name, draws_tokens = "stand-in", False
 
     def __init__(self, max_slots: int = 8, max_context: int = 2048, buckets: list[int] | None = None,
-                 slow: float = 1.0, stall=None) -> None:
+                 slow: float = 1.0, stall=None, kv_s=lambda rows: KV_S) -> None:
         self.config = SimpleNamespace(vocab_size=100)
         self.device = torch.device("cpu")
         self.max_slots, self.max_context, self.buckets = max_slots, max_context, buckets
         self.slow, self.stall = slow, stall or (lambda call: 0.0)
+        self.kv_s = kv_s  # rows → a position's price in a step of so many rows
         self.calls: list[tuple] = []
 
     def clock(self) -> float:
@@ -76,7 +77,7 @@ class StandIn:
         rows = len(slots)
         self.calls.append(("decode", list(slots), list(positions), sampled_rows))
         kv = max(0, sum(positions) - SHORT_CONTEXT * rows)
-        CLOCK.now += self.slow * (STEP_S + ROW_S * rows + KV_S * kv) + self.stall(len(self.calls))
+        CLOCK.now += self.slow * (STEP_S + ROW_S * rows + self.kv_s(rows) * kv) + self.stall(len(self.calls))
         k = rows if sampled_rows is None else sampled_rows
         return DecodeOutput(torch.zeros(k, 100), torch.zeros(k, dtype=torch.int64))
 
@@ -97,7 +98,7 @@ def test_an_unhurried_calibration_times_every_point_and_finds_the_costs():
     dec = StandIn()
     cal = measure(dec, max_rows=64, max_batch=8, deadline_s=60, clock=dec.clock)
     assert cal.step_s == pytest.approx({r: step_cost(r) for r in (1, 2, 4, 8, 16, 32, 64)})
-    assert cal.step_kv_s == pytest.approx(KV_S)
+    assert cal.step_kv_s == pytest.approx({8: KV_S})  # the CPU: one long step, the full batch's
     assert sorted(cal.prefill_s) == [64, 256, 1024] and sorted(cal.continued_s) == [(256, 1024), (256, 2048)]
     assert cal.prefill_s[256] == pytest.approx(256 * TOKEN_S)
     assert cal.continued_s[256, 2048] == pytest.approx(256 * TOKEN_S + KV_S * (2048 - 256))
@@ -169,7 +170,7 @@ def test_a_busy_host_keeps_each_points_fastest_try_and_is_never_measured_over():
     dec = StandIn(stall=lambda call: 50 * STEP_S if call % 2 else 0.0)
     cal = measure(dec, max_rows=64, max_batch=8, deadline_s=60, clock=dec.clock)
     assert cal.step_s == pytest.approx({r: step_cost(r) for r in (1, 2, 4, 8, 16, 32, 64)})
-    assert cal.step_kv_s == pytest.approx(KV_S)
+    assert cal.step_kv_s == pytest.approx({8: KV_S})
     assert len(dec.calls) == TRIES * len(set(plan(2048, 64, 8, None)))
 
 
@@ -246,11 +247,39 @@ def test_gpu_graph_buckets_time_every_pair_a_prefill_replays():
     assert cal.buckets == buckets and cal.latency_model().buckets == buckets
 
 
+def test_on_a_gpu_a_positions_price_is_measured_at_each_row_count():
+    """With graph buckets (a GPU), where one row's attention leaves most of the device idle, a K/V position costs a
+    one-row step 4x what it costs a full batch's: each row count's long step is timed at a conversation's length, and
+    the model prices a few-row step at 1,500 positions with its own rows' price, not the full batch's (which had
+    predicted a voice turn's steps 7-9% short on the H200)."""
+    def price(rows: int) -> float:
+        return 4 * KV_S / rows ** (2 / 3)
+
+    dec = StandIn(max_context=8192, buckets=[16, 64, 256, 1024, 2048, 8192], kv_s=price)
+    cal = measure(dec, max_rows=16, max_batch=8, deadline_s=60, clock=dec.clock)
+    assert cal.step_kv_s == pytest.approx({r: price(r) for r in (1, 2, 4, 8)})
+    long = [c for c in dec.calls if c[0] == "decode" and min(c[2]) > SHORT_CONTEXT]
+    assert {max(c[2]) for c in long} == {2048}  # KV_CONTEXT: not the context's end
+    lat = cal.latency_model()
+    for rows in (1, 2, 4, 8):
+        kv = rows * 1500
+        want = step_cost(rows) + price(rows) * (kv - SHORT_CONTEXT * rows)
+        assert lat.step(rows, kv) == pytest.approx(want)
+        assert lat.steps(rows, kv, rows, 64) == pytest.approx(
+            sum(lat.step(rows, kv + i * rows) for i in range(64)))
+    # a 3-row step pads to the 4-row bucket: its price; 16 rows (past the batch): the widest measured step's
+    assert lat.step(3, 3 * 1500) == pytest.approx(lat.step(4) + price(4) * 3 * (1500 - SHORT_CONTEXT))
+    assert lat.step(16, 16 * 1500) == pytest.approx(lat.step(16) + price(8) * 16 * (1500 - SHORT_CONTEXT))
+    # kept and read back by the cache
+    back = calibration_from_json(json.loads(json.dumps(calibration_to_json(cal))))
+    assert back.step_kv_s == pytest.approx(cal.step_kv_s)
+
+
 def test_a_short_context_and_a_small_batch_still_fit():
     """A 64-token context (no long point: step_kv_s stays 0) and one slot: every row within the context."""
     dec = StandIn(max_slots=1, max_context=64)
     cal = measure(dec, max_rows=16, max_batch=4, deadline_s=60, clock=dec.clock)
-    assert sorted(cal.step_s) == [1, 2, 4, 8, 16] and cal.step_kv_s == 0.0
+    assert sorted(cal.step_s) == [1, 2, 4, 8, 16] and cal.step_kv_s == {}
     assert all(max(c[2]) < 64 and set(c[1]) == {0} for c in dec.calls if c[0] == "decode")
 
 
@@ -413,5 +442,6 @@ def test_gpu_start_up_within_30_s_and_a_restart_from_the_cache(tmp_path: Path, w
           f"{json.dumps(snapshots[0])}")
     assert took[0] <= 30.0 and took[1] <= took[0]
     assert snapshots[1] == snapshots[0]
-    assert cached.step_kv_s > 0 and sorted(cached.step_s) == [1, 2, 4, 8, 16, 32, 64]
+    assert sorted(cached.step_kv_s) == [1, 2, 4, 8] and min(cached.step_kv_s.values()) > 0
+    assert sorted(cached.step_s) == [1, 2, 4, 8, 16, 32, 64]
     assert len(cached.measured) == len(set(plan(max_context, cached.max_rows, 8, cached.buckets)))  # nothing left out
