@@ -1,6 +1,7 @@
 """What a server's admission log (`--admission-log`, service/admission_log.py) says: how many verdicts refused and by
-which rule, what the refused had left of their budget against what their forecast asked, and how far the forecasts of
-the admitted were off at each load level. The e2e report shows it for each server (bench/e2e_report.py); on its own:
+which rule, what the refused had left of their budget against what their forecast asked, how far the forecasts of
+the admitted were off at each load level, and which kinds of step ran over the latency model's prediction. The e2e
+report shows it for each server (bench/e2e_report.py); on its own:
     python -m bench.admission_trace RAW/admission-LABEL.jsonl
 """
 
@@ -90,7 +91,36 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
                           "over_stretch": sum(1 for t in ts if (t["score"] or 0) > t["stretch"]),
                           "late": sum(1 for t in ts if t["late"])}
                    for name, ts in sorted(by_level.items())},
+        "steps": steps_summary(lines),
     }
+
+
+POSITION_BANDS = (256, 1024, 2048)  # positions a row attends over, on average: the steps' table splits there
+
+
+def step_kind(step: dict[str, Any]) -> str:
+    """A step line's kind for the table: what rode in it, its rows, the positions its rows attend over on average."""
+    what = "launch" if step.get("launched") else "chunk" if step.get("prompt_rows") else "decode"
+    rows = step["rows"]
+    band = next((f"<{b}" for b in POSITION_BANDS if step["kv_positions"] / max(1, rows) < b),
+                f">={POSITION_BANDS[-1]}")
+    return f"{what}, {rows} rows, {band} positions"
+
+
+def steps_summary(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The step lines by kind (step_kind): how many, and their time over the model's prediction at p50 / p90 / p99
+    and in all (their time summed over their predictions summed)."""
+    by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for x in lines:
+        if x.get("kind") == "step" and x.get("predicted_ms"):
+            by_kind[step_kind(x)].append(x)
+    out = {}
+    for kind, steps in sorted(by_kind.items(), key=lambda kv: -len(kv[1])):
+        ratios = [x["ms"] / x["predicted_ms"] for x in steps]
+        out[kind] = {"n": len(steps), "p50": quantile(ratios, 0.5), "p90": quantile(ratios, 0.9),
+                     "p99": quantile(ratios, 0.99),
+                     "all": sum(x["ms"] for x in steps) / sum(x["predicted_ms"] for x in steps)}
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -109,7 +139,7 @@ def _f(x: float | int | None, digits: int = 1) -> str:
 def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for label, s in summaries.items():
-        if not s["verdicts"]:
+        if not s["verdicts"] and not s.get("steps"):
             continue
         refused = ", ".join(f"{n} {why}" for why, n in s["refused"].items()) or "none"
         lines += ["", f"Admission's log, {label}: {s['verdicts']} verdicts, {s['admitted']} admitted; refused: "
@@ -138,6 +168,14 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
                       f"{_f(v.get('steps_over_model_p99'), 3)} | {_f(v.get('wall_over_steps_p99'), 3)} | "
                       f"{_f(v['stretch_p50'], 3)} | {v['over_stretch']} | {v['late']} | "
                       f"{s['refused_levels'].get(name, 0)} |" for name, v in s["levels"].items()]
+        steps = s.get("steps") or {}
+        if steps:
+            lines += ["", "Steps by kind (a prompt chunk riding beside decode rows, a separate prefill launch before "
+                          "the step, or decode rows alone; positions a row attends over on average): their measured "
+                          "time over the latency model's prediction, the 12 most frequent kinds", "",
+                      "| step | steps | p50 | p90 | p99 | in all |", "|---|---|---|---|---|---|"]
+            lines += [f"| {kind} | {v['n']} | {_f(v['p50'], 3)} | {_f(v['p90'], 3)} | {_f(v['p99'], 3)} | "
+                      f"{_f(v['all'], 3)} |" for kind, v in list(steps.items())[:12]]
     return lines
 
 

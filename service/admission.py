@@ -78,7 +78,7 @@ class AdmissionController:
                  strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic,
                  trace: AdmissionLog | None = None) -> None:
         self.latency = latency
-        self.trace = trace  # --admission-log: a line per verdict and per SLA token (service/admission_log.py)
+        self.trace = trace  # --admission-log: a line per verdict, SLA token and step (service/admission_log.py)
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
         self.max_batch = max_batch  # requests seated together
         # the policy admission forecasts with: the engine's own planner once bound (Engine binds it)
@@ -313,11 +313,15 @@ class AdmissionController:
         if isinstance(event, StepDone):
             # the model clock first, with what the model predicted before it learns from this step
             lat = self.latency
-            self.model_clock.tick(lat.step(event.rows, event.kv_positions) +
-                                  sum(lat.prefill(tokens, cached) for tokens, cached in event.launched), event.at,
-                                  event.seconds)
+            predicted = lat.step(event.rows, event.kv_positions) + \
+                sum(lat.prefill(tokens, cached) for tokens, cached in event.launched)
+            self.model_clock.tick(predicted, event.at, event.seconds)
             if event.seconds <= 0:
                 return
+            if self.trace is not None:
+                self.trace.record("step", t=event.at, rows=event.rows, prompt_rows=event.prompt_rows,
+                                  kv_positions=event.kv_positions, launched=len(event.launched),
+                                  predicted_ms=predicted * 1e3, ms=event.seconds * 1e3)
             if event.launched:  # the step's time is mostly the launches'
                 rest = max(0.0, event.seconds - self.latency.step(event.rows, event.kv_positions))
                 for tokens, cached in event.launched:

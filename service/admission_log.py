@@ -22,7 +22,14 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   first verdict (service/model_clock.py); `steps_ms` is what those steps took (their cadence, the host's time between
   steps included), so a score splits into the steps over the model (steps / model) and the time outside their cadence
   (after_verdict / steps); `latest_score` is against its last promise's forecast, `forecast_ms` (service/admission.py's
-  Promise), for comparison.
+  Promise), for comparison;
+- {"kind": "step", "t", "rows", "prompt_rows", "kv_positions", "launched", "predicted_ms", "ms"}: every measured step,
+  what the latency model predicted for it before learning from it and what it took (its cadence), so that a score's
+  steps / model splits by the kind of step that ran over (decode rows alone, a prompt chunk beside them, a separate
+  prefill launch before it; rows; positions a row).
+
+A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue (a step's
+line costs the engine a dict, not a json.dumps: there are a thousand steps a second on a GPU).
 """
 
 from __future__ import annotations
@@ -43,22 +50,24 @@ class AdmissionLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  # closed by close()
-        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._lines: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="parley-admission-log", daemon=True)
         self._writer.start()
 
     def record(self, kind: str, **fields: Any) -> None:
-        """One line (any thread): `kind` and the fields, floats rounded to microseconds' worth."""
-        line = {"kind": kind, **{k: _number(v) if isinstance(v, float) else v for k, v in fields.items()}}
-        self._lines.put(json.dumps(line, default=str))
+        """One line (any thread): `kind` and the fields, floats rounded to microseconds' worth (by the writer)."""
+        fields["kind"] = kind
+        self._lines.put(fields)
 
     def _write(self) -> None:
         while True:
-            line = self._lines.get()
-            if line is None:
+            fields = self._lines.get()
+            if fields is None:
                 break
+            kind = fields.pop("kind")
+            line = {"kind": kind, **{k: _number(v) if isinstance(v, float) else v for k, v in fields.items()}}
             try:
-                self._file.write(line + "\n")
+                self._file.write(json.dumps(line, default=str) + "\n")
                 if self._lines.empty():  # a burst is written at once, then flushed: a reader sees whole lines
                     self._file.flush()
             except (OSError, ValueError):

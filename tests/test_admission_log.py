@@ -10,7 +10,7 @@ from bench import admission_trace
 from service.admission import AdmissionController
 from service.admission_log import AdmissionLog
 from service.engine.admission import Rejected
-from service.engine.commit import Token
+from service.engine.commit import StepDone, Token
 from service.engine.request import State
 from service.latency_model import LatencyModel
 from tests.test_admission import newcomer, run_steps, settled, step_done
@@ -87,3 +87,41 @@ def test_a_forecast_past_the_horizon_is_null_and_a_torn_last_line_is_skipped(tmp
         f.write('{"kind": "verdict", "t": 2.0, "req"')  # a server killed mid-line
     (line,) = admission_trace.read(path)
     assert line["forecast_ms"] is None and line["req"] == "r"
+
+
+def test_every_measured_step_is_a_line_and_the_trace_splits_them_by_kind(tmp_path):
+    """A step's line holds what the model predicted for it before it learned from it, and what it took; the trace's
+    table says which kind of step ran over: here the 2-row steps at 2,000 positions a row (a voice turn's) took 1.2x
+    their prediction, the short-context ones as predicted, and a prompt chunk beside them is a kind of its own."""
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path)
+    lat = LatencyModel({1: 0.001, 2: 0.0011}, {16: 0.002}, max_rows=16, step_kv_s=1e-8)
+    adm = AdmissionController(lat, 0.1, 64, 4, trace=trace)
+    long = 2 * 2000
+    predicted_long = lat.step(2, long)
+    for _ in range(5):
+        adm.consume(StepDone(rows=2, sampled=2, prompt_rows=0, kv_positions=long, launched=(),
+                             seconds=1.2 * lat.step(2, long), at=time.perf_counter()))
+        adm.consume(StepDone(rows=2, sampled=2, prompt_rows=0, kv_positions=0, launched=(),
+                             seconds=lat.step(2), at=time.perf_counter()))
+    adm.consume(StepDone(rows=16, sampled=2, prompt_rows=14, kv_positions=16 * 300, launched=(), seconds=0.002,
+                         at=time.perf_counter()))
+    adm.consume(StepDone(rows=1, sampled=1, prompt_rows=0, kv_positions=0, launched=(), seconds=0.0,
+                         at=time.perf_counter()))  # not measured: no line
+    trace.close()
+
+    steps = [x for x in admission_trace.read(path) if x["kind"] == "step"]
+    assert len(steps) == 11
+    first = steps[0]
+    assert (first["rows"], first["prompt_rows"], first["kv_positions"], first["launched"]) == (2, 0, long, 0)
+    assert first["predicted_ms"] == pytest.approx(predicted_long * 1e3, abs=1e-3)
+    assert first["ms"] == pytest.approx(1.2 * first["predicted_ms"], rel=1e-3)
+    kinds = admission_trace.summary(admission_trace.read(path))["steps"]
+    assert set(kinds) == {"decode, 2 rows, <2048 positions", "decode, 2 rows, <256 positions",
+                          "chunk, 16 rows, <1024 positions"}
+    slow = kinds["decode, 2 rows, <2048 positions"]
+    # what the model learned from the first slow steps lowers the later ones' ratios a little: at most 1.2
+    assert slow["n"] == 5 and 1.1 < slow["p50"] <= slow["p99"] <= 1.2 + 1e-3
+    assert kinds["decode, 2 rows, <256 positions"]["p99"] == pytest.approx(1.0, abs=0.05)
+    text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(admission_trace.read(path))}))
+    assert "| decode, 2 rows," in text and "Steps by kind" in text
