@@ -108,14 +108,17 @@ def step_kind(step: dict[str, Any]) -> str:
 
 
 def steps_summary(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The step lines by kind (step_kind): how many, and their time over the model's prediction at p50 / p90 / p99
-    and in all (their time summed over their predictions summed)."""
+    """The step lines by kind (step_kind), after every step split by whether handed-over work (verdicts) ran within
+    its cadence: how many, and their time over the model's prediction at p50 / p90 / p99 and in all (their time summed
+    over their predictions summed)."""
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    handed: dict[str, list[dict[str, Any]]] = defaultdict(list)  # every step, by whether verdicts ran in its cadence
     for x in lines:
         if x.get("kind") == "step" and x.get("predicted_ms"):
             by_kind[step_kind(x)].append(x)
+            handed["every step, handed-over work within" if x.get("handed_ms") else "every step, none within"].append(x)
     out = {}
-    for kind, steps in sorted(by_kind.items(), key=lambda kv: -len(kv[1])):
+    for kind, steps in [*sorted(handed.items()), *sorted(by_kind.items(), key=lambda kv: -len(kv[1]))]:
         ratios = [x["ms"] / x["predicted_ms"] for x in steps]
         out[kind] = {"n": len(steps), "p50": quantile(ratios, 0.5), "p90": quantile(ratios, 0.9),
                      "p99": quantile(ratios, 0.99),
@@ -171,11 +174,12 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
         steps = s.get("steps") or {}
         if steps:
             lines += ["", "Steps by kind (a prompt chunk riding beside decode rows, a separate prefill launch before "
-                          "the step, or decode rows alone; positions a row attends over on average): their measured "
-                          "time over the latency model's prediction, the 12 most frequent kinds", "",
+                          "the step, or decode rows alone; positions a row attends over on average), after every step "
+                          "split by whether verdicts ran within its cadence: their measured time over the latency "
+                          "model's prediction, the 12 most frequent kinds", "",
                       "| step | steps | p50 | p90 | p99 | in all |", "|---|---|---|---|---|---|"]
             lines += [f"| {kind} | {v['n']} | {_f(v['p50'], 3)} | {_f(v['p90'], 3)} | {_f(v['p99'], 3)} | "
-                      f"{_f(v['all'], 3)} |" for kind, v in list(steps.items())[:12]]
+                      f"{_f(v['all'], 3)} |" for kind, v in list(steps.items())[:14]]
     return lines
 
 

@@ -321,7 +321,8 @@ class AdmissionController:
             if self.trace is not None:
                 self.trace.record("step", t=event.at, rows=event.rows, prompt_rows=event.prompt_rows,
                                   kv_positions=event.kv_positions, launched=len(event.launched),
-                                  predicted_ms=predicted * 1e3, ms=event.seconds * 1e3)
+                                  predicted_ms=predicted * 1e3, ms=event.seconds * 1e3,
+                                  handed_ms=event.handed_over * 1e3)
             if event.launched:  # the step's time is mostly the launches'
                 rest = max(0.0, event.seconds - self.latency.step(event.rows, event.kv_positions))
                 for tokens, cached in event.launched:

@@ -23,10 +23,11 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   steps included), so a score splits into the steps over the model (steps / model) and the time outside their cadence
   (after_verdict / steps); `latest_score` is against its last promise's forecast, `forecast_ms` (service/admission.py's
   Promise), for comparison;
-- {"kind": "step", "t", "rows", "prompt_rows", "kv_positions", "launched", "predicted_ms", "ms"}: every measured step,
-  what the latency model predicted for it before learning from it and what it took (its cadence), so that a score's
-  steps / model splits by the kind of step that ran over (decode rows alone, a prompt chunk beside them, a separate
-  prefill launch before it; rows; positions a row).
+- {"kind": "step", "t", "rows", "prompt_rows", "kv_positions", "launched", "predicted_ms", "ms", "handed_ms"}: every
+  measured step, what the latency model predicted for it before learning from it and what it took (its cadence), so
+  that a score's steps / model splits by the kind of step that ran over (decode rows alone, a prompt chunk beside
+  them, a separate prefill launch before it; rows; positions a row); `handed_ms`: the handed-over work (verdicts) the
+  engine thread ran within its cadence.
 
 A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue (a step's
 line costs the engine a dict, not a json.dumps: there are a thousand steps a second on a GPU).

@@ -101,7 +101,7 @@ def test_every_measured_step_is_a_line_and_the_trace_splits_them_by_kind(tmp_pat
     predicted_long = lat.step(2, long)
     for _ in range(5):
         adm.consume(StepDone(rows=2, sampled=2, prompt_rows=0, kv_positions=long, launched=(),
-                             seconds=1.2 * lat.step(2, long), at=time.perf_counter()))
+                             seconds=1.2 * lat.step(2, long), at=time.perf_counter(), handed_over=0.0004))
         adm.consume(StepDone(rows=2, sampled=2, prompt_rows=0, kv_positions=0, launched=(),
                              seconds=lat.step(2), at=time.perf_counter()))
     adm.consume(StepDone(rows=16, sampled=2, prompt_rows=14, kv_positions=16 * 300, launched=(), seconds=0.002,
@@ -117,8 +117,12 @@ def test_every_measured_step_is_a_line_and_the_trace_splits_them_by_kind(tmp_pat
     assert first["predicted_ms"] == pytest.approx(predicted_long * 1e3, abs=1e-3)
     assert first["ms"] == pytest.approx(1.2 * first["predicted_ms"], rel=1e-3)
     kinds = admission_trace.summary(admission_trace.read(path))["steps"]
+    assert first["handed_ms"] == pytest.approx(0.4)  # a verdict ran within its cadence
     assert set(kinds) == {"decode, 2 rows, <2048 positions", "decode, 2 rows, <256 positions",
-                          "chunk, 16 rows, <1024 positions"}
+                          "chunk, 16 rows, <1024 positions", "every step, handed-over work within",
+                          "every step, none within"}
+    assert kinds["every step, handed-over work within"]["n"] == 5 and kinds["every step, none within"]["n"] == 6
+    assert kinds["every step, handed-over work within"]["p50"] > 1.1 > kinds["every step, none within"]["p50"]
     slow = kinds["decode, 2 rows, <2048 positions"]
     # what the model learned from the first slow steps lowers the later ones' ratios a little: at most 1.2
     assert slow["n"] == 5 and 1.1 < slow["p50"] <= slow["p99"] <= 1.2 + 1e-3

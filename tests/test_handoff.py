@@ -124,3 +124,32 @@ def test_an_engine_thread_that_never_runs_it_does_not_keep_a_verdict(tiny):
     time.sleep(eng.handoff.patience_s + 0.01)
     eng.handoff.run_stale()
     assert ran.is_set()
+
+
+def test_a_step_says_how_long_handed_work_ran_within_its_cadence(tiny):
+    """The verdicts the engine thread runs beside a step lengthen the cadence admission learns a step's time from: each
+    StepDone carries the seconds of handed-over work its iteration ran (the admission log's `handed_ms`), so that a
+    step that ran long beside a verdict reads as the host's, not the kernel's."""
+    from service.backends.reference import ReferenceDecoder
+    from service.engine.commit import StepDone
+
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4)
+    steps: list[StepDone] = []
+    consume = eng.admission.consume
+    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
+    eng.start()
+    try:
+        got = threading.Event()
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                   lambda d: d.finish_reason and got.set())
+        while not steps:
+            time.sleep(0.001)
+        eng.run_soon(lambda: time.sleep(0.004))  # a 4 ms verdict, beside a running request's steps
+        assert got.wait(20)
+    finally:
+        eng.stop()
+    handed = [s.handed_over for s in steps if s.handed_over > 0]
+    assert len(handed) == 1 and handed[0] >= 0.004
+    (beside,) = [s for s in steps if s.handed_over > 0]
+    assert beside.seconds >= beside.handed_over  # within its cadence

@@ -14,7 +14,9 @@ from service.engine.step_plan import StepPlan
 
 @dataclass(frozen=True)
 class StepDone:
-    """A step ran: its rows, the seconds it took in the engine's cadence (0: not measured), when it was committed."""
+    """A step ran: its rows, the seconds it took in the engine's cadence (0: not measured), when it was committed;
+    `handed_over`: the seconds of handed-over work (verdicts, service/engine/handoff.py) the engine thread ran within
+    that cadence, while the GPU ran the next step."""
 
     rows: int
     sampled: int
@@ -23,6 +25,7 @@ class StepDone:
     launched: tuple[tuple[int, int], ...]  # (new tokens, cached) of each separate prefill launch before it
     seconds: float
     at: float
+    handed_over: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,13 @@ Event = StepDone | Started | Token | Finished
 
 
 def commit(plan: StepPlan, token_of: Callable[[int], int], eos: frozenset[int], max_context: int, now: float,
-           seconds: float = 0.0) -> list[Event]:
+           seconds: float = 0.0, handed_over: float = 0.0) -> list[Event]:
     """Apply a step: each sampled row's token to its request (token_of(row), which raises for a row whose choice
     failed: that request alone ends in error), and the stop rule: EOS (unless ignored), a stop string, max_tokens, or
     a context with no position left. Rows of requests that ended while the step was in flight are dropped."""
     events: list[Event] = [StepDone(plan.rows, len(plan.sampled), plan.prompt_rows, plan.kv_positions,
-                                    tuple((lc.end - lc.start, lc.start) for lc in plan.launches), seconds, now)]
+                                    tuple((lc.end - lc.start, lc.start) for lc in plan.launches), seconds, now,
+                                    handed_over)]
     events += [Started(r, r.cached_tokens, now) for r in plan.started]
     for launch in plan.launches:
         if launch.req.state is not State.FINISHED:

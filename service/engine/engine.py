@@ -283,7 +283,7 @@ class Engine:
             if inflight is not None:
                 overlapped = self.handoff.run_all(HANDOFF_BUDGET_S)  # while the GPU finishes the step in flight
                 self._clock.mark("handed over")
-                self._complete(inflight)
+                self._complete(inflight, overlapped)
                 self._clock.mark("commit")
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
@@ -301,12 +301,12 @@ class Engine:
         t_launch = time.perf_counter()
         self._inflight = None
         if inflight is not None:
-            self._complete(inflight)
+            self._complete(inflight, overlapped)
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
             else:
-                self._complete(launched)
+                self._complete(launched, overlapped)
         self._clock.mark("commit")
         t_complete = time.perf_counter()
         self._update_gauges()
@@ -431,8 +431,9 @@ class Engine:
         tokens = dev[:n] if dev.dtype == chosen.dtype else dev[:n].to(chosen.dtype)
         return tokens.index_copy(0, dev[n:n + k], chosen.index_select(0, dev[n + k:]))
 
-    def _complete(self, launched: Launched) -> None:
-        """Read a launched step's tokens back and commit it."""
+    def _complete(self, launched: Launched, handed_over: float = 0.0) -> None:
+        """Read a launched step's tokens back and commit it; `handed_over`: the seconds of handed-over work this
+        iteration ran before it (within the step's cadence)."""
         self._busy_since = time.monotonic()
         t0 = time.perf_counter()
         try:
@@ -457,7 +458,7 @@ class Engine:
         seconds = now - (self._last_completed if cadence else launched.t0)
         self._last_completed = now
         self._publish(commit(launched.plan, launched.tokens.token, self.eos, self.decoder.max_context, now,
-                             seconds))
+                             seconds, handed_over))
 
     def _publish(self, events: list[Event]) -> None:
         """Stream each event's delta to its request, end the requests that ended, and hand the events to metrics and
