@@ -417,7 +417,9 @@ def test_the_plan_puts_the_points_that_matter_first():
 def test_gpu_start_up_within_30_s_and_a_restart_from_the_cache(tmp_path: Path, weights: str, max_context: int):
     """On the GPU (the megakernel, synthetic Llama-3.2-1B, every prefill graph captured at start-up): a cold build
     (no calibration cache) is ready within 30 s, measuring every point within its budget; a restart reads the cache
-    and is quicker still. Prints the times (`pytest -s`)."""
+    and is quicker still. Prints the times (`pytest -s`). Triton's kernels are compiled first, by a build with a
+    calibration cache of its own: on a fresh machine their compile alone took 97 s (the H200, 2026-12-03), which is
+    the kernel cache's to keep, not the calibration's, and which a test run after the others never saw."""
     import gc
 
     from service.config import ServeConfig
@@ -425,6 +427,10 @@ def test_gpu_start_up_within_30_s_and_a_restart_from_the_cache(tmp_path: Path, w
 
     cfg = ServeConfig(model="synthetic:llama-3.2-1b", backend="megakernel", weights=weights, max_batch=8,
                       max_context=max_context, calibration_cache=str(tmp_path))
+    warm = build_engine(cfg.model_copy(update={"calibration_cache": str(tmp_path / "warm-up")}))
+    warm.engine.stop()
+    del warm
+    gc.collect()
     took, snapshots = [], []
     for _ in range(2):
         t0 = time.perf_counter()
@@ -435,7 +441,7 @@ def test_gpu_start_up_within_30_s_and_a_restart_from_the_cache(tmp_path: Path, w
         del rt
         gc.collect()
         torch.cuda.empty_cache()
-    cached = read_cache(tmp_path, json.loads(next(tmp_path.glob("*.json")).read_text())["key"])
+    cached = read_cache(tmp_path, json.loads(next(tmp_path.glob("*.json")).read_text())["key"])  # not warm-up/'s
     assert cached is not None
     print(f"\n{weights} @ {max_context}: cold start-up {took[0]:.1f} s (calibration {cached.seconds:.2f} s, "
           f"{len(cached.measured)} points timed), restart from the cache {took[1]:.1f} s; "
