@@ -318,7 +318,7 @@ class AdmissionController:
             self.model_clock.tick(predicted, event.at, event.seconds)
             if event.seconds <= 0:
                 return
-            if self.trace is not None:
+            if self.trace is not None and self.trace.step_due():
                 self.trace.record("step", t=event.at, rows=event.rows, prompt_rows=event.prompt_rows,
                                   kv_positions=event.kv_positions, launched=len(event.launched),
                                   predicted_ms=predicted * 1e3, ms=event.seconds * 1e3,

@@ -23,14 +23,15 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   steps included), so a score splits into the steps over the model (steps / model) and the time outside their cadence
   (after_verdict / steps); `latest_score` is against its last promise's forecast, `forecast_ms` (service/admission.py's
   Promise), for comparison;
-- {"kind": "step", "t", "rows", "prompt_rows", "kv_positions", "launched", "predicted_ms", "ms", "handed_ms"}: every
-  measured step, what the latency model predicted for it before learning from it and what it took (its cadence), so
-  that a score's steps / model splits by the kind of step that ran over (decode rows alone, a prompt chunk beside
-  them, a separate prefill launch before it; rows; positions a row); `handed_ms`: the handed-over work (verdicts) the
-  engine thread ran within its cadence.
+- {"kind": "step", "t", "rows", "prompt_rows", "kv_positions", "launched", "predicted_ms", "ms", "handed_ms"}: a
+  measured step (one in STEP_EVERY), what the latency model predicted for it before learning from it and what it
+  took (its cadence), so that a score's steps / model splits by the kind of step that ran over (decode rows alone, a
+  prompt chunk beside them, a separate prefill launch before it; rows; positions a row); `handed_ms`: the handed-over
+  work (verdicts) the engine thread ran within its cadence.
 
-A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue (a step's
-line costs the engine a dict, not a json.dumps: there are a thousand steps a second on a GPU).
+A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue. Steps come
+a thousand a second on a GPU, and the writer formats under the GIL the engine thread needs: only every STEP_EVERY-th
+step gets a line (a plain sample: each kind keeps its share, the verdicts' steps included).
 """
 
 from __future__ import annotations
@@ -45,15 +46,24 @@ from typing import Any
 
 log = logging.getLogger("parley.admission")
 
+STEP_EVERY = 4  # one measured step in this many gets a line
+
 
 class AdmissionLog:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, step_every: int = STEP_EVERY) -> None:
         self.path = Path(path)
+        self.step_every = step_every
+        self._steps = 0  # measured steps seen (step_due)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  # closed by close()
         self._lines: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="parley-admission-log", daemon=True)
         self._writer.start()
+
+    def step_due(self) -> bool:
+        """Whether this measured step gets a line (the engine's thread: a count, nothing more)."""
+        self._steps += 1
+        return self._steps % self.step_every == 0
 
     def record(self, kind: str, **fields: Any) -> None:
         """One line (any thread): `kind` and the fields, floats rounded to microseconds' worth (by the writer)."""

@@ -94,7 +94,7 @@ def test_every_measured_step_is_a_line_and_the_trace_splits_them_by_kind(tmp_pat
     table says which kind of step ran over: here the 2-row steps at 2,000 positions a row (a voice turn's) took 1.2x
     their prediction, the short-context ones as predicted, and a prompt chunk beside them is a kind of its own."""
     path = tmp_path / "admission.jsonl"
-    trace = AdmissionLog(path)
+    trace = AdmissionLog(path, step_every=1)
     lat = LatencyModel({1: 0.001, 2: 0.0011}, {16: 0.002}, max_rows=16, step_kv_s=1e-8)
     adm = AdmissionController(lat, 0.1, 64, 4, trace=trace)
     long = 2 * 2000
@@ -129,3 +129,21 @@ def test_every_measured_step_is_a_line_and_the_trace_splits_them_by_kind(tmp_pat
     assert kinds["decode, 2 rows, <256 positions"]["p99"] == pytest.approx(1.0, abs=0.05)
     text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(admission_trace.read(path))}))
     assert "| decode, 2 rows," in text and "Steps by kind" in text
+
+
+def test_by_default_one_step_in_step_every_gets_a_line(tmp_path):
+    """A thousand steps a second on a GPU: the log samples them (every STEP_EVERY-th measured step), so that its
+    writer, formatting under the GIL the engine thread needs, does not slow the steps it measures."""
+    from service.admission_log import STEP_EVERY
+
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path)
+    adm = AdmissionController(LatencyModel({1: 0.001}, {16: 0.002}, max_rows=16), 0.1, 64, 4, trace=trace)
+    for i in range(10 * STEP_EVERY):
+        adm.consume(StepDone(rows=1, sampled=1, prompt_rows=0, kv_positions=0, launched=(), seconds=0.001 + i * 1e-6,
+                             at=time.perf_counter()))
+    trace.close()
+    steps = [x for x in admission_trace.read(path) if x["kind"] == "step"]
+    assert STEP_EVERY > 1 and len(steps) == 10
+    assert [round(x["ms"] * 1e3) for x in steps] == [1000 + i for i in range(STEP_EVERY - 1, 10 * STEP_EVERY,
+                                                                               STEP_EVERY)]
