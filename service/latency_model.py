@@ -9,9 +9,9 @@ A step costs step_s[rows] at a short context, plus step_kv_s[rows] per K/V posit
 the rows; a row at position p reads p positions): the weights are streamed once whatever the rows, attention reads grow
 with the context. On a GPU a step's rows are padded to a bucket (the measured points), so its cost is the bucket's. The
 price of a position depends on the rows: on a GPU one row's attention leaves most of the SMs idle, so a position cost
-a one-row step 44 ns and a 16-row one 11 (bf16, context 2,048, the H200); priced at 16 rows for every step, as one
-number measured at max_batch rows did, a voice conversation's few-row steps at 2,000 positions were predicted 7-9%
-short, and admission's learned stretch paid for it (bench/NOTES.md, "Attention's price by rows").
+a one-row step 44 ns and a 16-row one 11 (bf16, context 2,048, the H200); priced at one number measured at max_batch
+rows, a voice conversation's 1-4-row steps at 2,000 positions were predicted 3-6% short at the median, and admission's
+learned stretch paid for it (bench/NOTES.md, "Attention's price by rows").
 
 A prefill launch's cost is a 2-D table: new tokens × the cached length it attends over (the K/V length, cached + new;
 0 for a fresh prompt). On a GPU every prefill replays a graph captured at a (new tokens, K/V length) pair of buckets,
@@ -47,10 +47,11 @@ class LatencyModel:
         measured at (a step of other rows: interpolated between them, the nearest past them), or one for all."""
         self.max_rows = max_rows
         self._step = dict(sorted(step_s.items()))  # rows → seconds per step (a whole engine iteration)
-        self._bases: dict[int, float] = {}  # rows → _base(rows), until _step changes (a forecast asks hundreds)
+        self._bases: dict[int, tuple[float, float]] = {}  # rows → (_base(rows), _kv_s(rows)), until _step changes
+        # (a forecast asks hundreds)
         self._calibrated = dict(self._step)  # what start-up measured (LEARN_CEILING)
-        self.step_kv_s = dict(sorted(step_kv_s.items())) if isinstance(step_kv_s, dict) and step_kv_s else \
-            {1: step_kv_s if isinstance(step_kv_s, float | int) else 0.0}
+        table = step_kv_s if isinstance(step_kv_s, dict) else {1: step_kv_s}
+        self.step_kv_s = dict(sorted(table.items())) or {1: 0.0}  # rows → seconds a position
         # K/V length (0: a fresh prompt) → new tokens → seconds
         self._prefill: dict[int, dict[int, float]] = {0: dict(sorted(prefill_s.items()))}
         for (n, kv), seconds in sorted((continued_s or {}).items(), key=lambda item: (item[0][1], item[0][0])):
@@ -66,17 +67,22 @@ class LatencyModel:
         """Seconds for a step of `rows` rows attending over `kv_positions` positions in all; more rows are never
         predicted faster."""
         r = max(1, rows)
+        base, kv_s = self._cost(r)
+        return base + kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
+
+    def _cost(self, rows: int) -> tuple[float, float]:
+        """A step of `rows` rows: its seconds at a short context and a position's price, kept until _step changes."""
         with self._lock:
-            base = self._bases.get(r)
-            if base is None:
-                base = self._bases[r] = self._base(r)
-            return base + self._kv_s(r) * max(0, kv_positions - SHORT_CONTEXT * r)
+            cost = self._bases.get(rows)
+            if cost is None:
+                cost = self._bases[rows] = (self._base(rows), self._kv_s(rows))
+            return cost
 
     def steps(self, rows: int, kv_positions: int, grow: int, n: int) -> float:
         """Seconds for n steps of `rows` rows in a row, the first attending over `kv_positions` positions and each
         next one over `grow` more (grow >= 0): the sum of step() over them, in closed form."""
         r = max(1, rows)
-        base, kv_s = self.step(r), self._kv_s(r)
+        base, kv_s = self._cost(r)
         over = kv_positions - SHORT_CONTEXT * r  # positions beyond the short context, at the first step
         if grow <= 0:
             return n * (base + kv_s * max(0, over))
@@ -88,15 +94,8 @@ class LatencyModel:
         """Seconds a K/V position costs a step of `rows` rows: its point's (on a GPU the bucket it pads to) measured
         price, between two measured row counts linearly, past them the nearest one's (more rows than measured: the
         widest measured step's price, which more rows only lower)."""
-        table, point = self.step_kv_s, self._point_of(rows)
-        if point in table:
-            return table[point]
-        xs = list(table)
-        i = bisect.bisect_left(xs, point)
-        if i == 0 or i >= len(xs):
-            return table[xs[0] if i == 0 else xs[-1]]
-        lo, hi = xs[i - 1], xs[i]
-        return table[lo] + (table[hi] - table[lo]) * (point - lo) / (hi - lo)
+        xs = list(self.step_kv_s)
+        return _interpolate(self.step_kv_s, min(max(self._point_of(rows), xs[0]), xs[-1]))
 
     def _base(self, rows: int) -> float:
         point = self._point_of(rows)
