@@ -269,8 +269,9 @@ class Engine:
         started = time.perf_counter()
         thread = thread_clock()
         self._read_wait = 0.0
-        if self._inflight is None:  # nothing on the GPU: handed-over work (verdicts) first, so its requests plan now
-            self.handoff.run_all()
+        # nothing on the GPU: handed-over work (verdicts) first, so that its requests plan now; it is within the
+        # cadence of the step this iteration launches, and the host's time (no step ran beside it)
+        before = self.handoff.run_all() if self._inflight is None else 0.0
         self._take_inbox()
         now = time.perf_counter()
         self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
@@ -306,7 +307,7 @@ class Engine:
             if self.overlap:
                 self._inflight = launched
             else:
-                self._complete(launched, overlapped)
+                self._complete(launched, before + overlapped)
         self._clock.mark("commit")
         t_complete = time.perf_counter()
         self._update_gauges()
