@@ -5,8 +5,8 @@ engine loop needs. Its threads:
 
 - the engine thread (Engine's loop): after every iteration it sends one StepOutput with that iteration's deltas;
 - the input thread (EngineService.serve): takes the front end's messages in order. A Submit is handed to the engine
-  thread (Engine.run_soon), which admits or refuses it (Engine.submit) and sends its Verdict right after launching
-  its next step, while the GPU runs it: on the input thread the verdicts' Python took the GIL from the engine thread
+  thread (Engine.run_soon), which admits or refuses it and sends its Verdict right after launching its next step,
+  while the GPU runs it, in two halves where they do not fit beside one step (Engine.prepare, then Engine.admit): on the input thread the verdicts' Python took the GIL from the engine thread
   between its torch calls (service/engine/handoff.py). A session's truncate and close, and a drain, follow the same
   way, in order. One with a grammar is compiled and admitted on the side pool instead, so that no other verdict
   waits for a compile. What the engine thread has not started within the handoff's patience, this thread runs;
@@ -39,6 +39,7 @@ from service.config import ServeConfig, front_end_count
 from service.engine import ipc
 from service.engine.admission import Rejected
 from service.engine.grammar import GrammarError, grammars
+from service.engine.handoff import Then
 from service.engine.kv_slots import Session
 from service.engine.messages import (
     STATUS_EVERY_S,
@@ -154,7 +155,7 @@ class EngineService:
             if m.params.grammar is None:
                 self.engine.run_soon(functools.partial(self._submit, m, session, received))
             else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
-                self._side_pool.submit(self._submit, m, session, received)
+                self._side_pool.submit(self._submit_now, m, session, received)
         elif isinstance(m, Cancel):
             with self._live_lock:
                 req = self._live.get(m.rid)
@@ -194,14 +195,58 @@ class EngineService:
     def _stop_accepting(self) -> None:
         self.engine.accepting = False
 
-    def _submit(self, m: Submit, session: Session | None, received: float) -> None:
-        """Admit or refuse (the engine thread, or the input thread where it took the task back; with a grammar, the
-        side pool): a Verdict, always. `received`: when the input thread read it."""
+    def _submit(self, m: Submit, session: Session | None, received: float) -> Then | None:
+        """A verdict's first half (the engine thread, or the input thread where it took the task back): the request
+        built and its cached prefix looked up; its second half, admission's forecast, is returned as the task that
+        follows (Handoff runs it beside this step where it fits, else beside the next). Input the model cannot take
+        is answered here."""
         try:
-            verdict, req = self._admit(m, session, received)
+            prepared = self._prepare(m, session)
         except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
             log.exception("submitting rid %d failed", m.rid)
+            prepared = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0)
+        if isinstance(prepared, Verdict):
+            self._decided(m, prepared, None)
+            return None
+        return Then(functools.partial(self._verdict, m, prepared, received), self.engine.verdict_s)
+
+    def _submit_now(self, m: Submit, session: Session | None, received: float) -> None:
+        """Both halves at once (the side pool: a request with a grammar)."""
+        then = self._submit(m, session, received)
+        if then is not None:
+            then.task()
+
+    def _prepare(self, m: Submit, session: Session | None) -> Request | Verdict:
+        p = m.params
+        try:
+            constraint = None if p.grammar is None else \
+                grammars(self.engine.tokenizer, self.engine.eos).constraint(p.grammar, p.opening)
+        except Exception as e:  # GrammarError, or a tokenizer the grammar engine cannot take: the request's 400
+            return Verdict(m.rid, 400, "grammar", str(e) if isinstance(e, GrammarError) else
+                           f"constrained decoding is unavailable for this model: {e}")
+        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
+        try:
+            return self.engine.prepare(m.prompt_ids, params, functools.partial(self._sink, m.rid, self._to(m.rid)),
+                                       session=session, arrival=m.arrival, delivery_s=m.delivery_s)
+        except Rejected as r:
+            return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s)
+        except ValueError as e:
+            return Verdict(m.rid, 400, "invalid", str(e))
+
+    def _verdict(self, m: Submit, req: Request, received: float) -> None:
+        """A verdict's second half: admitted or refused, the Verdict sent."""
+        try:
+            self.engine.admit(req, received)
+            verdict: Verdict = Verdict(m.rid, cached_tokens=req.cached_tokens)
+        except Rejected as r:
+            verdict, req = Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
+        except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
+            log.exception("admitting rid %d failed", m.rid)
             verdict, req = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0), None
+        self._decided(m, verdict, req)
+
+    def _decided(self, m: Submit, verdict: Verdict, req: Request | None) -> None:
         with self._live_lock:
             self._undecided.discard(m.rid)
             early = m.rid in self._cancel_early
@@ -211,25 +256,6 @@ class EngineService:
         if req is not None and early:
             self.engine.cancel(req)
         self._send(verdict, self._to(m.rid))
-
-    def _admit(self, m: Submit, session: Session | None, received: float) -> tuple[Verdict, Request | None]:
-        p = m.params
-        try:
-            constraint = None if p.grammar is None else \
-                grammars(self.engine.tokenizer, self.engine.eos).constraint(p.grammar, p.opening)
-        except Exception as e:  # GrammarError, or a tokenizer the grammar engine cannot take: the request's 400
-            return Verdict(m.rid, 400, "grammar", str(e) if isinstance(e, GrammarError) else
-                           f"constrained decoding is unavailable for this model: {e}"), None
-        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
-        try:
-            req = self.engine.submit(m.prompt_ids, params, functools.partial(self._sink, m.rid, self._to(m.rid)),
-                                     session=session, arrival=m.arrival, received=received, delivery_s=m.delivery_s)
-        except Rejected as r:
-            return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
-        except ValueError as e:
-            return Verdict(m.rid, 400, "invalid", str(e)), None
-        return Verdict(m.rid, cached_tokens=req.cached_tokens), req
 
     def _reply(self, m: Query) -> None:
         t0 = time.perf_counter()

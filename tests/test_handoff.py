@@ -10,7 +10,7 @@ import time
 import pytest
 
 from service.engine.engine import Engine
-from service.engine.handoff import Handoff
+from service.engine.handoff import Handoff, Then
 from service.engine.request import SamplingParams
 from service.model.loader import load_model
 
@@ -153,3 +153,60 @@ def test_a_step_says_how_long_handed_work_ran_within_its_cadence(tiny):
     assert len(handed) == 1 and handed[0] >= 0.004
     (beside,) = [s for s in steps if s.handed_over > 0]
     assert beside.seconds >= beside.handed_over  # within its cadence
+
+
+def test_work_handed_on_runs_next_and_waits_for_the_next_step_where_it_does_not_fit():
+    """A verdict in two halves beside steps with half a millisecond to spend: the request built (0.3 ms), then the
+    forecast (0.4 ms expected): together they would keep the GPU waiting, so the forecast runs first beside the next
+    step, before a session's close put after the verdict."""
+    now = [0.0]
+    handoff = Handoff(clock=lambda: now[0])
+    done: list[str] = []
+
+    def forecast() -> None:
+        now[0] += 0.0004
+        done.append("forecast")
+
+    def build() -> Then:
+        now[0] += 0.0003
+        done.append("build")
+        return Then(forecast, cost_s=0.0004)
+
+    handoff.put(build)
+    handoff.put(lambda: done.append("close"))
+    assert handoff.run_all(budget_s=0.0005) == pytest.approx(0.0003)
+    assert done == ["build"] and handoff.pending()
+    handoff.run_all(budget_s=0.0005)
+    assert done == ["build", "forecast", "close"]
+    handoff.put(build)  # where both fit, both run beside one step
+    handoff.run_all(budget_s=0.001)
+    assert done[3:] == ["build", "forecast"] and not handoff.pending()
+
+
+def test_a_task_that_does_not_fit_still_runs_first_and_a_stale_one_runs_whole():
+    now = [0.0]
+    handoff = Handoff(patience_s=0.02, clock=lambda: now[0])
+    done: list[str] = []
+    handoff.put(lambda: done.append("long"), cost_s=0.002)  # over any step's budget: it would never run otherwise
+    handoff.put(lambda: done.append("short"), cost_s=0.002)
+    handoff.run_all(budget_s=0.0005)
+    assert done == ["long"]
+    handoff.put(lambda: (done.append("build"), Then(lambda: done.append("forecast"), 0.001))[1])
+    now[0] = 0.05  # the engine thread is stuck in a step: another thread takes everything back, halves in order
+    handoff.run_stale()
+    assert done == ["long", "short", "build", "forecast"] and not handoff.pending()
+
+
+def test_a_verdicts_halves_prepare_then_admit_and_admit_learns_what_a_verdict_costs(tiny):
+    """Engine.prepare builds and checks a request without a verdict (bad input fails there, admission never sees it);
+    Engine.admit decides, and its running mean (verdict_s, what the second half is expected to take) grows from it."""
+    from service.backends.reference import ReferenceDecoder
+
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4)
+    with pytest.raises(ValueError):
+        eng.prepare([1, 2, tiny.config.vocab_size], SamplingParams(max_tokens=4), lambda d: None)
+    assert eng.verdict_s == 0.0 and eng.stats.waiting == 0
+    req = eng.prepare([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), lambda d: None)
+    assert eng.stats.waiting == 0 and req.prompt_blocks is not None
+    assert eng.admit(req) is req and eng.stats.waiting == 1 and eng.verdict_s > 0.0

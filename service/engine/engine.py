@@ -23,7 +23,7 @@ from service.backends.decoder import Decoder, Fed
 from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.commit import Event, Finished, StepDone, Token, commit
-from service.engine.handoff import Handoff
+from service.engine.handoff import Handoff, Then
 from service.engine.host_path import READ, IdleGaps
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.loop_clock import LoopClock
@@ -43,6 +43,7 @@ log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
 HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step: about half a step's slack on the H100
+VERDICT_WEIGHT = 0.05  # Engine.verdict_s: each verdict's weight in the running mean of their time
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
@@ -88,6 +89,7 @@ class Engine:
         self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
+        self.verdict_s = 0.0  # what admit()'s verdicts take, a running mean: the cost of one handed over
         self._live: set[Request] = set()  # admitted, not ended: each gets its final delta, whatever fails
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the counts the API reads
@@ -161,10 +163,16 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Delta], None],
                session: Session | None = None, arrival: float | None = None,
                received: float | None = None, delivery_s: float = 0.0) -> Request:
-        """Validate, admit (or raise Rejected) and enqueue. ValueError for input the model cannot take. `received`:
-        when the engine's process read the request (else now); `delivery_s`: how long tokens take from here to the
-        front end lately (admission leaves room for it)."""
-        received = time.perf_counter() if received is None else received
+        """Validate, admit (or raise Rejected) and enqueue: prepare() then admit(). ValueError for input the model
+        cannot take. `received`: when the engine's process read the request (else now); `delivery_s`: how long tokens
+        take from here to the front end lately (admission leaves room for it)."""
+        req = self.prepare(prompt_ids, params, sink, session, arrival, delivery_s)
+        return self.admit(req, received)
+
+    def prepare(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Delta], None],
+                session: Session | None = None, arrival: float | None = None, delivery_s: float = 0.0) -> Request:
+        """A submit's first half: the request validated (ValueError, or Rejected while draining), built, and its
+        prompt's cached prefix looked up, for admit() to decide on."""
         if not self.accepting:
             raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
         ctx = self.decoder.max_context
@@ -185,6 +193,14 @@ class Engine:
         req.cached_tokens = self.planner.slots.expected_cached(req.prompt_ids, req.prompt_blocks, session)
         req.choice = sampler.choice_of(req, self.decoder.draws_tokens)
         req.lifted_choice = sampler.unconstrained_choice(params, self.decoder.draws_tokens)
+        return req
+
+    def admit(self, req: Request, received: float | None = None) -> Request:
+        """A submit's second half: admission's verdict on a prepared request (Rejected, or it is enqueued and
+        returned). It takes about `verdict_s` (admission's forecast, mostly)."""
+        received = time.perf_counter() if received is None else received
+        if not self.accepting:
+            raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
         with self._lock:
             full = self.stats.waiting >= self.max_waiting
         if full:
@@ -201,21 +217,23 @@ class Engine:
             self.metrics.verdict_after.observe(decided - req.arrival)
             self.metrics.received_after.observe(max(0.0, received - req.arrival))
             self.metrics.forecast_time.observe(decided - deciding)
+            self.verdict_s += VERDICT_WEIGHT * (decided - deciding - self.verdict_s)
         self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
         with self._lock:
             self._live.add(req)
             self.stats.waiting += 1
             self.metrics.waiting.set(self.stats.waiting)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._inbox.put(req)
         self._wake.set()
         return req
 
-    def run_soon(self, task: Callable[[], None]) -> None:
+    def run_soon(self, task: Callable[[], Then | None], cost_s: float = 0.0) -> None:
         """Run `task` on the engine thread as soon as it can: at once where it is idle, else right after it has
-        launched its next step, while the GPU runs it (service/engine/handoff.py: another thread runs it instead where
-        the engine thread has not started it within the handoff's patience)."""
-        self.handoff.put(task)
+        launched its next step, while the GPU runs it, where it fits (`cost_s`: what it is expected to take; a task may
+        hand the rest of its work on as a Then: service/engine/handoff.py; another thread runs it instead where the
+        engine thread has not started it within the handoff's patience)."""
+        self.handoff.put(task, cost_s)
         self._wake.set()
 
     def _reject(self, req: Request, r: Rejected) -> None:
