@@ -9,7 +9,7 @@ from typing import Any
 
 from kernels.instructions import Op
 from kernels.megakernel import KernelConfig
-from kernels.tiles import MATVECS, MatvecTile, default_tiles, int8_slices
+from kernels.tiles import MATVECS, W8A8_GATEUP, MatvecTile, default_tiles, int8_slices
 
 
 def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any
@@ -103,6 +103,37 @@ def _lm_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
         if tiles[Op.LMHEAD].w8a8:
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=1, tma=True, stages=3)
         return tiles
+
+    return table
+
+
+def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: bool = False, **change: Any
+             ) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with `ops` in tiles of `rows` weight rows whose K is split over `parts` tasks (the last to
+    arrive adds the parts up and runs the epilogue: instructions.py), in the narrow buckets (under WIDE rows) or, with
+    `wide`, the wide ones. A matvec of N = 2,048 (O, down) in 16-row tiles is 128 tasks, each rereading the step's
+    activations over all of K: at 16 rows their bytes are twice FP8's weight bytes (down: 32 MB of L2 reads a layer
+    against 16 MB of weights). In 64-row tiles over 4 parts of K it is still 128 tasks of the same weight bytes, which
+    read a quarter of the activations."""
+    def table(b: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(b)
+        if (b >= WIDE) != wide:
+            return tiles
+        # as many weight bytes a pipeline stage as the default's two runs of 16 rows (fewer registers a thread)
+        return tiles | {op: tiles[op]._replace(rows=rows, k_chunk=tiles[op].k_chunk * 32 // rows, k_splits=parts,
+                                               k_halves=False, **change) for op in ops}
+
+    return table
+
+
+def _w8a8_split(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 from 16 rows: down W8A8 in 64-row swapped tiles, K over 4 tasks (32 tiles alone would leave most
+    programs idle); other formats and buckets keep the default."""
+    def table(b: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(b)
+        if weights != "fp8" or b < 16:
+            return tiles
+        return tiles | {Op.DOWN: W8A8_GATEUP._replace(k_splits=4)}
 
     return table
 
@@ -283,4 +314,11 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # per SM; twice the warps hide more of it if the 255 registers they may each keep are enough (8 warps were slower
     # than 4 on the kernel of V1-V3, bench/NOTES.md)
     "warps8": lambda w: KernelConfig(num_warps=8),
+    # O and down in wide tiles with K split, so that fewer tasks reread each activation (_k_split)
+    "dn-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4)),
+    "dn-r32-ks2": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 32, 2)),
+    "od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4)),
+    "w-od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
+    # FP8 from 16 rows: down W8A8 as gate/up (e4m3 x e4m3 in swapped 64-row tiles), over 4 parts of K
+    "dn-a8-ks4": lambda w: KernelConfig(tiles=_w8a8_split(w)),
 }
