@@ -6,8 +6,9 @@ engine loop needs. Its threads:
 - the engine thread (Engine's loop): after every iteration it sends one StepOutput with that iteration's deltas;
 - the input thread (EngineService.serve): takes the front end's messages in order. A Submit is handed to the engine
   thread (Engine.run_soon), which admits or refuses it and sends its Verdict right after launching its next step,
-  while the GPU runs it, in two halves where they do not fit beside one step (Engine.prepare, then Engine.admit): on the input thread the verdicts' Python took the GIL from the engine thread
-  between its torch calls (service/engine/handoff.py). A session's truncate and close, and a drain, follow the same
+  while the GPU runs it, in two halves where they do not fit beside one step (Engine.prepare, then Engine.admit):
+  on the input thread the verdicts' Python took the GIL from the engine thread between its torch calls
+  (service/engine/handoff.py). A session's truncate and close, and a drain, follow the same
   way, in order. One with a grammar is compiled and admitted on the side pool instead, so that no other verdict
   waits for a compile. What the engine thread has not started within the handoff's patience, this thread runs;
 - the side pool: grammar compiles, and /metrics and /v1/latency_model rendered off the engine thread;
@@ -153,7 +154,7 @@ class EngineService:
                 self._undecided.add(m.rid)
             received = time.perf_counter()
             if m.params.grammar is None:
-                self.engine.run_soon(functools.partial(self._submit, m, session, received))
+                self.engine.run_soon(functools.partial(self._submit, m, session, received), self.engine.prepare_s)
             else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
                 self._side_pool.submit(self._submit_now, m, session, received)
         elif isinstance(m, Cancel):

@@ -199,7 +199,8 @@ def test_a_task_that_does_not_fit_still_runs_first_and_a_stale_one_runs_whole():
 
 def test_a_verdicts_halves_prepare_then_admit_and_admit_learns_what_a_verdict_costs(tiny):
     """Engine.prepare builds and checks a request without a verdict (bad input fails there, admission never sees it);
-    Engine.admit decides, and its running mean (verdict_s, what the second half is expected to take) grows from it."""
+    Engine.admit decides; each half's running mean (prepare_s, verdict_s: what it is expected to take where it is
+    handed over) learns from them."""
     from service.backends.reference import ReferenceDecoder
 
     dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
@@ -208,5 +209,5 @@ def test_a_verdicts_halves_prepare_then_admit_and_admit_learns_what_a_verdict_co
         eng.prepare([1, 2, tiny.config.vocab_size], SamplingParams(max_tokens=4), lambda d: None)
     assert eng.verdict_s == 0.0 and eng.stats.waiting == 0
     req = eng.prepare([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), lambda d: None)
-    assert eng.stats.waiting == 0 and req.prompt_blocks is not None
+    assert eng.stats.waiting == 0 and req.prompt_blocks is not None and eng.prepare_s > 0.0
     assert eng.admit(req) is req and eng.stats.waiting == 1 and eng.verdict_s > 0.0

@@ -43,7 +43,7 @@ log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
 HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step: about half a step's slack on the H100
-VERDICT_WEIGHT = 0.05  # Engine.verdict_s: each verdict's weight in the running mean of their time
+VERDICT_WEIGHT = 0.05  # Engine.prepare_s, verdict_s: each submit's weight in the running means of their halves
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
@@ -89,7 +89,9 @@ class Engine:
         self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
-        self.verdict_s = 0.0  # what admit()'s verdicts take, a running mean: the cost of one handed over
+        # what a submit's halves take, running means: each one's expected cost where it is handed over
+        self.prepare_s = 0.0  # prepare(): the request built, its prefix looked up
+        self.verdict_s = 0.0  # admit(): admission's verdict
         self._live: set[Request] = set()  # admitted, not ended: each gets its final delta, whatever fails
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the counts the API reads
@@ -175,6 +177,7 @@ class Engine:
         prompt's cached prefix looked up, for admit() to decide on."""
         if not self.accepting:
             raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
+        started = time.perf_counter()
         ctx = self.decoder.max_context
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -193,6 +196,7 @@ class Engine:
         req.cached_tokens = self.planner.slots.expected_cached(req.prompt_ids, req.prompt_blocks, session)
         req.choice = sampler.choice_of(req, self.decoder.draws_tokens)
         req.lifted_choice = sampler.unconstrained_choice(params, self.decoder.draws_tokens)
+        self.prepare_s += VERDICT_WEIGHT * (time.perf_counter() - started - self.prepare_s)
         return req
 
     def admit(self, req: Request, received: float | None = None) -> Request:
