@@ -237,15 +237,17 @@ class EngineService:
 
     def _verdict(self, m: Submit, req: Request, received: float) -> None:
         """A verdict's second half: admitted or refused, the Verdict sent."""
+        admitted: Request | None = req
         try:
             self.engine.admit(req, received)
-            verdict: Verdict = Verdict(m.rid, cached_tokens=req.cached_tokens)
+            verdict = Verdict(m.rid, cached_tokens=req.cached_tokens)
         except Rejected as r:
-            verdict, req = Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
+            verdict, admitted = Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
         except Exception as e:  # a bug: the front end still gets its answer (a 503), never silence
             log.exception("admitting rid %d failed", m.rid)
-            verdict, req = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0), None
-        self._decided(m, verdict, req)
+            verdict = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0)
+            admitted = None
+        self._decided(m, verdict, admitted)
 
     def _decided(self, m: Submit, verdict: Verdict, req: Request | None) -> None:
         with self._live_lock:
