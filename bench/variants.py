@@ -107,7 +107,7 @@ def _lm_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
     return table
 
 
-def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: bool = False, **change: Any
+def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: bool = False
              ) -> Callable[[int], dict[Op, MatvecTile]]:
     """The default tiles, with `ops` in tiles of `rows` weight rows whose K is split over `parts` tasks (the last to
     arrive adds the parts up and runs the epilogue: instructions.py), in the narrow buckets (under WIDE rows) or, with
@@ -121,7 +121,7 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
             return tiles
         # as many weight bytes a pipeline stage as the default's two runs of 16 rows (fewer registers a thread)
         return tiles | {op: tiles[op]._replace(rows=rows, k_chunk=tiles[op].k_chunk * 32 // rows, k_splits=parts,
-                                               k_halves=False, **change) for op in ops}
+                                               k_halves=False) for op in ops}
 
     return table
 
@@ -314,7 +314,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # per SM; twice the warps hide more of it if the 255 registers they may each keep are enough (8 warps were slower
     # than 4 on the kernel of V1-V3, bench/NOTES.md)
     "warps8": lambda w: KernelConfig(num_warps=8),
-    # O and down in wide tiles with K split, so that fewer tasks reread each activation (_k_split)
+    # O and down in wide tiles with K split, so that fewer tasks reread each activation (_k_split): each slower than
+    # the default at every row count on the H200 (bench/NOTES.md "A verdict in two halves; O and down with K split")
     "dn-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4)),
     "dn-r32-ks2": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 32, 2)),
     "od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4)),

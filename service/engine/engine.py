@@ -203,8 +203,6 @@ class Engine:
         """A submit's second half: admission's verdict on a prepared request (Rejected, or it is enqueued and
         returned). It takes about `verdict_s` (admission's forecast, mostly)."""
         received = time.perf_counter() if received is None else received
-        if not self.accepting:
-            raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
         with self._lock:
             full = self.stats.waiting >= self.max_waiting
         if full:
