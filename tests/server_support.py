@@ -177,8 +177,17 @@ def is_idle(m: Scrape) -> bool:
 
 
 def wait_idle(base: str, timeout_s: float = 30.0) -> Scrape:
-    """Poll /metrics until the server is idle (is_idle); that scrape."""
-    return poll(lambda: scrape_metrics(base), is_idle, timeout_s, "idle", describe=lambda m: (
+    """Poll /metrics until the server is idle (is_idle); then a scrape taken wholly after that one, idle too.
+
+    One scrape is not a snapshot: the engine renders its metrics on another thread while it steps, so a scrape can
+    read a request's outcome counter before its end is counted and the gauges after its slot is freed (CI on two cores
+    saw a dropped stream idle yet not cancelled). The engine counts an end before it updates the gauges, so a scrape
+    begun after the gauges read idle holds every count."""
+    def idle_twice() -> Scrape:
+        m = scrape_metrics(base)
+        return scrape_metrics(base) if is_idle(m) else m
+
+    return poll(idle_twice, is_idle, timeout_s, "idle", describe=lambda m: (
         f"running {m.get('parley_requests_running')}, waiting {m.get('parley_requests_waiting')}, "
         f"KV slots free {m.get('parley_kv_slots_free')}/{m.get('parley_kv_slots_total')}"))
 

@@ -178,11 +178,13 @@ def test_dropped_stream_frees_its_slot(shared_server: Server) -> None:
     with httpx.stream("POST", f"{shared_server.base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if sse_data(line) is not None:
+            if (first := sse_data(line)) is not None:
                 break  # one chunk, then hang up (a barge-in)
+    assert json.loads(first)["choices"][0]["text"], first  # a token, not an error event
     t0 = time.monotonic()
     after = wait_idle(shared_server.base, timeout_s=15)
-    assert after.requests("cancelled") == before + 1
+    assert after.requests("cancelled") == before + 1, (
+        {o: after.requests(o) for o in ("completed", "cancelled", "failed")}, shared_server.log_tail())
     assert time.monotonic() - t0 < 15
 
 
