@@ -24,15 +24,15 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from service.admission_guard import AdmissionGuard, Level
 from service.admission_log import AdmissionLog
 from service.engine.admission import Rejected
 from service.engine.commit import Event, Finished, StepDone, Token
 from service.engine.kv_slots import KVSlots
-from service.engine.planner import Planner
+from service.engine.planner import ForecastState, Planner
 from service.engine.request import Request, State
 from service.latency_model import LatencyModel
 from service.model_clock import ModelClock
@@ -73,6 +73,33 @@ class Promise:
         return (came - self.at) / span if span > 0 else math.inf
 
 
+@dataclass
+class _Judging:
+    """A verdict between its parts: the moment and states its forecasts start from (the newcomer last), and what the
+    first forecast (the newcomer joined) found that the `delays` rule's second judges."""
+
+    req: Request
+    active: list[Request]
+    now: float
+    stretch: float
+    level: Level
+    horizon_s: float
+    states: list[ForecastState]
+    note: dict[str, object] = field(default_factory=dict)
+    joined: dict[int, float] = field(default_factory=dict)  # SLA-token times with the newcomer, by id(request)
+    late: list[Request] = field(default_factory=list)  # admitted requests late beside the newcomer
+    spent: dict[int, tuple[float, float | None]] = field(default_factory=dict)  # by id(request): (wall, model) time
+    # since its first verdict
+    typical: float = 1.0  # the guard's usual pace at this level
+
+    def over(self, r: Request, t: float, pace: float) -> float:
+        """How far past its deadline `r` comes at `pace` (times the forecast), `t` its stretched forecast."""
+        assert r.deadline is not None
+        wall, model = self.spent.get(id(r), (0.0, None))
+        past = pace * wall if model is None else max(wall, pace * model)
+        return self.now - wall + past + (t - self.now) * pace / self.stretch - r.deadline
+
+
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
                  strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic,
@@ -91,6 +118,7 @@ class AdmissionController:
         # One verdict at a time (each forecasts with what the others admitted); the engine thread never waits for one:
         # it takes only `_lock`, which guards the admitted requests and their promises and is held briefly.
         self._deciding = threading.Lock()
+        self._decided = 0  # verdicts admitted so far: what a verdict in parts checks that nobody was admitted between
         self._lock = threading.Lock()
         self._active: dict[str, Request] = {}
         self._promises: dict[str, Promise] = {}
@@ -134,56 +162,93 @@ class AdmissionController:
         self.planner = planner
 
     def check(self, req: Request) -> None:
+        """Admit `req` (its deadline set, its promise made) or raise Rejected: the verdict's parts at once."""
+        for _ in self.verdict(req):
+            pass
+
+    def verdict(self, req: Request) -> Iterator[None]:
+        """check() in parts, for a caller that runs each apart (the engine process, each beside a GPU step where it
+        fits): it yields once, where the `delays` rule needs its second forecast (the newcomer left out) after the
+        first (it joined), which then starts from the same moment and states. A verdict decided in between (a
+        grammar's, on another thread) changes what the first part saw: the second then judges again, whole."""
         # room for the hop from the engine to the front end, where the client's clock reads it (api/delivery.py); at
         # most a share of the SLA, so that a front end that stalled once cannot make an idle server refuse
         req.deadline = req.arrival + self.sla_s - min(req.delivery_s, DELIVERY_SHARE * self.sla_s)
         with self._deciding:
-            with self._lock:
-                active = self._in_flight()
-            now = time.perf_counter()
-            self._reconsider_best_effort()
-            level = self.level_of(active, req)
-            # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
-            stretch = 1.0 if self.best_effort else self.guard.stretch(level)
-            note: dict[str, object] = {}
-            try:
-                joined = self._decide(req, active, now, stretch, level, note)
-            except Rejected as refusal:
-                self._trace_verdict(req, active, now, stretch, level, note, refusal)
-                raise
-            self._trace_verdict(req, active, now, stretch, level, note, None)
-            with self._lock:
-                for r in [*active, req]:  # the forecast (unstretched) of every admitted request beside the newcomer
-                    t = joined.get(id(r), math.inf)
-                    p = self._promises.get(r.id)
-                    if t < math.inf and (p is not None or r is req):
-                        if p is None:
-                            self.model_clock.start(r.id, now)
-                        predicted = now + (t - now) / stretch
-                        self._promises[r.id] = Promise(p.at if p is not None else now, predicted, level, stretch)
-                self._active[req.id] = req
+            judging = self._first(req)
+            if not judging.late:
+                self._admit(judging)
+                return
+            decided = self._decided
+        yield
+        with self._deciding:
+            if self._decided != decided:
+                judging = self._first(req)
+            else:
+                judging.note["second_after_ms"] = (time.perf_counter() - judging.now) * 1e3
+            self._second(judging)
+            self._admit(judging)
 
-    def _trace_verdict(self, req: Request, active: list[Request], now: float, stretch: float, level: Level,
-                       note: dict[str, object], refused: Rejected | None) -> None:
+    def _first(self, req: Request) -> _Judging:
+        """A verdict's first forecast, the newcomer joined, and the rules it decides alone (late, probe); what the
+        `delays` rule needs of it."""
+        with self._lock:
+            active = self._in_flight()
+        now = time.perf_counter()
+        self._reconsider_best_effort()
+        level = self.level_of(active, req)
+        # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
+        stretch = 1.0 if self.best_effort else self.guard.stretch(level)
+        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s,
+                     self.planner.snapshot([*active, req]))
+        try:
+            self._joined(j)
+        except Rejected as refusal:
+            self._trace_verdict(j, refusal)
+            raise
+        return j
+
+    def _second(self, j: _Judging) -> None:
+        try:
+            self._delays(j)
+        except Rejected as refusal:
+            self._trace_verdict(j, refusal)
+            raise
+
+    def _admit(self, j: _Judging) -> None:
+        """Admitted: the newcomer's promise made, and every admitted request's moved to its forecast beside it."""
+        req, now, stretch = j.req, j.now, j.stretch
+        self._trace_verdict(j, None)
+        with self._lock:
+            for r in [*j.active, req]:  # the forecast (unstretched) of every admitted request beside the newcomer
+                t = j.joined.get(id(r), math.inf)
+                p = self._promises.get(r.id)
+                if t < math.inf and (p is not None or r is req):
+                    if p is None:
+                        self.model_clock.start(r.id, now)
+                    predicted = now + (t - now) / stretch
+                    self._promises[r.id] = Promise(p.at if p is not None else now, predicted, j.level, stretch)
+            self._active[req.id] = req
+        self._decided += 1
+
+    def _trace_verdict(self, j: _Judging, refused: Rejected | None) -> None:
         if self.trace is None:
             return
+        req, note, now = j.req, j.note, j.now
         t_nth = note.get("t_nth", math.inf)
         assert isinstance(t_nth, float)
         left = (req.deadline if req.deadline is not None else math.inf) - now
         self.trace.record("verdict", t=now, req=req.id, admitted=refused is None,
                           reason=None if refused is None else refused.reason, rule=note.get("rule"),
-                          in_flight=len(active) + 1, prompt_tokens=len(req.prompt_ids),
-                          cached_tokens=req.cached_tokens, level=level.labels, stretch=stretch,
+                          in_flight=len(j.active) + 1, prompt_tokens=len(req.prompt_ids),
+                          cached_tokens=req.cached_tokens, level=j.level.labels, stretch=j.stretch,
                           since_arrival_ms=(now - req.arrival) * 1e3, left_ms=left * 1e3,
-                          forecast_ms=(t_nth - now) / stretch * 1e3, stretched_ms=(t_nth - now) * 1e3,
+                          forecast_ms=(t_nth - now) / j.stretch * 1e3, stretched_ms=(t_nth - now) * 1e3,
                           **{k: v for k, v in note.items() if k not in ("t_nth", "rule")})
 
-    def _decide(self, req: Request, active: list[Request], now: float, stretch: float,
-                level: Level, note: dict[str, object]) -> dict[int, float]:
-        """Every admitted request's and the newcomer's predicted SLA-token time (stretched) with the newcomer
-        joined, by id(); or Rejected: the newcomer would be late, or it would make late an admitted request that
-        would be on time without it. `note` gets the newcomer's forecast ("t_nth") and the rule that decided
-        ("rule": late, delays, probe), for the admission log."""
+    def _costs(self, stretch: float) -> tuple[Callable[[int, int], float], Callable[[int, int], float],
+                                              Callable[[int, int, int, int], float]]:
+        """The latency model's step, prefill and run-of-steps times, stretched: the forecast's costs."""
         lat = self.latency
 
         def step_s(rows: int, kv_positions: int) -> float:
@@ -195,17 +260,26 @@ class AdmissionController:
         def steps_s(rows: int, kv_positions: int, grow: int, n: int) -> float:
             return lat.steps(rows, kv_positions, grow, n) * stretch
 
-        horizon = self._probe_within() * self.sla_s
-        joined = self.planner.forecast(active + [req], step_s, prefill_s, now, horizon, steps_s)
+        return step_s, prefill_s, steps_s
+
+    def _joined(self, j: _Judging) -> None:
+        """Every admitted request's and the newcomer's predicted SLA-token time (stretched) with the newcomer joined
+        (j.joined, by id()), and the admitted requests it makes late there (j.late: the `delays` rule judges them);
+        or Rejected: the newcomer would be late. j.note gets the newcomer's forecast ("t_nth") and the rule that
+        decided ("rule": late, probe), for the admission log."""
+        req, active, now, stretch, note = j.req, j.active, j.now, j.stretch, j.note
+        step_s, prefill_s, steps_s = self._costs(stretch)
+        joined = j.joined = self.planner.forecast([*active, req], step_s, prefill_s, now, j.horizon_s, steps_s,
+                                                  states=j.states)
         t_nth = note["t_nth"] = joined[id(req)]
         if self.best_effort:
-            return joined
+            return
         if req.deadline is not None and t_nth > req.deadline:
             note["rule"] = "late"
             if not active:  # an idle server refusing: say why (at most every PROBE_EVERY_S: a probe or not)
                 log.info("idle server: %s predicted %.1f ms to its SLA token (%.1f ms since arrival, forecast x "
                          "%.3f, the guard's stretch at %s)", req.id, (t_nth - req.arrival) * 1e3,
-                         (now - req.arrival) * 1e3, stretch, level.labels)
+                         (now - req.arrival) * 1e3, stretch, j.level.labels)
             if not active and self._probe(req, t_nth, now):
                 note["rule"] = "probe"
             else:
@@ -223,29 +297,26 @@ class AdmissionController:
         # (in the wall's, a request whose steps had run 3% over the model lost 3% of its past x the stretch more: 66
         # of bf16's 76 `delays` refusals on the H200 had a victim on time by the bound), and never as less than the
         # time that really passed; before a step has ended in its span, as the wall's time at the pace.
-        spent = {id(r): (now - p.at, self.model_clock.span(r.id)) for r in active
-                 if (p := self._promises.get(r.id)) is not None}
-        typical = self.guard.typical(level)
+        j.spent = {id(r): (now - p.at, self.model_clock.span(r.id)) for r in active
+                   if (p := self._promises.get(r.id)) is not None}
+        j.typical = self.guard.typical(j.level)
+        j.late = [r for r in active if r.deadline is not None and j.over(r, joined[id(r)], stretch) > 0]
 
-        def over(r: Request, t: float, pace: float) -> float:
-            """How far past its deadline `r` comes at `pace` (times the forecast), `t` its stretched forecast."""
-            assert r.deadline is not None
-            wall, model = spent.get(id(r), (0.0, None))
-            past = pace * wall if model is None else max(wall, pace * model)
-            return now - wall + past + (t - now) * pace / stretch - r.deadline
-
-        late = [r for r in active if r.deadline is not None and over(r, joined[id(r)], stretch) > 0]
-        if late:
-            alone = self.planner.forecast(active, step_s, prefill_s, now, horizon, steps_s)
-            for r in late:
-                if joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and over(r, alone[id(r)], typical) <= 0:
-                    wall, model = spent.get(id(r), (0.0, None))
-                    note.update(rule="delays", victim_over_ms=over(r, joined[id(r)], stretch) * 1e3,
-                                victim_alone_over_ms=over(r, alone[id(r)], stretch) * 1e3,
-                                victim_since_ms=wall * 1e3, victim_model_ms=_ms(model))
-                    raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
-                                   self.retry_after_s(active, now))
-        return joined
+    def _delays(self, j: _Judging) -> None:
+        """The `delays` rule: Rejected where the newcomer delays an admitted request late beside it that would be on
+        time without it at the usual pace (the second forecast, from the first's moment and states)."""
+        if not j.late:
+            return
+        step_s, prefill_s, steps_s = self._costs(j.stretch)
+        alone = self.planner.forecast(j.active, step_s, prefill_s, j.now, j.horizon_s, steps_s, states=j.states[:-1])
+        for r in j.late:
+            if j.joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and j.over(r, alone[id(r)], j.typical) <= 0:
+                wall, model = j.spent.get(id(r), (0.0, None))
+                j.note.update(rule="delays", victim_over_ms=j.over(r, j.joined[id(r)], j.stretch) * 1e3,
+                              victim_alone_over_ms=j.over(r, alone[id(r)], j.stretch) * 1e3,
+                              victim_since_ms=wall * 1e3, victim_model_ms=_ms(model))
+                raise Rejected("overloaded", "admitting this request would make an admitted one miss its SLA",
+                               self.retry_after_s(j.active, j.now))
 
     def _probe(self, req: Request, t_nth: float, now: float) -> bool:
         """Admit a request predicted to miss, on an idle server (it can delay nobody), now and then: otherwise a

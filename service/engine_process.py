@@ -6,7 +6,8 @@ engine loop needs. Its threads:
 - the engine thread (Engine's loop): after every iteration it sends one StepOutput with that iteration's deltas;
 - the input thread (EngineService.serve): takes the front end's messages in order. A Submit is handed to the engine
   thread (Engine.run_soon), which admits or refuses it and sends its Verdict right after launching its next step,
-  while the GPU runs it, in two halves where they do not fit beside one step (Engine.prepare, then Engine.admit):
+  while the GPU runs it, in parts where they do not fit beside one step (Engine.prepare, then Engine.admit_in_parts:
+  the forecast, and the `delays` rule's second forecast where it needs one):
   on the input thread the verdicts' Python took the GIL from the engine thread between its torch calls
   (service/engine/handoff.py). A session's truncate and close, and a drain, follow the same
   way, in order. One with a grammar is compiled and admitted on the side pool instead, so that no other verdict
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -212,10 +214,10 @@ class EngineService:
         return Then(functools.partial(self._verdict, m, prepared, received), self.engine.verdict_s)
 
     def _submit_now(self, m: Submit, session: Session | None, received: float) -> None:
-        """Both halves at once (the side pool: a request with a grammar)."""
+        """Every part at once (the side pool: a request with a grammar)."""
         then = self._submit(m, session, received)
-        if then is not None:
-            then.task()
+        while then is not None:
+            then = then.task()
 
     def _prepare(self, m: Submit, session: Session | None) -> Request | Verdict:
         p = m.params
@@ -235,11 +237,17 @@ class EngineService:
         except ValueError as e:
             return Verdict(m.rid, 400, "invalid", str(e))
 
-    def _verdict(self, m: Submit, req: Request, received: float) -> None:
-        """A verdict's second half: admitted or refused, the Verdict sent."""
+    def _verdict(self, m: Submit, req: Request, received: float,
+                 parts: Iterator[None] | None = None) -> Then | None:
+        """A verdict's second half: admitted or refused, the Verdict sent; or, where admission's `delays` rule
+        forecasts again, that forecast returned as the task that follows (a third part, handed over like the
+        second)."""
         admitted: Request | None = req
         try:
-            self.engine.admit(req, received)
+            parts = self.engine.admit_in_parts(req, received) if parts is None else parts
+            next(parts)
+            return Then(functools.partial(self._verdict, m, req, received, parts), self.engine.delays_s)
+        except StopIteration:
             verdict = Verdict(m.rid, cached_tokens=req.cached_tokens)
         except Rejected as r:
             verdict, admitted = Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s), None
@@ -248,6 +256,7 @@ class EngineService:
             verdict = Verdict(m.rid, 503, "engine_error", f"the engine could not take the request: {e}", 1.0)
             admitted = None
         self._decided(m, verdict, admitted)
+        return None
 
     def _decided(self, m: Submit, verdict: Verdict, req: Request | None) -> None:
         with self._live_lock:

@@ -652,6 +652,72 @@ def test_a_request_late_only_at_the_stretch_holds_back_a_newcomer_that_delays_it
     adm.check(pushing)
 
 
+def test_a_verdict_in_parts_judges_as_one_from_its_first_moment(frozen_clock):
+    """The engine process runs a verdict's `delays` rule (its second forecast, the newcomer left out) beside the next
+    GPU step: admission.verdict yields before it. A step runs between the parts: the second forecast starts from the
+    first's moment and states, so it says what check() says then (from the states a step later, one token nearer, it
+    would read a newcomer that delays nobody as delaying the running request by that step). A verdict that needs no
+    second forecast has one part."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+
+    def drifted():
+        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+        running = newcomer(state=State.RUNNING)
+        adm.check(running)
+        running.output_ids = [0] * 10  # 54 tokens to go: 108 ms at the usual pace, 130 ms stretched
+        running.deadline = frozen_clock + 0.119  # late at the stretch, on time at the usual pace
+        return adm, running
+
+    adm, running = drifted()
+    riding = newcomer()
+    parts = adm.verdict(riding)
+    next(parts)  # the first forecast: the running request is late beside it, the `delays` rule must look
+    running.output_ids.append(0)  # a step ran
+    with pytest.raises(StopIteration):
+        next(parts)  # admitted, as check() admits it: it delays nobody
+    assert riding.id in adm._active
+
+    adm, running = drifted()
+    pushing = newcomer(prompt_tokens=400)
+    parts = adm.verdict(pushing)
+    next(parts)
+    running.output_ids.append(0)
+    with pytest.raises(Rejected, match="admitted one miss"):
+        next(parts)  # its 27 ms prefill launch would make it miss
+    assert pushing.id not in adm._active
+
+    adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+    with pytest.raises(StopIteration):
+        next(adm.verdict(newcomer()))  # nobody late beside it: one part
+
+
+def test_a_verdict_decided_between_the_parts_of_another_is_seen_by_it(frozen_clock):
+    """A grammar's verdict runs whole on another thread, and may come between another verdict's parts: that one's
+    second part then judges again, beside it, and its forecast moves every admitted request's promise (the one
+    admitted in between too)."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002, 3: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+    adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+    running = newcomer(state=State.RUNNING)
+    adm.check(running)
+    running.output_ids = [0] * 10
+    running.deadline = frozen_clock + 0.119
+    first, between = newcomer(), newcomer()
+    parts = adm.verdict(first)
+    next(parts)
+    adm.check(between)  # decided whole meanwhile
+    promised = adm._promises[between.id]
+    assert promised.level == adm.level_of([running], between)
+    with pytest.raises(StopIteration):
+        next(parts)
+    assert {first.id, between.id} <= set(adm._active)
+    assert adm._promises[first.id].level == adm.level_of([running, between], first) != promised.level
+    assert adm._promises[between.id].level == adm._promises[first.id].level  # forecast again beside it
+
+
 def test_a_cancelled_request_holds_nobody_back():
     """A barge-in's next turn comes as soon as response.done does, which may be before the engine has dropped the
     cancelled reply: it is judged as if that one were gone (it is, by the engine's next step)."""

@@ -211,3 +211,49 @@ def test_a_verdicts_halves_prepare_then_admit_and_admit_learns_what_a_verdict_co
     req = eng.prepare([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), lambda d: None)
     assert eng.stats.waiting == 0 and req.prompt_blocks is not None and eng.prepare_s > 0.0
     assert eng.admit(req) is req and eng.stats.waiting == 1 and eng.verdict_s > 0.0
+
+
+def test_a_verdict_with_a_second_forecast_hands_it_on_as_a_third_part(tiny):
+    """Where admission's verdict has two parts (its `delays` rule's second forecast apart from the first),
+    Engine.admit_in_parts yields between them and learns each part's own time, not the wait between (verdict_s,
+    delays_s); the engine process hands the second part on as a Then expected to take delays_s, and answers the
+    front end only once it has run."""
+    from types import SimpleNamespace
+
+    from service.backends.reference import ReferenceDecoder
+    from service.engine.admission import AdmitAll
+    from service.engine_process import EngineService
+
+    class TwoParts(AdmitAll):
+        def verdict(self, req):
+            time.sleep(0.002)
+            yield
+            time.sleep(0.003)
+            self.check(req)
+
+    dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4, admission=TwoParts(1.0))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    req = eng.prepare([1, 2, 3], params, lambda d: None)
+    parts = eng.admit_in_parts(req)
+    next(parts)
+    assert eng.stats.waiting == 0 and eng.verdict_s > 0.0 and eng.delays_s == 0.0
+    time.sleep(0.2)  # steps run between the parts: not the verdict's time
+    with pytest.raises(StopIteration):
+        next(parts)
+    assert eng.stats.waiting == 1 and eng.delays_s > 0.0
+    forecast = {s.name: s.value for f in eng.metrics.registry.collect() for s in f.samples
+                if s.name.startswith("parley_admission_forecast_seconds")}
+    assert forecast["parley_admission_forecast_seconds_count"] == 1
+    assert 0.005 <= forecast["parley_admission_forecast_seconds_sum"] < 0.2
+
+    proc = EngineService.__new__(EngineService)  # its verdict path alone: no sockets
+    proc.engine = eng
+    answered: list = []
+    proc._decided = lambda m, verdict, admitted: answered.append((verdict, admitted))
+    req = eng.prepare([4, 5, 6], params, lambda d: None)
+    then = proc._verdict(SimpleNamespace(rid=7), req, time.perf_counter())
+    assert isinstance(then, Then) and then.cost_s == eng.delays_s and answered == []
+    assert then.task() is None
+    ((verdict, admitted),) = answered
+    assert verdict.rid == 7 and verdict.status == 0 and admitted is req and eng.stats.waiting == 2

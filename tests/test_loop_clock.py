@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends.reference import ReferenceDecoder
+from service.engine.admission import AdmitAll
 from service.engine.engine import Engine
 from service.engine.host_path import LAUNCH_PREP, READ, HostPath, IdleGaps
 from service.engine.loop_clock import LoopClock
@@ -274,7 +275,7 @@ def test_gpu_idle_between_consecutive_steps_is_measured_on_cuda(tiny):
     assert samples["parley_gpu_idle_seconds_sum"] >= 0
 
 
-class RefuseSecond:
+class RefuseSecond(AdmitAll):
     """Admits the first request, refuses every later one (as an overloaded server would)."""
 
     def __init__(self) -> None:

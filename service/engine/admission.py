@@ -3,6 +3,7 @@ the events each step commits, to learn from. AdmitAll admits everything (tests, 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from service.engine.request import Request
@@ -30,6 +31,11 @@ class Admission(Protocol):
         for it now; its choice says whether it lags (a grammar)."""
         ...
 
+    def verdict(self, req: Request) -> Iterator[None]:
+        """check() in parts, each run by next() (a part may wait between them: the engine process runs each beside a
+        GPU step where it fits); the end admits, Rejected refuses."""
+        ...
+
     def consume(self, event: Event) -> None:
         """What a step committed (service/engine/commit.py): steps to learn from, SLA tokens, ends."""
         ...
@@ -49,6 +55,11 @@ class AdmitAll:
 
     def check(self, req: Request) -> None:
         req.deadline = req.arrival + self.sla_s
+
+    def verdict(self, req: Request) -> Iterator[None]:
+        """One part: check()."""
+        self.check(req)
+        yield from ()
 
     def consume(self, event: Event) -> None: ...
 

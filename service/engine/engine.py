@@ -43,7 +43,7 @@ log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
 HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step: about half a step's slack on the H100
-VERDICT_WEIGHT = 0.05  # Engine.prepare_s, verdict_s: each submit's weight in the running means of their halves
+VERDICT_WEIGHT = 0.05  # Engine.prepare_s, verdict_s, delays_s: each submit's weight in the running means of its parts
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
 
@@ -89,9 +89,10 @@ class Engine:
         self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
-        # what a submit's halves take, running means: each one's expected cost where it is handed over
+        # what a submit's parts take, running means: each one's expected cost where it is handed over
         self.prepare_s = 0.0  # prepare(): the request built, its prefix looked up
-        self.verdict_s = 0.0  # admit(): admission's verdict
+        self.verdict_s = 0.0  # admit(): admission's verdict (its first part)
+        self.delays_s = 0.0  # ...its second, where it has one (the `delays` rule's second forecast)
         self._live: set[Request] = set()  # admitted, not ended: each gets its final delta, whatever fails
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards the counts the API reads
@@ -201,7 +202,15 @@ class Engine:
 
     def admit(self, req: Request, received: float | None = None) -> Request:
         """A submit's second half: admission's verdict on a prepared request (Rejected, or it is enqueued and
-        returned). It takes about `verdict_s` (admission's forecast, mostly)."""
+        returned). It takes about `verdict_s` + `delays_s` (admission's forecasts, mostly)."""
+        for _ in self.admit_in_parts(req, received):
+            pass
+        return req
+
+    def admit_in_parts(self, req: Request, received: float | None = None) -> Iterator[None]:
+        """admit() in parts, each run by next(), where admission's verdict has them (service/admission.py: its
+        `delays` rule's second forecast apart from the first); the first takes about `verdict_s`, a second about
+        `delays_s`. The end enqueues the request, Rejected refuses it."""
         received = time.perf_counter() if received is None else received
         with self._lock:
             full = self.stats.waiting >= self.max_waiting
@@ -209,17 +218,29 @@ class Engine:
             self._reject(req, Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
         # Not under self._lock: a verdict forecasts for up to a millisecond, and the engine thread takes that lock
         # every iteration (admission has its own, which the engine thread never waits on for a verdict).
-        deciding = time.perf_counter()
+        took: list[float] = []  # each part's own time (not the wait between them)
         try:
-            self.admission.check(req)
+            parts = self.admission.verdict(req)
+            while True:
+                started = time.perf_counter()
+                try:
+                    next(parts)
+                except StopIteration:
+                    break
+                finally:  # each part's mean learns as soon as it has run
+                    took.append(time.perf_counter() - started)
+                    if len(took) == 1:
+                        self.verdict_s += VERDICT_WEIGHT * (took[0] - self.verdict_s)
+                    else:
+                        self.delays_s += VERDICT_WEIGHT * (took[-1] - self.delays_s)
+                yield
         except Rejected as r:
             self._reject(req, r)
         finally:  # admitted or refused: how much of its SLA budget was gone by then, and where it went
             decided = time.perf_counter()
             self.metrics.verdict_after.observe(decided - req.arrival)
             self.metrics.received_after.observe(max(0.0, received - req.arrival))
-            self.metrics.forecast_time.observe(decided - deciding)
-            self.verdict_s += VERDICT_WEIGHT * (decided - deciding - self.verdict_s)
+            self.metrics.forecast_time.observe(sum(took))
         self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
         with self._lock:
             self._live.add(req)
@@ -228,7 +249,6 @@ class Engine:
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._inbox.put(req)
         self._wake.set()
-        return req
 
     def run_soon(self, task: Callable[[], Then | None], cost_s: float = 0.0) -> None:
         """Run `task` on the engine thread as soon as it can: at once where it is idle, else right after it has

@@ -8,13 +8,13 @@ H100 (bf16, 40-80 requests/s) engine iterations took 5-8 ms of which the thread 
 and each such iteration left the GPU idle. On the engine thread, between launching a step and reading the one before
 it, a verdict costs the GPU nothing while it fits in the step (~1 ms).
 
-A task may say what it expects to take (`cost_s`), and return the rest of its work as a task of its own (`Then`),
-which runs next, ahead of anything put after it. Beside a launched step, run_all starts a task only where it fits
-what is left of the budget (the first of a call always runs, so every task makes progress): a verdict is two such
-tasks, the request built and its prefix looked up, then admission's forecast, and where the two do not fit beside
-one step the forecast waits for the next. On the H200, a step beside a verdict of 0.76 ms (the median, admission on)
-took 1.47x its prediction: the host's slack beside a step is a quarter to half a millisecond, and all handed-over
-work past it was the GPU's idle time (bench/NOTES.md).
+A task may say what it expects to take (`cost_s`), and return the rest of its work as a task of its own (`Then`), which
+runs next, ahead of anything put after it. Beside a launched step, run_all starts a task only where it fits what is left
+of the budget (the first of a call always runs, so every task makes progress): a verdict is two or three such tasks, the
+request built and its prefix looked up, then admission's forecast, then (where the `delays` rule needs it) its second
+forecast, and what does not fit beside one step waits for the next. On the H200, a step beside a verdict of 0.76 ms (the
+median, admission on) took 1.47x its prediction: the host's slack beside a step is a quarter to half a millisecond, and
+all handed-over work past it was the GPU's idle time (bench/NOTES.md).
 
 A task not started within `patience_s` (a long prefill launch in flight, an engine thread that died or hung) is run by
 whichever thread calls run_stale, so a verdict never waits on a stuck engine. Tasks run one at a time, in the order

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.prefix_cache import BLOCK_TOKENS
@@ -190,17 +190,25 @@ class Planner:
         return False
 
     # -- forecasting, for admission -------------------------------------------------------------------------
+    @staticmethod
+    def snapshot(requests: list[Request]) -> list[ForecastState]:
+        """The requests' states as forecast() starts from them, for a forecast made later from the same moment (a
+        verdict's `delays` rule forecasts a step after its first forecast, from where that one started)."""
+        return [ForecastState.of(r) for r in requests]
+
     def forecast(self, requests: list[Request], step_s: Callable[[int, int], float],
                  prefill_s: Callable[[int, int], float], now: float, horizon_s: float,
-                 steps_s: Callable[[int, int, int, int], float] | None = None) -> dict[int, float]:
+                 steps_s: Callable[[int, int, int, int], float] | None = None,
+                 states: list[ForecastState] | None = None) -> dict[int, float]:
         """When each of `requests` (admitted ones, and a newcomer last) would have its SLA token, playing this policy
         forward from now: id(request) → time (inf past `horizon_s`). step_s(rows, kv_positions) and
         prefill_s(new tokens, cached) are the latency model's, stretched as admission wants them; steps_s(rows,
         kv_positions, grow, n), where given, the time of n such steps in a row, each attending over `grow` more
         positions than the last (LatencyModel.steps: the repeated steps then cost one call, not one each). The same
         seats, budget, chunking and launches as plan(); the cached prefix each waiting request expects; a lagging
-        request takes two steps a token beside requests that do not."""
-        sims = [_Sim.of(r) for r in requests]
+        request takes two steps a token beside requests that do not. `states`: the requests' snapshot() taken earlier,
+        to start from instead of their states now (it is not changed)."""
+        sims = [ForecastState.of(r) for r in requests] if states is None else [replace(s) for s in states]
         out = {id(s.req): (math.inf if s.to_nth > 0 else now) for s in sims}
         if not sims:
             return out
@@ -271,7 +279,7 @@ class Planner:
         return out
 
     @staticmethod
-    def _drain(decoding: list[_Sim], t: float, end: float, steps_s: Callable[[int, int, int, int], float]
+    def _drain(decoding: list[ForecastState], t: float, end: float, steps_s: Callable[[int, int, int, int], float]
                ) -> dict[int, float] | None:
         """forecast()'s end where every request left decodes and nobody waits for a seat: the step loses a row at
         each end and is otherwise the same, so each SLA token's time is a sum of runs of steps (steps_s) between the
@@ -296,7 +304,7 @@ class Planner:
         return times
 
     @staticmethod
-    def _repeat(decoding: list[_Sim], rows: int, kv: int, grow: int, most: float, t: float, end: float,
+    def _repeat(decoding: list[ForecastState], rows: int, kv: int, grow: int, most: float, t: float, end: float,
                 step_s: Callable[[int, int], float], out: dict[int, float], pending: bool,
                 steps_s: Callable[[int, int, int, int], float] | None = None) -> tuple[float, int]:
         """forecast()'s steps while nothing changes but the positions: the same `rows` rows each step, attending over
@@ -337,7 +345,7 @@ class Planner:
 
 
 @dataclass
-class _Sim:
+class ForecastState:
     """A request as forecast() plays it: prompt tokens left, tokens to its SLA token and to its end."""
 
     req: Request
@@ -351,7 +359,7 @@ class _Sim:
     done: bool = False
 
     @classmethod
-    def of(cls, r: Request) -> _Sim:
+    def of(cls, r: Request) -> ForecastState:
         out = len(r.output_ids)
         if r.state is State.WAITING:  # at least its last prompt token is prefilled
             left, cached = max(1, len(r.prompt_ids) - r.cached_tokens), r.cached_tokens
