@@ -76,6 +76,10 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
         "late_refusals_by_stretch_alone": sum(1 for v in late_rule if v["forecast_ms"] is not None
                                               and v["forecast_ms"] <= v["left_ms"]),
         "delays_refusals": len(delays),
+        # verdicts the `delays` rule forecast twice for; the second forecast ran apart (the engine process: a task of
+        # its own, beside the same step or the next), this long after the first began
+        "second_forecasts": {"n": sum(1 for v in verdicts if v.get("second_after_ms") is not None),
+                             **spread(verdicts, "second_after_ms")},
         "sla_tokens": len(tokens),
         "late": sum(1 for t in tokens if t["late"]),
         "levels": {name: {"n": len(ts), "score_p50": quantile([t["score"] for t in ts if t["score"]], 0.5),
@@ -147,6 +151,11 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
         refused = ", ".join(f"{n} {why}" for why, n in s["refused"].items()) or "none"
         lines += ["", f"Admission's log, {label}: {s['verdicts']} verdicts, {s['admitted']} admitted; refused: "
                       f"{refused}. {s['sla_tokens']} SLA tokens reached, {s['late']} late by the server's clock."]
+        second = s.get("second_forecasts") or {}
+        if second.get("n"):
+            lines += ["", f"{second['n']} verdicts forecast twice (the `delays` rule), the second "
+                          f"{_f(second['p50'], 2)} / {_f(second['p90'], 2)} / {_f(second['max'], 2)} ms (p50 / p90 / "
+                          "max) after the first began."]
         late = s["late_refusals"]
         if late["left_ms"]["p50"] is not None:
             lines += ["", f"Refused as late beside others ({s['late_refusals_by_stretch_alone']} of them within "

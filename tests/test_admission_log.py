@@ -52,6 +52,8 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert first["stretched_ms"] == pytest.approx(first["forecast_ms"] * 1.05, rel=1e-3)
     assert first["stretched_ms"] < first["left_ms"] <= 200
     assert delays["victim_over_ms"] > 0 > delays["victim_alone_over_ms"]  # late beside it, on time without it
+    assert 0 <= delays["second_after_ms"] < 1e3  # its second forecast, after the first (here at once)
+    assert "second_after_ms" not in first and "second_after_ms" not in refused  # nobody late beside them / refused
     assert delays["victim_model_ms"] == pytest.approx(2.0)  # the step it has run, as the model predicted it
     assert refused["since_arrival_ms"] >= 150 and refused["stretched_ms"] > refused["left_ms"]
     assert refused["in_flight"] == 2 and refused["prompt_tokens"] == 32
@@ -66,6 +68,7 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert (s["verdicts"], s["admitted"], s["sla_tokens"], s["late"]) == (4, 2, 1, 1)
     assert s["refused"] == {"overloaded (delays)": 1, "overloaded (late)": 1}
     assert s["delays_refusals"] == 1
+    assert s["second_forecasts"]["n"] == 1 and s["second_forecasts"]["max"] == delays["second_after_ms"]
     assert s["late_refusals"]["since_arrival_ms"]["p50"] >= 150
     assert s["late_refusals_by_stretch_alone"] == 0  # 150 ms gone: not even the bare forecast fits
     (level,) = s["levels"].values()
@@ -75,6 +78,7 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert level["first_score_p99"] == pytest.approx(token["after_verdict_ms"] / first["forecast_ms"], abs=1e-4)
     text = "\n".join(admission_trace.markdown({"server": s}))
     assert "4 verdicts, 2 admitted; refused: 1 overloaded (delays), 1 overloaded (late)" in text
+    assert "1 verdicts forecast twice (the `delays` rule)" in text
 
 
 def test_a_forecast_past_the_horizon_is_null_and_a_torn_last_line_is_skipped(tmp_path):
