@@ -238,14 +238,14 @@ def test_a_verdict_with_a_second_forecast_hands_it_on_as_a_third_part(tiny):
     parts = eng.admit_in_parts(req)
     next(parts)
     assert eng.stats.waiting == 0 and eng.verdict_s > 0.0 and eng.delays_s == 0.0
-    time.sleep(0.2)  # steps run between the parts: not the verdict's time
+    time.sleep(1.0)  # steps run between the parts: not the verdict's time
     with pytest.raises(StopIteration):
         next(parts)
     assert eng.stats.waiting == 1 and eng.delays_s > 0.0
     forecast = {s.name: s.value for f in eng.metrics.registry.collect() for s in f.samples
                 if s.name.startswith("parley_admission_forecast_seconds")}
     assert forecast["parley_admission_forecast_seconds_count"] == 1
-    assert 0.005 <= forecast["parley_admission_forecast_seconds_sum"] < 0.2
+    assert 0.005 <= forecast["parley_admission_forecast_seconds_sum"] < 1.0
 
     proc = EngineService.__new__(EngineService)  # its verdict path alone: no sockets
     proc.engine = eng
