@@ -64,6 +64,11 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     KB) 4.3% (int8-row 3.0%), slower from 4 rows, where their accumulators spill (bench/NOTES.md "8-bit gate/up in wider
     tiles").
 
+    Pipeline stages, in two calls on two H200s in turns against the tiles above (bench/NOTES.md "A verdict in two
+    halves", s65 and s66c): bf16's 16-row bucket over 6 stages instead of 4 (the LM head's too), 1.0-1.2% faster a step
+    at contexts 128 and 2,048 (slower at 1 and 4 rows); e4m3 at one row, gate/up's and the LM head's TMA streams over 3
+    stages instead of 4, 0.8-1.0% faster (slower at 4 rows). int8 with row scales keeps 4: not measured.
+
     From 32 rows the operands are swapped (MatvecTile.swap): the weight tile is the dot's M and the step's rows its
     N, one k slice of 256 columns, 3 stages (bf16; FP8: 4 stages, gate/up in 64-row tiles). On the H100 this took
     the 32- and 64-row bf16 steps from 2.07 / 3.16 ms to 1.75 / 2.18 (FP8 2.43 / 4.57 to 2.05 / 3.78); at 16 rows
@@ -96,7 +101,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
         return wide | {Op.LMHEAD: int8_slices(lm_wide._replace(k_chunk=INT8_BLOCK))}
     k = 2 if fp8 else 1
     if rows <= 16:
-        stages = 3 if fp8 else 4
+        stages = 3 if fp8 else 6 if rows == 16 else 4  # bf16's 16 rows: 6 stages (1% faster; docstring)
         tiles = {op: MatvecTile(k_chunk=256 * k, stages=stages) for op in (Op.QKV, Op.OPROJ, Op.GATEUP)}
         tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True, stages=stages)
         if rows >= 16 and fp8:
@@ -110,6 +115,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
             tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=stages)
         if fp8 and rows < 16:  # 8-bit gate/up: twice the bytes a stage; at one row, one TMA-fed 64-row tile a program
             tiles[Op.GATEUP] = GATEUP_8BIT_ONE_ROW if rows == 1 else tiles[Op.GATEUP]._replace(rows=32)
+        if e4m3 and rows == 1:  # e4m3 at one row: gate/up's and the LM head's TMA streams over 3 stages, not 4
+            tiles = tiles | {op: tiles[op]._replace(stages=3) for op in (Op.GATEUP, Op.LMHEAD)}
         return tiles
     # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
     wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)

@@ -72,18 +72,20 @@ def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
     """The tile table's cases do not leak into each other (kernels/tiles.py): bf16's LM head in 64-row boxes at every
     bucket under 32 rows; 8-bit gate/up through TMA in 64-row tiles at one row, 32-row tiles at
     2-8, and from 16 rows its W8A8 (e4m3) or 16-row tiles (int8 with row scales), with the LM head of 16 rows W8A8
-    for e4m3 whatever gate/up took; int8 blocks keep their own tiles."""
+    for e4m3 whatever gate/up took; int8 blocks keep their own tiles. Stages where measured: bf16's 16-row bucket 6,
+    e4m3's one-row gate/up and LM head 3."""
     from kernels.instructions import Op
     from kernels.tiles import GATEUP_8BIT_ONE_ROW, W8A8_LMHEAD, default_tiles
 
     for rows in (1, 2, 4, 8, 16):
         bf16 = default_tiles(False, rows)
-        assert bf16[Op.LMHEAD] == default_tiles(False, 1)[Op.LMHEAD]
+        assert bf16[Op.LMHEAD]._replace(stages=4) == default_tiles(False, 1)[Op.LMHEAD]
         assert bf16[Op.LMHEAD].rows == 64 and bf16[Op.LMHEAD].tma
         assert bf16[Op.GATEUP].rows == 16
+        assert {t.stages for t in bf16.values()} == {6 if rows == 16 else 4}  # measured per bucket (kernels/tiles.py)
         for e4m3 in (True, False):
             t = default_tiles(True, rows, e4m3=e4m3)
-            want = GATEUP_8BIT_ONE_ROW if rows == 1 else None
+            want = GATEUP_8BIT_ONE_ROW._replace(stages=3 if e4m3 else 4) if rows == 1 else None
             if want is not None:
                 assert t[Op.GATEUP] == want and t[Op.GATEUP].tma
             elif rows < 16:
@@ -92,6 +94,8 @@ def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
                 assert t[Op.GATEUP].w8a8 == e4m3 and t[Op.GATEUP].rows == (64 if e4m3 else 16)
             assert (t[Op.LMHEAD] == W8A8_LMHEAD) == (rows == 16 and e4m3)
             assert t[Op.LMHEAD].rows == 128 and t[Op.LMHEAD].tma or rows == 16 and e4m3
+            assert t[Op.LMHEAD].stages == (3 if rows == 1 and e4m3 else 6 if rows == 16 and e4m3 else
+                                           3 if rows == 16 else 4)
         assert default_tiles(True, rows, int8=True)[Op.GATEUP].rows == 16
 
 
