@@ -693,6 +693,52 @@ def test_a_verdict_in_parts_judges_as_one_from_its_first_moment(frozen_clock):
         next(adm.verdict(newcomer()))  # nobody late beside it: one part
 
 
+def test_a_verdict_in_parts_counts_the_wait_between_them(frozen_clock, monkeypatch):
+    """The newcomer joins when its verdict's last part has run, a step or more after its first forecast: its SLA token
+    moves by that wait. A newcomer on time with 0.5 ms to spare at the first part is admitted after a 0.2 ms wait and
+    refused as late after a 1 ms one (judged from the first moment alone, one such request came late on the H200)."""
+    from types import SimpleNamespace
+
+    import service.admission
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+
+    def drifted():
+        adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+        running = newcomer(state=State.RUNNING)
+        adm.check(running)
+        running.output_ids = [0] * 10
+        running.deadline = frozen_clock + 0.119  # late at the stretch, on time at the usual pace: two parts
+        return adm
+
+    adm = drifted()
+    probe = newcomer()
+    adm.check(probe)
+    promise = adm._promises[probe.id]
+    t_nth = frozen_clock + (promise.predicted - frozen_clock) * promise.stretch  # its stretched forecast
+
+    def judged_after(wait_s: float):
+        adm = drifted()
+        edge = newcomer()
+        edge.arrival = t_nth + 0.0005 - adm.sla_s  # its deadline 0.5 ms past its forecast
+        parts = adm.verdict(edge)
+        next(parts)
+        monkeypatch.setattr(service.admission, "time", SimpleNamespace(perf_counter=lambda: frozen_clock + wait_s))
+        try:
+            next(parts)
+        except StopIteration:
+            pass
+        finally:
+            monkeypatch.setattr(service.admission, "time", SimpleNamespace(perf_counter=lambda: frozen_clock))
+        return adm, edge
+
+    adm, edge = judged_after(0.0002)
+    assert edge.id in adm._active
+    with pytest.raises(Rejected, match="cannot deliver 64 tokens"):
+        judged_after(0.001)
+
+
 def test_a_verdict_decided_between_the_parts_of_another_is_seen_by_it(frozen_clock):
     """A grammar's verdict runs whole on another thread, and may come between another verdict's parts: that one's
     second part then judges again, beside it, and its forecast moves every admitted request's promise (the one
