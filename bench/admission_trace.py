@@ -96,6 +96,7 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
                           "late": sum(1 for t in ts if t["late"])}
                    for name, ts in sorted(by_level.items())},
         "steps": steps_summary(lines),
+        "handed": handed_summary(lines),
     }
 
 
@@ -127,6 +128,31 @@ def steps_summary(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[kind] = {"n": len(steps), "p50": quantile(ratios, 0.5), "p90": quantile(ratios, 0.9),
                      "p99": quantile(ratios, 0.99),
                      "all": sum(x["ms"] for x in steps) / sum(x["predicted_ms"] for x in steps)}
+    return out
+
+
+def handed_summary(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The handed-over tasks by kind (a verdict's prepare / verdict / delays parts, a session's truncate and close):
+    from the sampled step lines, how many ran and how long (p50 / p90 / max ms); from the `handed` lines (every step
+    with a task of 1 ms or more), how many such steps had their longest task of that kind, its longest, and those
+    steps' time over their prediction at the median."""
+    took: dict[str, list[float]] = defaultdict(list)
+    for x in lines:
+        if x.get("kind") == "step":
+            for kind, ms in x.get("handed") or ():
+                took[kind].append(ms)
+    long: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for x in lines:
+        if x.get("kind") == "handed" and x.get("tasks"):
+            long[max(x["tasks"], key=lambda t: t[1])[0]].append(x)
+    out = {}
+    for kind in sorted(set(took) | set(long)):
+        ms, steps = took.get(kind, []), long.get(kind, [])
+        out[kind] = {"n": len(ms), "p50": quantile(ms, 0.5), "p90": quantile(ms, 0.9), "max": max(ms, default=None),
+                     "long_steps": len(steps), "long_max": max((max(t[1] for t in x["tasks"]) for x in steps),
+                                                               default=None),
+                     "long_over": quantile([x["ms"] / x["predicted_ms"] for x in steps if x.get("predicted_ms")],
+                                           0.5)}
     return out
 
 
@@ -189,6 +215,16 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
                       "| step | steps | p50 | p90 | p99 | in all |", "|---|---|---|---|---|---|"]
             lines += [f"| {kind} | {v['n']} | {_f(v['p50'], 3)} | {_f(v['p90'], 3)} | {_f(v['p99'], 3)} | "
                       f"{_f(v['all'], 3)} |" for kind, v in list(steps.items())[:14]]
+        handed = s.get("handed") or {}
+        if handed:
+            lines += ["", "Handed-over tasks by kind: in the sampled steps, how many ran and how long (ms); steps with "
+                          "a task of 1 ms or more (every one logged), by their longest task's kind: how many, the "
+                          "longest task, their time over the model's prediction at the median", "",
+                      "| task | ran | p50 ms | p90 ms | max ms | steps with it ≥ 1 ms | its longest ms | "
+                      "those steps over prediction p50 |", "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {kind} | {v['n']} | {_f(v['p50'], 2)} | {_f(v['p90'], 2)} | {_f(v['max'], 2)} | "
+                      f"{v['long_steps']} | {_f(v['long_max'], 2)} | {_f(v['long_over'], 2)} |"
+                      for kind, v in handed.items()]
     return lines
 
 

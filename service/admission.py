@@ -44,6 +44,7 @@ PROBE_EVERY_S = 1.0  # an idle server admits one request it predicts to miss at 
 PROBE_WITHIN = 2.0  # ...if it predicts it within this many SLAs: the prediction may be what is wrong
 DELAYS_NOBODY_S = 1e-6  # a newcomer that moves an admitted request's forecast by less delays it not at all (the two
 # forecasts add the same step times in runs cut differently: their sums differ in the last bits)
+HANDED_LINE_S = 0.001  # a handed-over task this long (past the handoff's whole budget) gets its step a `handed` line
 OVER_LOG_EVERY_S = 1.0  # a score over the stretch it was admitted with is logged at most this often
 PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked the calibration (one timed on a busy
 # 2-core host ran 3.7x the real steps)
@@ -236,6 +237,19 @@ class AdmissionController:
             self._active[req.id] = req
         self._decided += 1
 
+    def _trace_step(self, event: StepDone, predicted: float) -> None:
+        """A sampled step's line; and every step with a long handed-over task in its cadence gets a `handed` line, so
+        that the rare task that holds the GPU up is named (the sample would miss most)."""
+        assert self.trace is not None
+        tasks = [[kind, s * 1e3] for kind, s in event.handed]
+        common = dict(t=event.at, rows=event.rows, prompt_rows=event.prompt_rows, kv_positions=event.kv_positions,
+                      launched=len(event.launched), predicted_ms=predicted * 1e3, ms=event.seconds * 1e3,
+                      handed_ms=event.handed_over * 1e3)
+        if self.trace.step_due():
+            self.trace.record("step", **common, **({"handed": tasks} if tasks else {}))
+        if any(s >= HANDED_LINE_S for _, s in event.handed):
+            self.trace.record("handed", **common, tasks=tasks)
+
     def _trace_verdict(self, j: _Judging, refused: Rejected | None) -> None:
         if self.trace is None:
             return
@@ -406,11 +420,8 @@ class AdmissionController:
             self.model_clock.tick(predicted, event.at, event.seconds)
             if event.seconds <= 0:
                 return
-            if self.trace is not None and self.trace.step_due():
-                self.trace.record("step", t=event.at, rows=event.rows, prompt_rows=event.prompt_rows,
-                                  kv_positions=event.kv_positions, launched=len(event.launched),
-                                  predicted_ms=predicted * 1e3, ms=event.seconds * 1e3,
-                                  handed_ms=event.handed_over * 1e3)
+            if self.trace is not None:
+                self._trace_step(event, predicted)
             if event.launched:  # the step's time is mostly the launches'
                 rest = max(0.0, event.seconds - self.latency.step(event.rows, event.kv_positions))
                 for tokens, cached in event.launched:

@@ -27,7 +27,10 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   measured step (one in STEP_EVERY), what the latency model predicted for it before learning from it and what it
   took (its cadence), so that a score's steps / model splits by the kind of step that ran over (decode rows alone, a
   prompt chunk beside them, a separate prefill launch before it; rows; positions a row); `handed_ms`: the handed-over
-  work (verdicts) the engine thread ran within its cadence.
+  work (verdicts) the engine thread ran within its cadence, and where there was any, `handed`: each task's [kind, ms]
+  (prepare, verdict, delays: a verdict's parts; truncate, close: a session's; drain);
+- {"kind": "handed", the step's fields, "tasks"}: every step (not a sample) with a handed-over task of 1 ms or more
+  within its cadence (service/admission.py HANDED_LINE_S), `tasks` each task's [kind, ms]: what held the GPU up.
 
 A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue. Steps come
 a thousand a second on a GPU, and the writer formats under the GIL the engine thread needs: only every STEP_EVERY-th

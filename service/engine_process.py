@@ -156,7 +156,8 @@ class EngineService:
                 self._undecided.add(m.rid)
             received = time.perf_counter()
             if m.params.grammar is None:
-                self.engine.run_soon(functools.partial(self._submit, m, session, received), self.engine.prepare_s)
+                self.engine.run_soon(functools.partial(self._submit, m, session, received), self.engine.prepare_s,
+                                     "prepare")
             else:  # compiling takes milliseconds: on the pool, so that other requests' verdicts do not wait
                 self._side_pool.submit(self._submit_now, m, session, received)
         elif isinstance(m, Cancel):
@@ -169,15 +170,15 @@ class EngineService:
         elif isinstance(m, Truncate):  # after the session's submits handed over before it
             session = self._sessions.get(m.session)
             if session is not None:
-                self.engine.run_soon(functools.partial(self.engine.truncate, session, m.keep_tokens))
+                self.engine.run_soon(functools.partial(self.engine.truncate, session, m.keep_tokens), kind="truncate")
         elif isinstance(m, CloseSession):
             session = self._sessions.pop(m.session, None)
             if session is not None:
-                self.engine.run_soon(functools.partial(self.engine.close_session, session))
+                self.engine.run_soon(functools.partial(self.engine.close_session, session), kind="close")
         elif isinstance(m, Query):
             self._side_pool.submit(self._reply, m)
         elif isinstance(m, Drain):  # after the submits handed over before it: those are decided, and counted
-            self.engine.run_soon(self._stop_accepting)
+            self.engine.run_soon(self._stop_accepting, kind="drain")
 
     def _hello(self, fe: int) -> None:
         """A front end has started: Ready to it; and whatever a predecessor of the same number left running (it died
@@ -211,7 +212,7 @@ class EngineService:
         if isinstance(prepared, Verdict):
             self._decided(m, prepared, None)
             return None
-        return Then(functools.partial(self._verdict, m, prepared, received), self.engine.verdict_s)
+        return Then(functools.partial(self._verdict, m, prepared, received), self.engine.verdict_s, "verdict")
 
     def _submit_now(self, m: Submit, session: Session | None, received: float) -> None:
         """Every part at once (the side pool: a request with a grammar)."""
@@ -246,7 +247,7 @@ class EngineService:
         try:
             parts = self.engine.admit_in_parts(req, received) if parts is None else parts
             next(parts)
-            return Then(functools.partial(self._verdict, m, req, received, parts), self.engine.delays_s)
+            return Then(functools.partial(self._verdict, m, req, received, parts), self.engine.delays_s, "delays")
         except StopIteration:
             verdict = Verdict(m.rid, cached_tokens=req.cached_tokens)
         except Rejected as r:

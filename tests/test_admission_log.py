@@ -151,3 +151,34 @@ def test_by_default_one_step_in_step_every_gets_a_line(tmp_path):
     assert STEP_EVERY > 1 and len(steps) == 10
     assert [round(x["ms"] * 1e3) for x in steps] == [1000 + i for i in range(STEP_EVERY - 1, 10 * STEP_EVERY,
                                                                                STEP_EVERY)]
+
+
+def test_a_step_held_up_by_a_long_handed_task_gets_a_line_naming_it(tmp_path):
+    """Every step (not the sample) with a handed-over task of 1 ms or more gets a `handed` line with each task's kind
+    and time; the sampled step lines carry their tasks too; the trace says which kind of task held the steps up."""
+    from service.admission import HANDED_LINE_S
+
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path, step_every=4)
+    lat = LatencyModel({1: 0.001}, {16: 0.002}, max_rows=16)
+    adm = AdmissionController(lat, 0.1, 64, 4, trace=trace)
+    held = (("prepare", 0.0002), ("verdict", 0.0066))  # a 6.6 ms forecast, as one H200 run logged
+    for i in range(8):
+        handed = held if i == 1 else (("delays", 0.0003),) if i % 2 else ()
+        adm.consume(StepDone(rows=1, sampled=1, prompt_rows=0, kv_positions=0, launched=(),
+                             seconds=0.001 + sum(t for _, t in handed), at=time.perf_counter(),
+                             handed_over=sum(t for _, t in handed), handed=handed))
+    trace.close()
+
+    lines = admission_trace.read(path)
+    (long,) = [x for x in lines if x["kind"] == "handed"]  # the 0.3 ms tasks stay under HANDED_LINE_S
+    assert HANDED_LINE_S <= 0.0066 and long["tasks"] == [["prepare", 0.2], ["verdict", 6.6]]
+    assert long["ms"] == pytest.approx(7.8) and long["handed_ms"] == pytest.approx(6.8)
+    steps = [x for x in lines if x["kind"] == "step"]
+    assert len(steps) == 2 and all(x["handed"] == [["delays", 0.3]] for x in steps)  # the 4th and 8th: i = 3, 7
+    table = admission_trace.summary(lines)["handed"]
+    assert table["delays"]["n"] == 2 and table["delays"]["long_steps"] == 0
+    assert table["verdict"]["long_steps"] == 1 and table["verdict"]["long_max"] == pytest.approx(6.6)
+    assert table["verdict"]["long_over"] == pytest.approx(7.8, rel=0.01)
+    text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(lines)}))
+    assert "| verdict | 0 | – | – | – | 1 | 6.60 |" in text

@@ -145,7 +145,7 @@ def test_a_step_says_how_long_handed_work_ran_within_its_cadence(tiny):
                    lambda d: d.finish_reason and got.set())
         while not steps:
             time.sleep(0.001)
-        eng.run_soon(lambda: time.sleep(0.004))  # a 4 ms verdict, beside a running request's steps
+        eng.run_soon(lambda: time.sleep(0.004), kind="verdict")  # a 4 ms verdict, beside a running request's steps
         assert got.wait(20)
     finally:
         eng.stop()
@@ -153,6 +153,8 @@ def test_a_step_says_how_long_handed_work_ran_within_its_cadence(tiny):
     assert len(handed) == 1 and handed[0] >= 0.004
     (beside,) = [s for s in steps if s.handed_over > 0]
     assert beside.seconds >= beside.handed_over  # within its cadence
+    ((kind, took),) = beside.handed  # and what it was (the admission log names the task that held a step up)
+    assert kind == "verdict" and 0.004 <= took <= beside.handed_over
 
 
 def test_work_handed_on_runs_next_and_waits_for_the_next_step_where_it_does_not_fit():
@@ -170,14 +172,17 @@ def test_work_handed_on_runs_next_and_waits_for_the_next_step_where_it_does_not_
     def build() -> Then:
         now[0] += 0.0003
         done.append("build")
-        return Then(forecast, cost_s=0.0004)
+        return Then(forecast, cost_s=0.0004, kind="verdict")
 
-    handoff.put(build)
-    handoff.put(lambda: done.append("close"))
-    assert handoff.run_all(budget_s=0.0005) == pytest.approx(0.0003)
-    assert done == ["build"] and handoff.pending()
-    handoff.run_all(budget_s=0.0005)
+    handoff.put(build, kind="prepare")
+    handoff.put(lambda: done.append("close"), kind="close")
+    ran: list[tuple[str, float]] = []
+    assert handoff.run_all(budget_s=0.0005, ran=ran) == pytest.approx(0.0003)
+    assert done == ["build"] and handoff.pending() and ran == [("prepare", pytest.approx(0.0003))]
+    ran.clear()
+    handoff.run_all(budget_s=0.0005, ran=ran)
     assert done == ["build", "forecast", "close"]
+    assert ran == [("verdict", pytest.approx(0.0004)), ("close", 0.0)]  # each task by the kind it was handed as
     handoff.put(build)  # where both fit, both run beside one step
     handoff.run_all(budget_s=0.001)
     assert done[3:] == ["build", "forecast"] and not handoff.pending()
@@ -253,7 +258,7 @@ def test_a_verdict_with_a_second_forecast_hands_it_on_as_a_third_part(tiny):
     proc._decided = lambda m, verdict, admitted: answered.append((verdict, admitted))
     req = eng.prepare([4, 5, 6], params, lambda d: None)
     then = proc._verdict(SimpleNamespace(rid=7), req, time.perf_counter())
-    assert isinstance(then, Then) and then.cost_s == eng.delays_s and answered == []
+    assert isinstance(then, Then) and then.cost_s == eng.delays_s and then.kind == "delays" and answered == []
     assert then.task() is None
     ((verdict, admitted),) = answered
     assert verdict.rid == 7 and verdict.status == 0 and admitted is req and eng.stats.waiting == 2

@@ -16,7 +16,7 @@ from service.engine.step_plan import StepPlan
 class StepDone:
     """A step ran: its rows, the seconds it took in the engine's cadence (0: not measured), when it was committed;
     `handed_over`: the seconds of handed-over work (verdicts, service/engine/handoff.py) the engine thread ran within
-    that cadence, while the GPU ran the next step."""
+    that cadence, while the GPU ran the next step; `handed`: each of those tasks' (kind, seconds)."""
 
     rows: int
     sampled: int
@@ -26,6 +26,7 @@ class StepDone:
     seconds: float
     at: float
     handed_over: float = 0.0
+    handed: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,14 @@ Event = StepDone | Started | Token | Finished
 
 
 def commit(plan: StepPlan, token_of: Callable[[int], int], eos: frozenset[int], max_context: int, now: float,
-           seconds: float = 0.0, handed_over: float = 0.0) -> list[Event]:
+           seconds: float = 0.0, handed_over: float = 0.0, handed: tuple[tuple[str, float], ...] = ()
+           ) -> list[Event]:
     """Apply a step: each sampled row's token to its request (token_of(row), which raises for a row whose choice
     failed: that request alone ends in error), and the stop rule: EOS (unless ignored), a stop string, max_tokens, or
     a context with no position left. Rows of requests that ended while the step was in flight are dropped."""
     events: list[Event] = [StepDone(plan.rows, len(plan.sampled), plan.prompt_rows, plan.kv_positions,
                                     tuple((lc.end - lc.start, lc.start) for lc in plan.launches), seconds, now,
-                                    handed_over)]
+                                    handed_over, handed)]
     events += [Started(r, r.cached_tokens, now) for r in plan.started]
     for launch in plan.launches:
         if launch.req.state is not State.FINISHED:

@@ -250,12 +250,12 @@ class Engine:
         self._inbox.put(req)
         self._wake.set()
 
-    def run_soon(self, task: Callable[[], Then | None], cost_s: float = 0.0) -> None:
+    def run_soon(self, task: Callable[[], Then | None], cost_s: float = 0.0, kind: str = "task") -> None:
         """Run `task` on the engine thread as soon as it can: at once where it is idle, else right after it has
         launched its next step, while the GPU runs it, where it fits (`cost_s`: what it is expected to take; a task may
         hand the rest of its work on as a Then: service/engine/handoff.py; another thread runs it instead where the
-        engine thread has not started it within the handoff's patience)."""
-        self.handoff.put(task, cost_s)
+        engine thread has not started it within the handoff's patience; `kind` names it in the admission log)."""
+        self.handoff.put(task, cost_s, kind)
         self._wake.set()
 
     def _reject(self, req: Request, r: Rejected) -> None:
@@ -311,7 +311,8 @@ class Engine:
         self._read_wait = 0.0
         # nothing on the GPU: handed-over work (verdicts) first, so that its requests plan now; it is within the
         # cadence of the step this iteration launches, and the host's time (no step ran beside it)
-        before = self.handoff.run_all() if self._inflight is None else 0.0
+        handed_before: list[tuple[str, float]] = []
+        before = self.handoff.run_all(ran=handed_before) if self._inflight is None else 0.0
         self._take_inbox()
         now = time.perf_counter()
         self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
@@ -322,9 +323,10 @@ class Engine:
         if not plan:  # nothing to run now: read what is in flight, or wait for work
             self._inflight = None
             if inflight is not None:
-                overlapped = self.handoff.run_all(HANDOFF_BUDGET_S)  # while the GPU finishes the step in flight
+                handed: list[tuple[str, float]] = []
+                overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed)  # while the GPU finishes the step in flight
                 self._clock.mark("handed over")
-                self._complete(inflight, overlapped)
+                self._complete(inflight, overlapped, handed)
                 self._clock.mark("commit")
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
@@ -337,17 +339,18 @@ class Engine:
         t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
         # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
-        overlapped = self.handoff.run_all(HANDOFF_BUDGET_S) if launched is not None else 0.0
+        handed = []
+        overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed) if launched is not None else 0.0
         self._clock.mark("handed over")
         t_launch = time.perf_counter()
         self._inflight = None
         if inflight is not None:
-            self._complete(inflight, overlapped)
+            self._complete(inflight, overlapped, handed)
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
             else:
-                self._complete(launched, before + overlapped)
+                self._complete(launched, before + overlapped, handed_before + handed)
         self._clock.mark("commit")
         t_complete = time.perf_counter()
         self._update_gauges()
@@ -472,9 +475,10 @@ class Engine:
         tokens = dev[:n] if dev.dtype == chosen.dtype else dev[:n].to(chosen.dtype)
         return tokens.index_copy(0, dev[n:n + k], chosen.index_select(0, dev[n + k:]))
 
-    def _complete(self, launched: Launched, handed_over: float = 0.0) -> None:
+    def _complete(self, launched: Launched, handed_over: float = 0.0,
+                  handed: list[tuple[str, float]] | None = None) -> None:
         """Read a launched step's tokens back and commit it; `handed_over`: the seconds of handed-over work this
-        iteration ran before it (within the step's cadence)."""
+        iteration ran before it (within the step's cadence), `handed` each task's (kind, seconds)."""
         self._busy_since = time.monotonic()
         t0 = time.perf_counter()
         try:
@@ -499,7 +503,7 @@ class Engine:
         seconds = now - (self._last_completed if cadence else launched.t0)
         self._last_completed = now
         self._publish(commit(launched.plan, launched.tokens.token, self.eos, self.decoder.max_context, now,
-                             seconds, handed_over))
+                             seconds, handed_over, tuple(handed or ())))
 
     def _publish(self, events: list[Event]) -> None:
         """Stream each event's delta to its request, end the requests that ended, and hand the events to metrics and

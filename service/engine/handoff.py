@@ -42,6 +42,7 @@ class Then:
 
     task: Callable[[], Then | None]
     cost_s: float = 0.0
+    kind: str = "task"  # what it is, for the admission log's steps (the longest handed-over work, by kind)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Queued:
     at: float  # when the work was handed over (a Then keeps its task's)
     cost_s: float
     task: Callable[[], Then | None]
+    kind: str
 
 
 class Handoff:
@@ -59,26 +61,26 @@ class Handoff:
         self._lock = threading.Lock()  # guards the queue
         self._running = threading.Lock()  # one runner at a time: tasks keep their order
 
-    def put(self, task: Callable[[], Then | None], cost_s: float = 0.0) -> None:
+    def put(self, task: Callable[[], Then | None], cost_s: float = 0.0, kind: str = "task") -> None:
         with self._lock:
-            self._tasks.append(_Queued(self._clock(), cost_s, task))
+            self._tasks.append(_Queued(self._clock(), cost_s, task, kind))
 
     def pending(self) -> bool:
         return bool(self._tasks)
 
-    def run_all(self, budget_s: float = math.inf) -> float:
+    def run_all(self, budget_s: float = math.inf, ran: list[tuple[str, float]] | None = None) -> float:
         """The tasks put so far (the engine thread): the first, then each that fits in what `budget_s` leaves (the
         rest wait for the next call, or for run_stale); the seconds they took (0 where another thread is running
-        them)."""
+        them). `ran` gets each task's (kind, seconds)."""
         started = self._clock()
-        return self._run(lambda q, ran: not ran or self._clock() - started + q.cost_s < budget_s)
+        return self._run(lambda q, ran: not ran or self._clock() - started + q.cost_s < budget_s, ran)
 
     def run_stale(self) -> float:
         """The tasks that have waited longer than patience_s, oldest first, up to the first that has not (another
         thread than the engine's); the seconds they took."""
         return self._run(lambda q, ran: self._clock() - q.at >= self.patience_s)
 
-    def _run(self, due: Callable[[_Queued, bool], bool]) -> float:
+    def _run(self, due: Callable[[_Queued, bool], bool], took: list[tuple[str, float]] | None = None) -> float:
         if not self._tasks or not self._running.acquire(blocking=False):
             return 0.0
         started = self._clock()
@@ -90,14 +92,18 @@ class Handoff:
                         break
                     q = self._tasks.popleft()
                 ran = True
+                t0 = self._clock()
                 try:
                     then = q.task()
                 except Exception:  # one failing task must not keep the others from running
                     log.exception("a task handed to the engine thread failed")
                     continue
+                finally:
+                    if took is not None:
+                        took.append((q.kind, self._clock() - t0))
                 if then is not None:  # its work goes on next, before whatever was put after it
                     with self._lock:
-                        self._tasks.appendleft(_Queued(q.at, then.cost_s, then.task))
+                        self._tasks.appendleft(_Queued(q.at, then.cost_s, then.task, then.kind))
         finally:
             self._running.release()
         return self._clock() - started
