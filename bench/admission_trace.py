@@ -97,6 +97,7 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
                    for name, ts in sorted(by_level.items())},
         "steps": steps_summary(lines),
         "handed": handed_summary(lines),
+        "gc": gc_summary(lines),
     }
 
 
@@ -156,6 +157,18 @@ def handed_summary(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def gc_summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The garbage collections of 1 ms or more (service/runtime.py GcWatch): how many, of which generation 2, their
+    p50 and longest; and how many of the steps with a long handed-over task had one end within their cadence (the
+    task's time then includes the collection's)."""
+    pauses = [x for x in lines if x.get("kind") == "gc"]
+    held = [x for x in lines if x.get("kind") == "handed"]
+    within = sum(1 for h in held if any(h["t"] - h["ms"] / 1e3 <= g["t"] <= h["t"] for g in pauses))
+    ms = [g["ms"] for g in pauses]
+    return {"n": len(pauses), "gen2": sum(1 for g in pauses if g.get("generation") == 2),
+            "p50": quantile(ms, 0.5), "max": max(ms, default=None), "held_steps": len(held), "held_with_gc": within}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -172,7 +185,7 @@ def _f(x: float | int | None, digits: int = 1) -> str:
 def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for label, s in summaries.items():
-        if not s["verdicts"] and not s.get("steps"):
+        if not s["verdicts"] and not s.get("steps") and not (s.get("gc") or {}).get("n"):
             continue
         refused = ", ".join(f"{n} {why}" for why, n in s["refused"].items()) or "none"
         lines += ["", f"Admission's log, {label}: {s['verdicts']} verdicts, {s['admitted']} admitted; refused: "
@@ -225,6 +238,12 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
             lines += [f"| {kind} | {v['n']} | {_f(v['p50'], 2)} | {_f(v['p90'], 2)} | {_f(v['max'], 2)} | "
                       f"{v['long_steps']} | {_f(v['long_max'], 2)} | {_f(v['long_over'], 2)} |"
                       for kind, v in handed.items()]
+        gcs = s.get("gc") or {}
+        if gcs.get("n") or gcs.get("held_steps"):
+            lines += ["", f"Garbage collections of 1 ms or more: {gcs['n']} ({gcs['gen2']} of generation 2), "
+                          f"{_f(gcs['p50'], 2)} ms at the median, {_f(gcs['max'], 2)} the longest; "
+                          f"{gcs['held_with_gc']} of the {gcs['held_steps']} steps with a task of 1 ms or more had one "
+                          "within their cadence."]
     return lines
 
 

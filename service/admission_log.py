@@ -30,7 +30,9 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
   work (verdicts) the engine thread ran within its cadence, and where there was any, `handed`: each task's [kind, ms]
   (prepare, verdict, delays: a verdict's parts; truncate, close: a session's; drain);
 - {"kind": "handed", the step's fields, "tasks"}: every step (not a sample) with a handed-over task of 1 ms or more
-  within its cadence (service/admission.py HANDED_LINE_S), `tasks` each task's [kind, ms]: what held the GPU up.
+  within its cadence (service/admission.py HANDED_LINE_S), `tasks` each task's [kind, ms]: what held the GPU up;
+- {"kind": "gc", "t", "generation", "ms", "collected"}: a garbage collection of 1 ms or more (service/runtime.py
+  GcWatch), `t` its end: it held the GIL, so a step or task around it took that much longer.
 
 A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue. Steps come
 a thousand a second on a GPU, and the writer formats under the GIL the engine thread needs: only every STEP_EVERY-th

@@ -172,7 +172,7 @@ def settle_process(rt: Runtime) -> Runtime:
     gaps between tokens at the default 5 ms, gone at 0.5 ms; under load the engine's `feed` and `decode` phases
     still took up to 6-7 ms, a dozen or so GIL hand-overs each. On the CPU beside a busy Python thread, the `feed`
     phase's p99 was 3.5 ms at 0.5 ms and 1.5 ms at 0.1 ms (20 us alone)."""
-    GC_WATCH.install(rt.engine.metrics)
+    GC_WATCH.install(rt.engine.metrics, rt.admission.trace)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return rt
 
@@ -266,18 +266,22 @@ class GcWatch:
     """The garbage collector, kept out of the way. What start-up allocated (torch, transformers, FastAPI, the
     model's Python objects: about a million objects) is frozen out of the collector's reach, so a full collection
     under load scans only what serving allocated; and every collection is timed (parley_gc_pause_seconds), since
-    a pause holds the GIL and stalls every stream at once. One per process: gc.callbacks is global."""
+    a pause holds the GIL and stalls every stream at once; one of 1 ms or more is a line in the admission log, where
+    there is one, so that a step held up by it can be told from one held up by a handed-over task
+    (bench.admission_trace). One per process: gc.callbacks is global."""
 
     SLOW_S = 0.02
+    TRACE_S = 0.001
 
     def __init__(self) -> None:
         self.metrics: Metrics | None = None
+        self.trace: AdmissionLog | None = None
         self._start = 0.0
 
-    def install(self, metrics: Metrics) -> None:
+    def install(self, metrics: Metrics, trace: AdmissionLog | None = None) -> None:
         gc.collect()
         gc.freeze()
-        self.metrics = metrics
+        self.metrics, self.trace = metrics, trace
         if self._callback not in gc.callbacks:
             gc.callbacks.append(self._callback)
             atexit.register(self._uninstall)  # the collections of the exit itself stall nobody
@@ -293,6 +297,9 @@ class GcWatch:
         pause = time.perf_counter() - self._start
         if self.metrics is not None:
             self.metrics.gc_pause.labels(generation=str(info["generation"])).observe(pause)
+        if self.trace is not None and pause >= self.TRACE_S:
+            self.trace.record("gc", t=time.perf_counter(), generation=info["generation"], ms=pause * 1e3,
+                              collected=info.get("collected", 0))
         if pause > self.SLOW_S:
             log.warning("garbage collection of generation %d took %.0f ms (%d objects freed)", info["generation"],
                         pause * 1e3, info.get("collected", 0))

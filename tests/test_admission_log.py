@@ -182,3 +182,36 @@ def test_a_step_held_up_by_a_long_handed_task_gets_a_line_naming_it(tmp_path):
     assert table["verdict"]["long_over"] == pytest.approx(7.8, rel=0.01)
     text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(lines)}))
     assert "| verdict | 0 | – | – | – | 1 | 6.60 |" in text
+
+
+def test_a_long_garbage_collection_is_a_line_and_the_trace_finds_it_beside_a_held_step(tmp_path):
+    """A collection of 1 ms or more (GcWatch's TRACE_S) is a `gc` line; the trace counts them and says how many of the
+    steps held up by a long handed-over task had one within their cadence (the task's time then was partly the
+    collector's)."""
+    import gc
+
+    from service.metrics import Metrics
+    from service.runtime import GcWatch
+
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path)
+    watch = GcWatch()
+    watch.TRACE_S = 0.0  # every collection: a real one, run here, need not take a millisecond
+    try:
+        watch.install(Metrics(64), trace)
+        t0 = time.perf_counter()
+        gc.collect(2)
+    finally:
+        watch._uninstall()
+        gc.unfreeze()
+    trace.record("handed", t=time.perf_counter() + 0.001, ms=50.0, predicted_ms=1.0, tasks=[["verdict", 1.5]])
+    trace.record("handed", t=t0 - 1.0, ms=2.0, predicted_ms=1.0, tasks=[["close", 1.2]])  # long before it
+    trace.close()
+
+    lines = admission_trace.read(path)
+    collections = [x for x in lines if x["kind"] == "gc"]
+    assert collections and collections[-1]["generation"] == 2 and collections[-1]["ms"] >= 0
+    s = admission_trace.summary(lines)["gc"]
+    assert s["n"] == len(collections) and s["gen2"] >= 1 and s["held_steps"] == 2 and s["held_with_gc"] == 1
+    text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(lines)}))
+    assert "1 of the 2 steps with a task of 1 ms or more had one within their cadence" in text
