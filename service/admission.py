@@ -241,13 +241,16 @@ class AdmissionController:
         """A sampled step's line; and every step with a long handed-over task in its cadence gets a `handed` line, so
         that the rare task that holds the GPU up is named (the sample would miss most)."""
         assert self.trace is not None
+        due, held = self.trace.step_due(), any(s >= HANDED_LINE_S for _, s in event.handed)
+        if not (due or held):  # most steps: nothing built
+            return
         tasks = [[kind, s * 1e3] for kind, s in event.handed]
         common = dict(t=event.at, rows=event.rows, prompt_rows=event.prompt_rows, kv_positions=event.kv_positions,
                       launched=len(event.launched), predicted_ms=predicted * 1e3, ms=event.seconds * 1e3,
                       handed_ms=event.handed_over * 1e3)
-        if self.trace.step_due():
+        if due:
             self.trace.record("step", **common, **({"handed": tasks} if tasks else {}))
-        if any(s >= HANDED_LINE_S for _, s in event.handed):
+        if held:
             self.trace.record("handed", **common, tasks=tasks)
 
     def _trace_verdict(self, j: _Judging, refused: Rejected | None) -> None:
@@ -302,11 +305,7 @@ class AdmissionController:
             if not active and self._probe(req, t_nth, now):
                 note["rule"] = "probe"
             else:
-                raise Rejected("overloaded" if active else "sla_unmeetable",
-                               f"the server cannot deliver {req.sla_token_index} tokens within "
-                               f"{self.sla_s * 1e3:.0f} ms now" +
-                               (f" (predicted {(t_nth - now) * 1e3:.0f} ms)" if t_nth < math.inf else ""),
-                               self.retry_after_s(active, now))
+                raise self._late(j, t_nth)
         # an admitted request late beside the newcomer: does the newcomer delay it, and would it be on time without
         # it at the usual pace? (Else nobody can be made late, and the forecast without the newcomer, as long as the
         # first, is not needed.) The usual pace is the stretched forecast scaled: every cost in it carries the factor.
@@ -329,9 +328,14 @@ class AdmissionController:
         j.joined[id(req)] = j.note["t_nth"] = t_nth
         if not self.best_effort and req.deadline is not None and t_nth > req.deadline:
             j.note["rule"] = "late"
-            raise Rejected("overloaded", f"the server cannot deliver {req.sla_token_index} tokens within "
-                           f"{self.sla_s * 1e3:.0f} ms now (predicted {(t_nth - j.now) * 1e3:.0f} ms)",
-                           self.retry_after_s(j.active, j.now))
+            raise self._late(j, t_nth)
+
+    def _late(self, j: _Judging, t_nth: float) -> Rejected:
+        """The refusal of a newcomer forecast to reach its SLA token at t_nth, past its deadline."""
+        return Rejected("overloaded" if j.active else "sla_unmeetable",
+                        f"the server cannot deliver {j.req.sla_token_index} tokens within {self.sla_s * 1e3:.0f} ms "
+                        "now" + (f" (predicted {(t_nth - j.now) * 1e3:.0f} ms)" if t_nth < math.inf else ""),
+                        self.retry_after_s(j.active, j.now))
 
     def _delays(self, j: _Judging) -> None:
         """The `delays` rule: Rejected where the newcomer delays an admitted request late beside it that would be on
