@@ -1,10 +1,12 @@
 """The engine on the CPU: continuous batching, sampling parameters, stop sequences, cancellation, sessions, faults."""
 
 import dataclasses
+import gc
 import logging
 import queue
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +16,7 @@ from service.backends.decoder import DecodeOutput, Fed
 from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.engine import sampler
-from service.engine.admission import AdmitAll
+from service.engine.admission import AdmitAll, Rejected
 from service.engine.commit import StepDone
 from service.engine.constraint import bitmask
 from service.engine.engine import Engine
@@ -959,3 +961,33 @@ def test_a_step_is_timed_with_the_host_work_before_it_but_a_prefill_launch_is_no
     decoding = [s for s in admission.steps if not s.launched]
     assert launching and all(s.seconds < stall_s for s in launching), [(s.launched, s.seconds) for s in launching]
     assert sum(s.seconds >= stall_s for s in decoding) >= 2, [s.seconds for s in decoding]  # the stalls, as cadence
+
+
+def test_a_refused_request_leaves_no_reference_cycle_behind():
+    """A refusal's exception, its traceback and the frames it passed through (where a verdict runs beside a step, the
+    engine iteration's too, with its plan and its launched step's tensors) are freed as soon as the refusal is answered,
+    not left in a cycle for the garbage collector: under realtime voice on the H200 those cycles made most of what each
+    collection freed, and collections of 1-3 ms held steps up to 2x their prediction (bench/NOTES.md)."""
+    from service.config import ServeConfig
+    from service.runtime import build_engine
+
+    eng = build_engine(ServeConfig(model="synthetic:tiny", backend="reference", device="cpu", max_batch=2,
+                                   max_context=128, calibration_budget_s=1, sla_ms=1, strict_sla=True)).engine
+    reasons: list[str] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(5):
+            try:
+                eng.submit([1, 2, 3 + i], SamplingParams(max_tokens=4), lambda d: None)
+            except Rejected as r:
+                reasons.append(r.reason)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, (Rejected, types.FrameType, types.TracebackType, Request))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert reasons == ["sla_unmeetable"] * 5
+    assert cyclic == []
