@@ -23,6 +23,7 @@ from service.backends.faults import FaultInjectingDecoder
 from service.calibration import cache_dir_of, cache_key, calibrated, default_budget, run_every_step_shape
 from service.config import ServeConfig, engine_cpu_threads, step_prefill_rows
 from service.engine.admission import AdmitAll
+from service.engine.collector import Collector
 from service.engine.commit import Event, StepDone
 from service.engine.engine import DEFAULT_MAX_ROWS, Engine
 from service.engine.grammar import grammars, json_rule
@@ -165,14 +166,16 @@ def process_age_s() -> float:
 
 def settle_process(rt: Runtime) -> Runtime:
     """What a serving process sets once its runtime is warm (process-wide, so `parley serve` does it, not every
-    build_engine): the start-up heap frozen out of the garbage collector, every collection timed, and a short GIL
-    switch interval. The engine thread waits on the GPU with the GIL released, and every torch call it makes releases
-    it too; each time it needs the GIL back from the event loop's thread, which hands it over only every switch
-    interval while it runs Python (admission's forecasts, SSE framing). Single-stream runs on the H100 showed 4-7 ms
-    gaps between tokens at the default 5 ms, gone at 0.5 ms; under load the engine's `feed` and `decode` phases
-    still took up to 6-7 ms, a dozen or so GIL hand-overs each. On the CPU beside a busy Python thread, the `feed`
-    phase's p99 was 3.5 ms at 0.5 ms and 1.5 ms at 0.1 ms (20 us alone)."""
+    build_engine): the start-up heap frozen out of the garbage collector, every collection timed (and on a GPU run by
+    the engine thread beside its steps), and a short GIL switch interval. The engine thread waits on the GPU with the
+    GIL released, and every torch call it makes releases it too; each time it needs the GIL back from the event loop's
+    thread, which hands it over only every switch interval while it runs Python (admission's forecasts, SSE framing).
+    Single-stream runs on the H100 showed 4-7 ms gaps between tokens at the default 5 ms, gone at 0.5 ms; under load
+    the engine's `feed` and `decode` phases still took up to 6-7 ms, a dozen or so GIL hand-overs each. On the CPU
+    beside a busy Python thread, the `feed` phase's p99 was 3.5 ms at 0.5 ms and 1.5 ms at 0.1 ms (20 us alone)."""
     GC_WATCH.install(rt.engine.metrics, rt.admission.trace)
+    if rt.engine.overlap:  # on a GPU the engine thread collects beside its launched steps (service/engine/collector.py)
+        rt.engine.collector = Collector().install()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return rt
 

@@ -22,6 +22,7 @@ import torch
 from service.backends.decoder import Decoder, Fed
 from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
+from service.engine.collector import Collector
 from service.engine.commit import Event, Finished, StepDone, Token, commit
 from service.engine.handoff import Handoff, Then
 from service.engine.host_path import READ, IdleGaps
@@ -89,6 +90,8 @@ class Engine:
         self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
+        # Python's garbage collections, run beside launched steps (set where a serving process paces them: runtime.py)
+        self.collector: Collector | None = None
         # what a submit's parts take, running means: each one's expected cost where it is handed over
         self.prepare_s = 0.0  # prepare(): the request built, its prefix looked up
         self.verdict_s = 0.0  # admit(): admission's verdict (its first part)
@@ -328,12 +331,15 @@ class Engine:
             if inflight is not None:
                 handed: list[tuple[str, float]] = []
                 overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed)  # while the GPU finishes the step in flight
+                overlapped += self._collect_beside(overlapped, handed)
                 self._clock.mark("handed over")
                 self._complete(inflight, overlapped, handed)
                 self._clock.mark("commit")
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
                 self._update_gauges()
+                if self.collector is not None:
+                    self.collector.when_idle()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 self._resumed = time.perf_counter()
@@ -343,7 +349,10 @@ class Engine:
         launched = self._launch(plan, inflight)
         # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
         handed = []
-        overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed) if launched is not None else 0.0
+        overlapped = 0.0
+        if launched is not None:
+            overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed)
+            overlapped += self._collect_beside(overlapped, handed)
         self._clock.mark("handed over")
         t_launch = time.perf_counter()
         self._inflight = None
@@ -363,6 +372,15 @@ class Engine:
                                        "complete": t_complete - t_launch, "gauges": end - t_complete}, thread)
         # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
         self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
+
+    def _collect_beside(self, overlapped: float, handed: list[tuple[str, float]]) -> float:
+        """A due garbage collection beside the step on the GPU, in what the handed-over work left of its slack; its
+        seconds (0 where none ran), and its kind and seconds in `handed` (the step's handed-over work)."""
+        swept = None if self.collector is None else self.collector.beside_step(HANDOFF_BUDGET_S - overlapped)
+        if swept is None:
+            return 0.0
+        handed.append(swept)
+        return swept[1]
 
     def _step_compute(self) -> float:
         """The launch's time that was the step's own compute: none on a GPU (launches return at once); on the CPU the
