@@ -174,7 +174,9 @@ def settle_process(rt: Runtime) -> Runtime:
     the engine's `feed` and `decode` phases still took up to 6-7 ms, a dozen or so GIL hand-overs each. On the CPU
     beside a busy Python thread, the `feed` phase's p99 was 3.5 ms at 0.5 ms and 1.5 ms at 0.1 ms (20 us alone)."""
     GC_WATCH.install(rt.engine.metrics, rt.admission.trace)
-    if rt.engine.overlap:  # on a GPU the engine thread collects beside its launched steps (service/engine/collector.py)
+    # on a GPU the engine thread collects beside its launched steps (service/engine/collector.py); Python 3.14's
+    # incremental collector counts and triggers otherwise, so there it keeps its own pace
+    if rt.engine.overlap and sys.version_info < (3, 14):
         rt.engine.collector = Collector().install()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return rt

@@ -3,12 +3,14 @@ an allocation happens to cross the collector's threshold.
 
 A collection holds the GIL. Left to CPython, one starts inside whatever allocates the 700th young container: an
 admission verdict handed to the engine thread, the commit of a step, the plan of the next. On the H200 under realtime
-voice at 4 sessions/s, 32 of the 51 steps held up by a long handed-over task (1-3.5 ms, each step running 2x its
-prediction) had a collection of 1-2.8 ms within them (bench/NOTES.md, "Collections beside the step"). Here the engine
-thread collects right after a launch, once the handed-over work has had the step's slack: the GPU has a whole step to
-run meanwhile. CPython's own trigger stays, raised to BACKSTOP young containers, for a thread that allocates while the
-engine thread is not pacing (a long prefill launch, a stuck step). Full collections (generation 2) run when the engine
-goes idle, or beside a step once FULL_EVERY collections of generation 1 have passed without one.
+voice at 4 and 8 sessions/s, 32 of the 51 steps held up by a long handed-over task (1-3.5 ms, each step 2x its
+prediction) had a collection of 1-2.8 ms within them. Most of what those collections freed were refusals' reference
+cycles (fixed in engine.py: 58 collections of 1 ms or more a run fell to 2-4); what is left runs here: the engine
+thread collects right after a launch, once the handed-over work has had the step's slack, while the GPU runs a whole
+step (bench/NOTES.md "Refusals without reference cycles; collections beside the step"). CPython's own trigger stays,
+raised to BACKSTOP young containers, for a thread that allocates while the engine thread is not pacing (a long prefill
+launch, a stuck step). Full collections (generation 2) run when the engine goes idle, or beside a step once FULL_EVERY
+collections of generation 1 have passed without one.
 """
 
 from __future__ import annotations
