@@ -262,3 +262,34 @@ def test_a_verdict_with_a_second_forecast_hands_it_on_as_a_third_part(tiny):
     assert then.task() is None
     ((verdict, admitted),) = answered
     assert verdict.rid == 7 and verdict.status == 0 and admitted is req and eng.stats.waiting == 2
+
+
+def test_a_running_ahead_engine_counts_work_handed_before_its_first_step_within_that_step(tiny):
+    """An engine that runs a step ahead (a GPU's) and has nothing in flight runs handed-over work first, then launches:
+    that work is within the launched step's cadence, and the step's StepDone says so (kind and seconds), as a step
+    completed in the same iteration does (the admission log names the task that held a step up)."""
+    from service.engine.commit import StepDone
+    from tests.test_engine import recorded_engine
+
+    eng, _ = recorded_engine(tiny, overlap=True)
+    steps: list[StepDone] = []
+    consume = eng.admission.consume
+    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
+    got = threading.Event()
+
+    def verdict() -> None:  # a 4 ms verdict that admits its request: the engine launches its first step right after
+        time.sleep(0.004)
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                   lambda d: d.finish_reason and got.set())
+
+    eng.start()
+    try:
+        time.sleep(0.05)  # idle: nothing in flight
+        eng.run_soon(verdict, kind="verdict")
+        assert got.wait(10)
+    finally:
+        eng.stop()
+    first = steps[0]
+    assert first.handed_over >= 0.004
+    assert [kind for kind, _ in first.handed] == ["verdict"] and first.handed[0][1] >= 0.004
+    assert all(s.handed_over == 0 for s in steps[1:])

@@ -59,11 +59,14 @@ class EngineStats:
 
 @dataclass
 class Launched:
-    """A step on its way: its plan, its tokens (chosen on the device, not read yet), when it was launched."""
+    """A step on its way: its plan, its tokens (chosen on the device, not read yet), when it was launched, and the
+    handed-over work within its cadence that its launch's iteration ran (where that iteration completed no step)."""
 
     plan: StepPlan
     tokens: StepTokens
     t0: float
+    handed_s: float = 0.0
+    handed: tuple[tuple[str, float], ...] = ()
 
 
 class Engine:
@@ -361,6 +364,8 @@ class Engine:
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
+                if inflight is None:  # this iteration's handed-over work (before and beside it) is within its cadence
+                    launched.handed_s, launched.handed = before + overlapped, (*handed_before, *handed)
             else:
                 self._complete(launched, before + overlapped, handed_before + handed)
         self._clock.mark("commit")
@@ -524,7 +529,7 @@ class Engine:
         seconds = now - (self._last_completed if cadence else launched.t0)
         self._last_completed = now
         self._publish(commit(launched.plan, launched.tokens.token, self.eos, self.decoder.max_context, now,
-                             seconds, handed_over, tuple(handed or ())))
+                             seconds, launched.handed_s + handed_over, (*launched.handed, *(handed or ()))))
 
     def _publish(self, events: list[Event]) -> None:
         """Stream each event's delta to its request, end the requests that ended, and hand the events to metrics and
