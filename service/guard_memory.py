@@ -1,9 +1,11 @@
 """What the admission guard learned, kept across restarts beside the calibration it scored against.
 
-A fresh guard knows nothing of its server: beside other requests it stretches forecasts by a prior (2x, weighing as
+A fresh guard knows nothing of its server: beside other requests it stretches forecasts by a prior (1.5x, weighing as
 20 scores) until each load level has ~200 scores of its own. On the H200's voice sweep a fresh server's loaded
-levels stretched by 1.24-1.33 in its first seconds of load and refused a third of the turns at 4 sessions/s, where
-the same server with admission off served 93% of them on time; a minute later the learned stretch read 1.03-1.09.
+levels stretched by 1.24-1.33 in its first seconds of load (a 2x prior then) and refused a third of the turns at 4
+sessions/s, where the same server with admission off served 93% of them on time; a minute later the learned stretch
+read 1.03-1.09. A restart that read them admitted 88% at 4 sessions/s, its loaded levels at 1.024 from the first
+verdict, none late (bench/NOTES.md, s69).
 The scores are the latency model's own error (actual over predicted time, service/model_clock.py), so they belong
 with the calibration they were scored against: one file beside it, for the same device, model, weights and step
 limits (calibration.cache_key), and the same SLA (memory_key). A restart (a deploy, a crash and its supervisor's

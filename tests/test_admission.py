@@ -336,7 +336,7 @@ def test_a_request_is_scored_where_it_was_last_judged_and_not_for_the_load_that_
     from service.engine.commit import Token
 
     lat = LatencyModel({1: 0.001, 2: 0.0013}, {16: 0.002, 128: 0.003}, max_rows=64)
-    adm = AdmissionController(lat, 0.5, 64, 4)  # room for a fresh server's prior beside others (2x)
+    adm = AdmissionController(lat, 0.5, 64, 4)  # room for a fresh server's prior beside others (1.5x)
     first = newcomer()
     adm.check(first)
     alone = adm._promises[first.id]
@@ -775,7 +775,7 @@ def test_a_cancelled_request_holds_nobody_back():
     barged = newcomer(state=State.RUNNING, max_tokens=200)
     adm.check(barged)
     with pytest.raises(Rejected):
-        adm.check(newcomer())  # beside a running reply: the prior's 2x
+        adm.check(newcomer())  # beside a running reply: the prior's 1.5x
     barged.cancelled = True
     adm.check(newcomer())  # alone, as it will be
 
@@ -796,7 +796,7 @@ def test_a_burst_on_a_misjudged_host_admits_no_one_who_will_be_late(repeat):
     its calibrated steps). A burst on a fresh server whose latency model says 15 ms a step where steps take 20: the
     first wave (a seat each) keeps its SLA with room to spare, but a second wave, forecast to reach its SLA token at
     2 x 16 x 15 ms = 480 ms, would reach it at 640 ms, past the 550 ms promise. A fresh server's guard has seen
-    nothing: its prior must hold (2x beside other requests: 960 ms, refused). Repeated: it must hold every time."""
+    nothing: its prior must hold (1.5x beside other requests: 720 ms, refused). Repeated: it must hold every time."""
     model = load_model("synthetic:tiny")
     dec = FaultInjectingDecoder(ReferenceDecoder(model.config, model.weights, max_slots=SLOTS, max_context=256),
                                 step_delay_s=0.02)

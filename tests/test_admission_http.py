@@ -267,7 +267,7 @@ def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_
 def test_an_sla_that_a_wave_fits_only_by_the_calibration_admits_no_one_late(tmp_path, cpu_calibration):
     """The same burst where the SLA is 1.25x what the calibration says four streams take to their 64th token, on
     whatever CPU runs it: the old margin (5%) admitted all four, which came 1.45-1.6x their forecast, late. A fresh
-    server's guard judges requests beside others with its prior (2x) until it has seen enough: whatever it admits is
+    server's guard judges requests beside others with its prior (1.5x) until it has seen enough: whatever it admits is
     on time, burst after burst. (The calibration is measured once and shared through its cache, so the SLA matches
     it.) Each burst is judged on a steady host (tests/host_steal.py)."""
     from tests.server_support import start_server, stop_server
