@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.prefix_cache import BLOCK_TOKENS
@@ -208,7 +208,7 @@ class Planner:
         seats, budget, chunking and launches as plan(); the cached prefix each waiting request expects; a lagging
         request takes two steps a token beside requests that do not. `states`: the requests' snapshot() taken earlier,
         to start from instead of their states now (it is not changed)."""
-        sims = [ForecastState.of(r) for r in requests] if states is None else [replace(s) for s in states]
+        sims = [ForecastState.of(r) for r in requests] if states is None else [s.copy() for s in states]
         out = {id(s.req): (math.inf if s.to_nth > 0 else now) for s in sims}
         if not sims:
             return out
@@ -344,9 +344,11 @@ class Planner:
         return t, taken
 
 
-@dataclass
+@dataclass(slots=True)
 class ForecastState:
-    """A request as forecast() plays it: prompt tokens left, tokens to its SLA token and to its end."""
+    """A request as forecast() plays it: prompt tokens left, tokens to its SLA token and to its end. (Slots, and copy()
+    rather than dataclasses.replace: a verdict copies every in-flight request's twice, and replace() alone took 30 of a
+    first forecast's ~200 us beside 12 requests on a CPU.)"""
 
     req: Request
     prompt_left: int
@@ -368,6 +370,10 @@ class ForecastState:
         return cls(r, left, cached, max(0, r.sla_token_index - out), max(0, r.params.max_tokens - out),
                    seated=r.state is State.RUNNING,
                    lags=r.choice is Choice.HOST and not (r.constraint is not None and r.constraint.opening))
+
+    def copy(self) -> ForecastState:
+        return ForecastState(self.req, self.prompt_left, self.cached, self.to_nth, self.to_end, self.seated, self.lags,
+                             self.turn, self.done)
 
     def token(self, t: float, out: dict[int, float]) -> None:
         self.cached += 1
