@@ -98,3 +98,52 @@ def test_the_realtime_session_shows_the_settings_as_a_client_writes_them() -> No
     assert shown["instructions"] == "Be brief." and shown["tools"][0]["function"]["name"] == "hang_up"
     assert shown["response_format"]["json_schema"]["schema"] == {"type": "object"}  # "schema", not "schema_"
     assert RealtimeSessionConfig.model_validate(shown).response_format == settings.response_format
+
+
+def test_a_failed_generation_leaves_no_reference_cycle_behind() -> None:
+    """A whole answer whose generation failed raises the OpenAI-shaped 500; the error, its traceback and the frames it
+    passed through are freed as soon as it is answered, not left in a cycle for the garbage collector (the engine's
+    refusals did that, and collections held GPU steps up: bench/NOTES.md)."""
+    import asyncio
+    import gc
+    import types
+
+    from service.api.errors import APIError
+    from service.engine.request import Delta
+
+    class FailedStream:
+        finished = False
+
+        async def __aiter__(self):
+            yield Delta("", [], finish_reason="error", error="boom")
+
+        def cancel(self) -> None: ...
+
+        def close(self) -> None: ...
+
+    class Connected:  # a client that stays: collect()'s disconnect watcher waits until cancelled
+        async def receive(self) -> dict[str, str]:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+    async def collect() -> APIError:
+        try:
+            await Answer(COMPLETIONS, "cmpl-1", 1700000000, "m", include_usage=False).collect(FailedStream(),
+                                                                                             Connected())
+        except APIError as e:
+            return APIError(e.status, e.message, code=e.code)  # a copy: the raised one goes with this frame
+        raise AssertionError("a failed generation answered")
+
+    gc.collect()
+    gc.disable()
+    try:
+        failures = [asyncio.run(collect()) for _ in range(3)]
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, (APIError, types.FrameType, types.TracebackType))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert [(f.status, f.code) for f in failures] == [(500, "engine_error")] * 3
+    assert cyclic == []

@@ -280,7 +280,10 @@ class Answer:
             stream.close()
         failure = from_unfinished(last)
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:  # else this frame's local would hold the traceback that holds the frame: a reference cycle
+                del failure
         assert last.usage is not None
         return self.endpoint.response(id=self.id, created=self.created, model=self.model,
                                       choices=[self.endpoint.choice(self.reply("".join(parts)),
