@@ -39,8 +39,8 @@ forecasts), PRIOR_LOADED beside others (the calibration times bare steps: a 2-co
 HTTP ran a fresh server's first burst at 1.45-2.2x its forecast with two torch threads, 1.03-1.11x with the one its
 engine now keeps to (--cpu-threads); on the H200, fresh servers' loaded levels scored at most 1.03 in their first
 seconds of voice load and 1.06 over the minute, admitted FP8 requests at 60-80 req/s 1.28 at p99). It was 2.0: a
-fresh server stretched its first loaded verdicts by 1.24-1.40 and refused a third of the turns at 4 sessions/s that
-1.5 admitted, none of them late (bench/NOTES.md, s69).
+fresh server stretched its first loaded verdicts by 1.28 at the median and refused 49 of their first 5 s's 108 as
+late; with 1.5, 1.12-1.15 and 6-14 of 120-158, none of the admitted late (bench/NOTES.md, s69).
 """
 
 from __future__ import annotations
