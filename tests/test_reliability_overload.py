@@ -167,10 +167,15 @@ def overload_for_a_minute(base: str) -> list[str]:
     m = wait_idle(base, timeout_s=60)
 
     answered = len(res.completed_ms) + len(res.rejected_ms)
+    # what this box can serve: the nominal capacity, or less where a request alone takes longer than its 16 steps of
+    # 10 ms (two run at a time, each as long as one alone): a CI box whose request alone took 226 ms completed 328 on a
+    # steady host, under the nominal bound (375) and over this one (265)
+    capacity_rps = min(CAPACITY_RPS, MAX_BATCH / (statistics.median(idle) / 1e3))
     health_ms = [ms for _, ms in poller.samples]
     violations = m["parley_sla_violations_total"] - before["parley_sla_violations_total"]
     report = (f"\noverload: {res.sent} sent in {elapsed:.0f} s ({res.sent / DURATION_S:.1f}/s, capacity "
-              f"~{CAPACITY_RPS:.1f}/s): {len(res.completed_ms)} completed, {len(res.rejected_ms)} refused (429), "
+              f"~{CAPACITY_RPS:.1f}/s, this box ~{capacity_rps:.1f}/s): {len(res.completed_ms)} completed, "
+              f"{len(res.rejected_ms)} refused (429), "
               f"errors {dict(res.errors)}\n"
               f"  idle time to token {TOKENS}: median {statistics.median(idle):.0f} ms\n"
               f"  admitted, send→token {TOKENS}: p50 {p(res.completed_ms, .5):.0f} p99 {p(res.completed_ms, .99):.0f} "
@@ -193,7 +198,7 @@ def overload_for_a_minute(base: str) -> list[str]:
     assert health_status(base) == 200
 
     missed = {
-        "capacity was used while overload was shed": len(res.completed_ms) > 0.5 * CAPACITY_RPS * DURATION_S,
+        "capacity was used while overload was shed": len(res.completed_ms) > 0.5 * capacity_rps * DURATION_S,
         "admitted requests keep the SLA (client-side p99)": p(res.completed_ms, 0.99) <= SLA_MS,
         "none straggles far behind it (max within 2 SLAs)": max(res.completed_ms, default=0) <= 2 * SLA_MS,
         "refusals are fast (p99)": p(res.rejected_ms, 0.99) < REJECT_P99_MS,
