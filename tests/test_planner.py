@@ -1,13 +1,14 @@
 """The planner's step plans and forecasts, and commit's stop rule, on plain requests (no decoder)."""
 
 import math
+from dataclasses import fields
 
 import pytest
 
 from service.engine.commit import Finished, Started, StepDone, Token, commit
 from service.engine.kv_slots import KVSlots
 from service.engine.output import TextOutput
-from service.engine.planner import Planner
+from service.engine.planner import ForecastState, Planner
 from service.engine.prefix_cache import block_hashes
 from service.engine.request import Choice, Request, SamplingParams, State
 from service.latency_model import LatencyModel
@@ -373,3 +374,15 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
     assert checked > 200  # most requests reach their SLA token within the horizons
     assert repeated["steady"] > 50 and repeated["chunked"] > 20, repeated
     assert (repeated["drained"] > 40) == closed_form, repeated  # _drain needs steps_s
+
+
+def test_a_forecast_state_copy_carries_every_field():
+    """forecast() starts from copies of a verdict's snapshot (ForecastState.copy, written out for speed): every field
+    of the copy is the original's, whatever fields the state has, and playing the copy leaves the original as it was."""
+    values = {"req": object(), "seated": True, "lags": True, "done": True}
+    state = ForecastState(**{f.name: values.get(f.name, 7 + i) for i, f in enumerate(fields(ForecastState))})
+    before = {f.name: getattr(state, f.name) for f in fields(ForecastState)}
+    copied = state.copy()
+    assert copied == state and copied is not state
+    copied.token(1.0, {})
+    assert copied != state and {f.name: getattr(state, f.name) for f in fields(ForecastState)} == before
