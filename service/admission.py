@@ -317,8 +317,9 @@ class AdmissionController:
         # time that really passed; before a step has ended in its span, as the wall's time at the pace.
         j.spent = {id(r): (now - p.at, self.model_clock.span(r.id)) for r in active
                    if (p := self._promises.get(r.id)) is not None}
-        j.typical = self.guard.typical(j.level)
         j.late = [r for r in active if r.deadline is not None and j.over(r, joined[id(r)], stretch) > 0]
+        if j.late:  # the usual pace is the `delays` rule's alone (a pooled median: not worked out for nothing)
+            j.typical = self.guard.typical(j.level)
 
     def _waited(self, j: _Judging, waited_s: float) -> None:
         """The newcomer's forecast moved by the wait between the verdict's parts; Rejected if that makes it late."""

@@ -229,3 +229,41 @@ def test_a_restarted_guard_starts_from_what_the_last_run_learned(tmp_path):
     seen.observe(BUSY, 1.5, 1.0)
     assert seen.seed({BUSY: [1.0] * WINDOW_PER_N * seen.enough}) == WINDOW_PER_N * seen.enough
     assert seen.scores()[BUSY][-1] == 1.5 and len(seen.scores()[BUSY]) == WINDOW_PER_N * seen.enough
+
+
+def _pooled_stretch_by_sorting(guard: AdmissionGuard, level: Level) -> float:
+    """The pooled stretch as the module's docstring states it, the windows merged and sorted whole (what
+    _computed_stretch did before it read only their tops)."""
+    scores = guard.scores()
+    rings: dict[int, list[Level]] = {}
+    for lv in scores:
+        rings.setdefault(level.distance(lv), []).append(lv)
+    pool: list[float] = []
+    for d in sorted(rings):
+        pool += [x for lv in rings[d] for x in scores[lv]]
+        if len(pool) >= guard.enough:
+            own = sorted(scores.get(level, []))
+            return max(conformal_quantile(sorted(pool), guard.target), own[-2] if len(own) > 1 else 0.0)
+    seen = sorted(pool)[-2] if len(pool) > 1 else PRIOR_LOADED
+    return (len(pool) * seen + PRIOR_SCORES * PRIOR_LOADED) / (len(pool) + PRIOR_SCORES)
+
+
+@pytest.mark.parametrize("target", [0.9, 0.99, 0.995])
+def test_a_busy_level_pooled_from_its_neighbours_reads_what_sorting_them_all_reads(target):
+    """A level short of scores of its own borrows its neighbours' (windows of ~2,000 on a busy server): its stretch,
+    read from the windows' tops alone and kept until the next score, is the conformal quantile of the whole pool,
+    whatever the windows' sizes, before and after a new score moves it."""
+    rng = random.Random(7)
+    for _ in range(30):
+        guard = AdmissionGuard(target)
+        for lv in {Level(rng.randrange(1, 6), rng.randrange(3)) for _ in range(rng.randrange(1, 7))}:
+            for _ in range(rng.choice([1, 2, 5, guard.enough // 3, guard.enough, WINDOW_PER_N * guard.enough])):
+                guard.observe(lv, rng.lognormvariate(0, 0.1) * (1.5 if rng.random() < 0.02 else 1.0), 1.0)
+        busy = Level(rng.randrange(1, 7), rng.randrange(3))
+        for _ in range(2):
+            own = len(guard.scores().get(busy, []))
+            expected = conformal_quantile(sorted(guard.scores()[busy]), target) if own >= guard.enough \
+                else _pooled_stretch_by_sorting(guard, busy)
+            assert guard.stretch(busy) == expected
+            assert guard.stretch(busy) == expected  # read again: the same, from the cache
+            guard.observe(Level(rng.randrange(1, 6), rng.randrange(3)), 3.0, 1.0)  # a stall next door moves the pool
