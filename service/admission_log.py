@@ -36,31 +36,38 @@ Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one e
 
 A line is formatted and written by the log's own thread: the engine's thread only puts a dict on a queue. Steps come
 a thousand a second on a GPU, and the writer formats under the GIL the engine thread needs: only every STEP_EVERY-th
-step gets a line (a plain sample: each kind keeps its share, the verdicts' steps included).
+step gets a line (a plain sample: each kind keeps its share, the verdicts' steps included). The writer wakes at most
+every WRITE_EVERY_S and writes what has gathered at once, encoded by msgspec (C): each wake-up takes the GIL when the
+engine thread lets it go in a torch call or a send, and holds it until the engine thread's next switch interval. Woken
+for every line and formatting each with json (~7 us), it made those calls 25-40% slower on the H200 under FP8's sweep
+and its zmq sends 3x (bench/NOTES.md, s70). Floats are written as they are (shortest round trip; non-finite: null).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 log = logging.getLogger("parley.admission")
 
 STEP_EVERY = 4  # one measured step in this many gets a line
+WRITE_EVERY_S = 0.05  # the writer wakes at most this often: ~50 lines a wake-up under a GPU's load
 
 
 class AdmissionLog:
-    def __init__(self, path: str | Path, step_every: int = STEP_EVERY) -> None:
+    def __init__(self, path: str | Path, step_every: int = STEP_EVERY, write_every_s: float = WRITE_EVERY_S) -> None:
         self.path = Path(path)
         self.step_every = step_every
+        self.write_every_s = write_every_s
         self._steps = 0  # measured steps seen (step_due)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  # closed by close()
+        self._file = open(self.path, "ab")  # noqa: SIM115  # closed by close()
         self._lines: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="parley-admission-log", daemon=True)
         self._writer.start()
@@ -71,21 +78,31 @@ class AdmissionLog:
         return self._steps % self.step_every == 0
 
     def record(self, kind: str, **fields: Any) -> None:
-        """One line (any thread): `kind` and the fields, floats rounded to microseconds' worth (by the writer)."""
+        """One line (any thread): `kind` and the fields."""
         fields["kind"] = kind
         self._lines.put(fields)
 
     def _write(self) -> None:
-        while True:
-            fields = self._lines.get()
-            if fields is None:
-                break
-            kind = fields.pop("kind")
-            line = {"kind": kind, **{k: _number(v) if isinstance(v, float) else v for k, v in fields.items()}}
+        encode = msgspec.json.Encoder(enc_hook=str).encode
+        done = False
+        while not done:
+            batch = [self._lines.get()]
+            time.sleep(self.write_every_s)  # a wake-up per batch, not per line
+            while True:
+                try:
+                    batch.append(self._lines.get_nowait())
+                except queue.Empty:
+                    break
+            lines = []
+            for fields in batch:
+                if fields is None:  # close(): what came before it is written, then the writer ends
+                    done = True
+                    break
+                kind = fields.pop("kind")
+                lines.append(encode({"kind": kind, **fields}) + b"\n")
             try:
-                self._file.write(json.dumps(line, default=str) + "\n")
-                if self._lines.empty():  # a burst is written at once, then flushed: a reader sees whole lines
-                    self._file.flush()
+                self._file.write(b"".join(lines))  # whole lines, flushed at once: a reader never sees half of one
+                self._file.flush()
             except (OSError, ValueError):
                 log.exception("the admission log %s cannot be written: no more lines", self.path)
                 break
@@ -95,8 +112,3 @@ class AdmissionLog:
         self._lines.put(None)
         self._writer.join(timeout=5)
         self._file.close()
-
-
-def _number(x: float) -> float | None:
-    """JSON has no infinity: a forecast past the horizon is null."""
-    return round(x, 4) if math.isfinite(x) else None

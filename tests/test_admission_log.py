@@ -215,3 +215,25 @@ def test_a_long_garbage_collection_is_a_line_and_the_trace_finds_it_beside_a_hel
     assert s["n"] == len(collections) and s["gen2"] >= 1 and s["held_steps"] == 2 and s["held_with_gc"] == 1
     text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(lines)}))
     assert "1 of the 2 steps with a task of 1 ms or more had one within their cadence" in text
+
+
+def test_lines_written_in_batches_come_whole_in_order_and_live(tmp_path):
+    """The writer wakes once a batch (service/admission_log.py WRITE_EVERY_S): a reader of the file while the server
+    runs still sees every line recorded so far within a few batches, whole, in the order recorded; close() writes
+    the rest."""
+    path = tmp_path / "admission.jsonl"
+    trace = AdmissionLog(path, write_every_s=0.02)
+    for i in range(500):
+        trace.record("step", t=float(i), ms=i / 3, handed=[["verdict", 0.4]])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and path.read_bytes().count(b"\n") < 500:
+        time.sleep(0.01)
+    live = path.read_bytes()
+    assert live.count(b"\n") == 500 and live.endswith(b"\n")  # all of them, before close, and no half line
+    for i in range(500, 600):
+        trace.record("verdict", t=float(i), forecast_ms=float("inf"))
+    trace.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["t"] for x in lines] == list(range(600))
+    assert lines[3] == {"kind": "step", "t": 3.0, "ms": 1.0, "handed": [["verdict", 0.4]]}
+    assert lines[-1]["kind"] == "verdict" and lines[-1]["forecast_ms"] is None  # past the horizon: null
