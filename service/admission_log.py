@@ -57,7 +57,7 @@ import msgspec
 log = logging.getLogger("parley.admission")
 
 STEP_EVERY = 4  # one measured step in this many gets a line
-WRITE_EVERY_S = 0.05  # the writer wakes at most this often: ~50 lines a wake-up under a GPU's load
+WRITE_EVERY_S = 0.05  # the writer wakes at most this often: ~25 lines a wake-up under a GPU's load
 
 
 class AdmissionLog:
