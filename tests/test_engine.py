@@ -979,7 +979,9 @@ def test_a_refused_request_leaves_no_reference_cycle_behind():
     try:
         for i in range(5):
             try:
-                eng.submit([1, 2, 3 + i], SamplingParams(max_tokens=4), lambda d: None)
+                # 64 tokens: ~64 steps to the SLA token, so far past a 1 ms SLA that an idle server never admits one
+                # as a probe (4 tokens on a CPU whose tiny steps take 0.5 ms made 2.4 ms, within a probe's reach)
+                eng.submit([1, 2, 3 + i], SamplingParams(max_tokens=64), lambda d: None)
             except Rejected as r:
                 reasons.append(r.reason)
         gc.set_debug(gc.DEBUG_SAVEALL)
