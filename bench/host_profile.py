@@ -9,6 +9,11 @@ its sample count. `summarize` reads one back: for the threads whose name contain
 thread is `parley-engine`), each frame's share of their samples, on the stack (inclusive) and at its top (self).
 
     python -m bench host-profile RAW/megakernel.fp8-sweep-32.pyspy.txt [--thread engine] [--top 30]
+    python -m bench host-profile NEW.pyspy.txt --against OLD.pyspy.txt    # two builds, one machine, one loadtest
+
+With `--against`, the two recordings side by side, by function (lines dropped: two builds' lines move), the functions
+whose own samples differ most first. py-spy samples at a fixed rate, so over the same loadtest the counts compare as
+they are: an A/B of two builds on one machine (machines of one kind differ more than builds: bench/NOTES.md, s70).
 
 py-spy is a device wheel (bench/device_wheels.txt), not a dependency: where it is missing or may not attach, the
 benchmark says so and measures on.
@@ -17,6 +22,7 @@ benchmark says so and measures on.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import signal
 import subprocess
@@ -102,6 +108,48 @@ def summarize(text: str, thread: str = "engine", top: int = 30) -> tuple[int, li
     return total, frames
 
 
+def function_of(frame: str) -> str:
+    """A frame without its line number: `function (file)`."""
+    return re.sub(r":\d+\)$", ")", frame)
+
+
+@dataclass(frozen=True)
+class Difference:
+    name: str  # function_of(frame)
+    inclusive: tuple[int, int]  # samples with it on the stack, in each recording
+    own: tuple[int, int]  # ...with it at the top
+
+
+def compare(text: str, against: str, thread: str = "engine", top: int = 30
+            ) -> tuple[tuple[int, int], list[Difference]]:
+    """Two recordings of the same loadtest (`text`, and `against`: the baseline): each one's samples of the matching
+    threads, and the `top` functions whose own samples differ most between them."""
+    counts = []
+    for recording in (against, text):
+        stacks, total = parse(recording, thread)
+        inclusive: Counter[str] = Counter()
+        own: Counter[str] = Counter()
+        for stack, n in stacks.items():
+            names = [function_of(f) for f in stack]
+            for name in set(names):
+                inclusive[name] += n
+            if names:
+                own[names[-1]] += n
+        counts.append((inclusive, own, total))
+    (inc_a, own_a, total_a), (inc_b, own_b, total_b) = counts
+    names = sorted(set(inc_a) | set(inc_b), key=lambda k: (-abs(own_b[k] - own_a[k]), -inc_b[k], k))[:top]
+    return (total_a, total_b), [Difference(k, (inc_a[k], inc_b[k]), (own_a[k], own_b[k])) for k in names]
+
+
+def compare_table(totals: tuple[int, int], rows: list[Difference], thread: str) -> str:
+    lines = [f"{totals[1]} samples of the threads named *{thread}* against {totals[0]} in the baseline (`--against`)",
+             "", "| function | on the stack: baseline | this | at its top: baseline | this | difference |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| `{d.name}` | {d.inclusive[0]} | {d.inclusive[1]} | {d.own[0]} | {d.own[1]} | "
+              f"{d.own[1] - d.own[0]:+d} |" for d in rows]
+    return "\n".join(lines)
+
+
 def table(total: int, frames: list[Frame], thread: str) -> str:
     lines = [f"{total} samples of the threads named *{thread}*", "", "| frame | on the stack | at its top |",
              "|---|---:|---:|"]
@@ -114,8 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file", type=Path, help=f"a raw folder's <loadtest>{SUFFIX}")
     p.add_argument("--thread", default="engine", help="threads whose name contains this (default: engine)")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--against", type=Path, help="a baseline's recording of the same loadtest: the two side by side")
     args = p.parse_args(argv)
-    total, frames = summarize(args.file.read_text(errors="replace"), args.thread, args.top)
+    text = args.file.read_text(errors="replace")
+    if args.against is not None:
+        totals, rows = compare(text, args.against.read_text(errors="replace"), args.thread, args.top)
+        print(compare_table(totals, rows, args.thread))
+        return 0 if all(totals) else 1
+    total, frames = summarize(text, args.thread, args.top)
     print(table(total, frames, args.thread))
     return 0 if total else 1
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.host_profile import main, py_spy, summarize
+from bench.host_profile import compare, main, py_spy, summarize
 from bench.runs import e2e
 
 # py-spy's `record --format raw --threads --subprocesses` lines: [process;]thread (id): name;frames... count
@@ -47,6 +47,37 @@ def test_the_command_prints_the_table_and_fails_on_a_file_without_the_thread(tmp
     assert out.startswith("10 samples of the threads named *engine*")
     assert "| `_launch (service/engine/engine.py:366)` | 60.0% | 60.0% |" in out
     assert main([str(f), "--thread", "nobody"]) == 1
+
+
+# the same loadtest on another build: its lines moved, its launch took 9 samples, its metrics' observe 1
+BASELINE = """\
+process 10:"python -m service.cli serve";process 20:"python -m service.engine_process";thread (21): parley-engine;\
+_loop (service/engine/engine.py:240);_iteration (service/engine/engine.py:270);_launch (service/engine/engine.py:350) 9
+process 10:"python -m service.cli serve";process 20:"python -m service.engine_process";thread (21): parley-engine;\
+_loop (service/engine/engine.py:240);_iteration (service/engine/engine.py:280);\
+_complete (service/engine/engine.py:420);observe (prometheus_client/metrics.py:630) 1
+"""
+
+
+def test_two_builds_compare_by_function_whatever_their_lines(tmp_path: Path, capsys) -> None:
+    """An A/B of two builds' recordings of one loadtest: each function's samples in both, lines dropped (they move
+    between builds), the largest difference in own samples first."""
+    totals, rows = compare(RECORDED, BASELINE, "engine")
+    assert totals == (10, 10)
+    by_name = {d.name: d for d in rows}
+    assert rows[0].name == "_launch (service/engine/engine.py)"  # 9 → 6 at the top: the largest difference
+    assert by_name["_launch (service/engine/engine.py)"].own == (9, 6)
+    assert by_name["observe (prometheus_client/metrics.py)"].own == (1, 3)
+    assert by_name["_loop (service/engine/engine.py)"].inclusive == (10, 10)  # one function, two lines in this build
+    assert by_name["_loop (service/engine/engine.py)"].own == (0, 1)
+    new, old = tmp_path / "new.pyspy.txt", tmp_path / "old.pyspy.txt"
+    new.write_text(RECORDED)
+    old.write_text(BASELINE)
+    assert main([str(new), "--against", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("10 samples of the threads named *engine* against 10 in the baseline")
+    assert "| `_launch (service/engine/engine.py)` | 9 | 6 | 9 | 6 | -3 |" in out
+    assert main([str(new), "--against", str(old), "--thread", "status"]) == 1  # the baseline has no such thread
 
 
 def test_the_plan_records_the_named_loadtests_only() -> None:
