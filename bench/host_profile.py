@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,17 +93,26 @@ def parse(text: str, thread: str) -> tuple[Counter[tuple[str, ...]], int]:
     return stacks, sum(stacks.values())
 
 
+def tally(stacks: Counter[tuple[str, ...]], name: Callable[[str], str] = str
+          ) -> tuple[Counter[str], Counter[str]]:
+    """Each frame's samples (keyed by `name(frame)`) on the stack, counted once a stack however often it recurs in
+    it, and at its top."""
+    inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    for stack, n in stacks.items():
+        names = [name(f) for f in stack]
+        for key in set(names):
+            inclusive[key] += n
+        if names:
+            own[names[-1]] += n
+    return inclusive, own
+
+
 def summarize(text: str, thread: str = "engine", top: int = 30) -> tuple[int, list[Frame]]:
     """The samples of the matching threads, and their `top` frames by inclusive share (a frame counted once a stack,
     however often it recurs in it)."""
     stacks, total = parse(text, thread)
-    inclusive: Counter[str] = Counter()
-    own: Counter[str] = Counter()
-    for stack, n in stacks.items():
-        for name in set(stack):
-            inclusive[name] += n
-        if stack:
-            own[stack[-1]] += n
+    inclusive, own = tally(stacks)
     frames = [Frame(name, n / total, own[name] / total) for name, n in inclusive.most_common(top)] if total else []
     return total, frames
 
@@ -127,15 +136,7 @@ def compare(text: str, against: str, thread: str = "engine", top: int = 30
     counts = []
     for recording in (against, text):
         stacks, total = parse(recording, thread)
-        inclusive: Counter[str] = Counter()
-        own: Counter[str] = Counter()
-        for stack, n in stacks.items():
-            names = [function_of(f) for f in stack]
-            for name in set(names):
-                inclusive[name] += n
-            if names:
-                own[names[-1]] += n
-        counts.append((inclusive, own, total))
+        counts.append((*tally(stacks, function_of), total))
     (inc_a, own_a, total_a), (inc_b, own_b, total_b) = counts
     names = sorted(set(inc_a) | set(inc_b), key=lambda k: (-abs(own_b[k] - own_a[k]), -inc_b[k], k))[:top]
     return (total_a, total_b), [Difference(k, (inc_a[k], inc_b[k]), (own_a[k], own_b[k])) for k in names]
