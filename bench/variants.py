@@ -322,4 +322,15 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "w-od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
     # FP8 from 16 rows: down W8A8 as gate/up (e4m3 x e4m3 in swapped 64-row tiles), over 4 parts of K
     "dn-a8-ks4": lambda w: KernelConfig(tiles=_w8a8_split(w)),
+    # the one-row phase latency (issue 35): each tile's epilogue inputs (residual columns, norm weights, row scales,
+    # QKV's positions, slots, RoPE tables and biases) loaded as its stream starts (MatvecTile.ahead). The timeline of
+    # s67 at one row: QKV's, O's and down's tasks ran 1.3-1.6 us past their bytes at the SM's share of the bandwidth,
+    # and their epilogues wait on one or two such loads after the last chunk (bench/NOTES.md, s71)
+    "epi-ahead": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True)),
+    # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
+    # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
+    # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last)
+    "att-ch128": lambda w: KernelConfig(wide_chunk_rows=1, wide_split_min_chunks=2),
+    "epi-ahead-ch128": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True),
+                                              wide_chunk_rows=1, wide_split_min_chunks=2),
 }

@@ -131,6 +131,17 @@ def test_megakernel_matches_reference_on_gpu(shape: str, batch: int, weight_form
     assert r["argmax_agree_fp32_mk"] >= r["argmax_agree_fp32_ref"] - 0.1, r
 
 
+@pytest.mark.parametrize(("shape", "batch", "weight_format"), [("llama-3.2-1b", 1, "fp8"), ("qwen2.5-1.5b", 4, "bf16")])
+def test_epilogue_inputs_loaded_ahead_match_reference_on_gpu(shape: str, batch: int, weight_format: str) -> None:
+    """The bench variant `epi-ahead` (each tile's epilogue inputs loaded as its stream starts: MatvecTile.ahead) as
+    close to the float32 answer as the default: FP8's row scales at one row; Qwen's QKV biases and RoPE at 4 rows."""
+    r = _check(shape, batch, weight_format, variant="epi-ahead")
+    print(shape, batch, weight_format, r)
+    assert _as_good_as_the_reference(r), r
+    assert r["argmax_consistent"], r
+    assert r["argmax_agree_fp32_mk"] >= r["argmax_agree_fp32_ref"] - 0.1, r
+
+
 @pytest.mark.parametrize(("variant", "products"), [("default", "a8-gateup-lm64"), ("a8", "a8-gateup-lm")])
 def test_w8a8_step_matches_its_oracle_on_gpu(variant: str, products: str) -> None:
     """FP8 W8A8 at 16 rows (the default: gate/up in swapped tiles with e4m3 activations, wgmma e4m3 x e4m3, and the
