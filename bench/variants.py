@@ -333,4 +333,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "att-ch128": lambda w: KernelConfig(wide_chunk_rows=1, wide_split_min_chunks=2),
     "epi-ahead-ch128": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True),
                                               wide_chunk_rows=1, wide_split_min_chunks=2),
+    # O's K in two halves streamed side by side, as down's (under 32 rows): half as many chunks in series a task. At
+    # one row FP8's O task took 3.29 us for 32 KB already in L2 (s67): four chunks each waited on in turn. K3 measured
+    # O +0.8 us with two streams on the H100's bf16 kernel of then (bench/NOTES.md K4)
+    "o-halves": lambda w: KernelConfig(tiles=_narrow(w, (Op.OPROJ,), k_halves=True)),
 }
