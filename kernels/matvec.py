@@ -237,15 +237,15 @@ def _ahead(OP: tl.constexpr, rows, rows2, B, ws, out, dt: tl.constexpr, MODEL: t
     does not have is a placeholder the epilogue never reads.)"""
     rb = tl.arange(0, BPAD)
     live = rb < B
-    none = tl.zeros([1], tl.float32)
-    s1, s2 = none, none
+    unused = tl.zeros([1], tl.float32)
+    s1, s2 = unused, unused
     if ws.scale is not None:
         if ws.scale.dtype.element_ty == tl.float32:
             s1 = _row_vector(ws.scale, rows, N)
             if ws.scale2 is not None:
                 s2 = _row_vector(ws.scale2, rows2, N)
     if OP == I.QKV:
-        b1, b2 = none, none
+        b1, b2 = unused, unused
         if ws.bias is not None:
             b1, b2 = _row_vector(ws.bias, rows, N), _row_vector(ws.bias, rows2, N)
         pos = tl.load(out.positions + rb, mask=live, other=0)
