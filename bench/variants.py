@@ -143,6 +143,14 @@ BK2X = {"bf16": 512, "fp8": 1024, "int8": 512}  # twice the default k chunk of t
 # Kernel variants the bench can time beside the default (--variants NAME ...): each a function of the weights' format
 # (their default tiles differ). bench/NOTES.md says what each measured. The "w-" variants change
 # only the wide buckets' tiles (32 and 64 rows).
+def _epi_ahead(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with every layer matvec's epilogue inputs loaded ahead (MatvecTile.ahead) under 32 rows."""
+    return _narrow(weights, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True)
+
+
+_ATT_CH128 = {"wide_chunk_rows": 1, "wide_split_min_chunks": 2}  # one-row attention in 128-position chunks
+
+
 VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "default": lambda w: KernelConfig(),
     # weights through the tensor-memory accelerator in every matvec (boxes of at most 256 columns)
@@ -326,13 +334,12 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # QKV's positions, slots, RoPE tables and biases) loaded as its stream starts (MatvecTile.ahead). The timeline of
     # s67 at one row: QKV's, O's and down's tasks ran 1.3-1.6 us past their bytes at the SM's share of the bandwidth,
     # and their epilogues wait on one or two such loads after the last chunk (bench/NOTES.md, s71)
-    "epi-ahead": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True)),
+    "epi-ahead": lambda w: KernelConfig(tiles=_epi_ahead(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last)
-    "att-ch128": lambda w: KernelConfig(wide_chunk_rows=1, wide_split_min_chunks=2),
-    "epi-ahead-ch128": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True),
-                                              wide_chunk_rows=1, wide_split_min_chunks=2),
+    "att-ch128": lambda w: KernelConfig(**_ATT_CH128),
+    "epi-ahead-ch128": lambda w: KernelConfig(tiles=_epi_ahead(w), **_ATT_CH128),
     # O's K in two halves streamed side by side, as down's (under 32 rows): half as many chunks in series a task. At
     # one row FP8's O task took 3.29 us for 32 KB already in L2 (s67): four chunks each waited on in turn. K3 measured
     # O +0.8 us with two streams on the H100's bf16 kernel of then (bench/NOTES.md K4)

@@ -148,9 +148,8 @@ def _rope_cs(out, pos, rows, dt: tl.constexpr, MODEL: tl.constexpr, rotated=None
         c = tl.load(out.cos + pos[:, None] * HALF + fi[None, :]).to(dt).to(tl.float32)
         s = tl.load(out.sin + pos[:, None] * HALF + fi[None, :]).to(dt).to(tl.float32)
     else:
-        m = (pos[:, None] >= 0) & (fi[None, :] >= 0) & rotated  # (a mask of the tile's shape)
-        c = tl.load(out.cos + pos[:, None] * HALF + fi[None, :], mask=m, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(out.sin + pos[:, None] * HALF + fi[None, :], mask=m, other=0.0).to(dt).to(tl.float32)
+        c = tl.load(out.cos + pos[:, None] * HALF + fi[None, :], mask=rotated, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(out.sin + pos[:, None] * HALF + fi[None, :], mask=rotated, other=0.0).to(dt).to(tl.float32)
     return c, s
 
 
@@ -250,8 +249,8 @@ def _ahead(OP: tl.constexpr, rows, rows2, B, ws, out, dt: tl.constexpr, MODEL: t
             b1, b2 = _row_vector(ws.bias, rows, N), _row_vector(ws.bias, rows2, N)
         pos = tl.load(out.positions + rb, mask=live, other=0)
         slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
-        c, s = _rope_cs(out, pos, rows, dt, MODEL, tl.min(rows, axis=0) < MODEL.heads * MODEL.head_dim +
-                        MODEL.kv_heads * MODEL.head_dim)
+        ROT: tl.constexpr = (MODEL.heads + MODEL.kv_heads) * MODEL.head_dim  # q and k rows are rotated
+        c, s = _rope_cs(out, pos, rows, dt, MODEL, tl.min(rows, axis=0) < ROT)
         return s1, s2, b1, b2, pos, slot, c, s
     elif (OP == I.OPROJ) or (OP == I.DOWN):
         m = live[:, None] & (rows[None, :] < N)
