@@ -109,12 +109,14 @@ def quantize_rows(a: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.T
 
 def quantize_rows_kernel(a: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows(a, rowwise=True) as one Triton launch (a program per row): what a library-built FP8 step pays
-    to quantize each matrix input. (dtype: float32 leaves a / scale unrounded, for tests.)"""
+    to quantize each matrix input. a may be a column slice (rows a.stride(0) apart). (dtype: float32 leaves a / scale
+    unrounded, for tests.)"""
+    assert a.stride(1) == 1, "the columns of a row must be contiguous"
     rows, k = a.shape
     q = torch.empty(rows, k, device=a.device, dtype=dtype)
     scale = torch.empty(rows, 1, device=a.device, dtype=torch.float32)
     block = triton.next_power_of_2(k)
-    _quantize_rows[(rows,)](a, q, scale, k, block, num_warps=8 if block >= 4096 else 4)
+    _quantize_rows[(rows,)](a, q, scale, a.stride(0), k, block, num_warps=8 if block >= 4096 else 4)
     return q, scale
 
 
@@ -122,10 +124,10 @@ _EPS, _E4M3_MAX = tl.constexpr(EPS), tl.constexpr(E4M3_MAX)  # as the kernel rea
 
 
 @triton.jit
-def _quantize_rows(a_ptr, q_ptr, scale_ptr, K: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+def _quantize_rows(a_ptr, q_ptr, scale_ptr, a_row_stride, K: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
     row = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK)
-    a = tl.load(a_ptr + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * a_row_stride + rk, mask=rk < K, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(a), axis=0), _EPS) / _E4M3_MAX
     tl.store(q_ptr + row * K + rk, (a / scale).to(q_ptr.dtype.element_ty), mask=rk < K)
     tl.store(scale_ptr + row, scale)
