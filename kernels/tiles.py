@@ -32,7 +32,8 @@ class MatvecTile(NamedTuple):
     # What each tile's epilogue reads beside its sums (the residual stream's columns, the norm weights, the row
     # scales, QKV's positions, slots, RoPE tables and biases) loaded as its stream starts, not after it ends: at one
     # row a task's tile is most of its time, and each of those round trips to L2 (~0.6 us) followed its last chunk
-    # (matvec.py: _ahead). Unswapped tiles, not the LM head's
+    # (matvec.py: _ahead). Unswapped tiles, not the LM head's. Off by default: the H200 read -0.6 to +1.0% a step, bf16
+    # slower at every bucket (bench/NOTES.md "The epilogue's loads ahead, measured")
     ahead: bool = False
 
 
