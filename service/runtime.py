@@ -114,7 +114,7 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     engine = Engine(decoder, model.tokenizer, model.config.eos_token_ids, metrics=metrics,
                     admission=admission, sla_ms=cfg.sla_ms, sla_tokens=cfg.sla_tokens,
                     max_waiting=cfg.max_waiting, wedge_timeout_s=cfg.wedge_timeout_s, max_batch=cfg.max_batch,
-                    max_rows=max_rows, prefill_rows=prefill_rows)
+                    max_rows=max_rows, prefill_rows=prefill_rows, handoff_budget_s=cfg.handoff_budget_ms / 1e3)
     engine.start()
     if faults is not None:
         faults.steps, faults.armed = 0, True

@@ -188,6 +188,44 @@ def test_work_handed_on_runs_next_and_waits_for_the_next_step_where_it_does_not_
     assert done[3:] == ["build", "forecast"] and not handoff.pending()
 
 
+@pytest.mark.parametrize(("budget_ms", "steps_beside"), [(3.0, 2), (20.0, 1)], ids=["apart", "together"])
+def test_the_engines_budget_decides_whether_a_verdicts_second_part_runs_beside_the_same_step(tiny, budget_ms,
+                                                                                           steps_beside):
+    """--handoff-budget-ms: a 2 ms verdict whose second part is expected to take 2 ms more runs whole beside one
+    step where the engine's budget holds both parts, and its second part waits for the next step where it does not
+    (the host's slack beside a step is what the budget says; past it the GPU would wait). An engine running a step
+    ahead, as on a GPU: work handed to an idle one runs before its launch, whole, whatever the budget."""
+    from service.engine.commit import StepDone
+    from tests.test_engine import recorded_engine
+
+    eng, _ = recorded_engine(tiny, overlap=True)
+    eng.handoff_budget_s = budget_ms / 1e3
+    steps: list[StepDone] = []
+    consume = eng.admission.consume
+    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
+
+    def second() -> None:
+        time.sleep(0.002)
+
+    def first() -> Then:
+        time.sleep(0.002)
+        return Then(second, 0.002, "delays")
+
+    eng.start()
+    try:
+        got = threading.Event()
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                   lambda d: d.finish_reason and got.set())
+        while not steps:
+            time.sleep(0.001)
+        eng.run_soon(first, 0.002, kind="verdict")
+        assert got.wait(20)
+    finally:
+        eng.stop()
+    beside = [[kind for kind, _ in s.handed] for s in steps if s.handed]
+    assert beside == ([["verdict"], ["delays"]] if steps_beside == 2 else [["verdict", "delays"]])
+
+
 def test_a_task_that_does_not_fit_still_runs_first_and_a_stale_one_runs_whole():
     now = [0.0]
     handoff = Handoff(patience_s=0.02, clock=lambda: now[0])

@@ -43,7 +43,8 @@ from service.model.tokenizer import Tokenizer
 log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
-HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step: about half a step's slack on the H100
+HANDOFF_BUDGET_S = 0.0005  # handed-over work run beside a launched step (--handoff-budget-ms): about half a step's
+# slack on the H100
 VERDICT_WEIGHT = 0.05  # Engine.prepare_s, verdict_s, delays_s: each submit's weight in the running means of its parts
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 
@@ -74,7 +75,8 @@ class Engine:
                  metrics: Metrics | None = None, admission: Admission | None = None, sla_ms: float = 100.0,
                  sla_tokens: int = 64, max_waiting: int = 256, wedge_timeout_s: float = 30.0,
                  max_batch: int | None = None, max_rows: int | None = None,
-                 launch_min_tokens: int = LAUNCH_MIN_TOKENS, prefill_rows: int | None = None) -> None:
+                 launch_min_tokens: int = LAUNCH_MIN_TOKENS, prefill_rows: int | None = None,
+                 handoff_budget_s: float = HANDOFF_BUDGET_S) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -93,6 +95,7 @@ class Engine:
         self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
+        self.handoff_budget_s = handoff_budget_s  # how much of it starts beside one step (the first task always does)
         # Python's garbage collections, run beside launched steps (set where a serving process paces them: runtime.py)
         self.collector: Collector | None = None
         # what a submit's parts take, running means: each one's expected cost where it is handed over
@@ -333,7 +336,8 @@ class Engine:
             self._inflight = None
             if inflight is not None:
                 handed: list[tuple[str, float]] = []
-                overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed)  # while the GPU finishes the step in flight
+                # while the GPU finishes the step in flight
+                overlapped = self.handoff.run_all(self.handoff_budget_s, handed)
                 overlapped += self._collect_beside(overlapped, handed)
                 self._clock.mark("handed over")
                 self._complete(inflight, overlapped, handed)
@@ -354,7 +358,7 @@ class Engine:
         handed = []
         overlapped = 0.0
         if launched is not None:
-            overlapped = self.handoff.run_all(HANDOFF_BUDGET_S, handed)
+            overlapped = self.handoff.run_all(self.handoff_budget_s, handed)
             overlapped += self._collect_beside(overlapped, handed)
         self._clock.mark("handed over")
         t_launch = time.perf_counter()
@@ -381,7 +385,7 @@ class Engine:
     def _collect_beside(self, overlapped: float, handed: list[tuple[str, float]]) -> float:
         """A due garbage collection beside the step on the GPU, in what the handed-over work left of its slack; its
         seconds (0 where none ran), and its kind and seconds in `handed` (the step's handed-over work)."""
-        swept = None if self.collector is None else self.collector.beside_step(HANDOFF_BUDGET_S - overlapped)
+        swept = None if self.collector is None else self.collector.beside_step(self.handoff_budget_s - overlapped)
         if swept is None:
             return 0.0
         handed.append(swept)
