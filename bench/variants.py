@@ -143,11 +143,6 @@ BK2X = {"bf16": 512, "fp8": 1024, "int8": 512}  # twice the default k chunk of t
 # Kernel variants the bench can time beside the default (--variants NAME ...): each a function of the weights' format
 # (their default tiles differ). bench/NOTES.md says what each measured. The "w-" variants change
 # only the wide buckets' tiles (32 and 64 rows).
-def _epi_ahead(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """The default tiles, with every layer matvec's epilogue inputs loaded ahead (MatvecTile.ahead) under 32 rows."""
-    return _narrow(weights, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), ahead=True)
-
-
 _ATT_CH128 = {"wide_chunk_rows": 1, "wide_split_min_chunks": 2}  # one-row attention in 128-position chunks
 
 
@@ -330,18 +325,14 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "w-od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
     # FP8 from 16 rows: down W8A8 as gate/up (e4m3 x e4m3 in swapped 64-row tiles), over 4 parts of K
     "dn-a8-ks4": lambda w: KernelConfig(tiles=_w8a8_split(w)),
-    # the one-row phase latency (issue 35): each tile's epilogue inputs (residual columns, norm weights, row scales,
-    # QKV's positions, slots, RoPE tables and biases) loaded as its stream starts (MatvecTile.ahead). The timeline of
-    # s67 at one row: QKV's, O's and down's tasks ran 1.3-1.6 us past their bytes at the SM's share of the bandwidth,
-    # and their epilogues wait on one or two such loads after the last chunk (bench/NOTES.md, s71)
-    "epi-ahead": lambda w: KernelConfig(tiles=_epi_ahead(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
-    # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last)
+    # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%
+    # bf16, +1.3% FP8 at one row and context 128, even at 2,048: the 4 us is not the chunks' chain
     "att-ch128": lambda w: KernelConfig(**_ATT_CH128),
-    "epi-ahead-ch128": lambda w: KernelConfig(tiles=_epi_ahead(w), **_ATT_CH128),
     # O's K in two halves streamed side by side, as down's (under 32 rows): half as many chunks in series a task. At
     # one row FP8's O task took 3.29 us for 32 KB already in L2 (s67): four chunks each waited on in turn. K3 measured
-    # O +0.8 us with two streams on the H100's bf16 kernel of then (bench/NOTES.md K4)
+    # O +0.8 us with two streams on the H100's bf16 kernel of then (bench/NOTES.md K4). s71 (H200): one row within
+    # noise, 16 rows +1.2-1.3% bf16: K3's verdict stands
     "o-halves": lambda w: KernelConfig(tiles=_narrow(w, (Op.OPROJ,), k_halves=True)),
 }

@@ -50,15 +50,14 @@ def _rstd(ssq_ptr, B, eps, H: tl.constexpr, R: tl.constexpr, STRIDE: tl.constexp
 
 @triton.jit
 def norm_operand(y, m, rb, n0, xn_ptr, nw_ptr, ssq_ptr, dt: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr,
-                  BN: tl.constexpr, nw=None):
+                  BN: tl.constexpr):
     """For the columns [n0, n0 + BN) of x this task wrote (y): the next norm's operand x * norm_weight (rounded to
     dt), and their sums of squares, one partial per 16 columns and row, at ssq_ptr. An operand buffer of another type
     than dt is the float16 operand of 8-bit weights' dots (KernelConfig.f16_norm_operand): the operand times
-    F16_SCALE, as those dots take it. nw: the norm weight's columns, loaded already (MatvecTile.ahead)."""
+    F16_SCALE, as those dots take it."""
     rn = n0 + tl.arange(0, BN)
     yf = y.to(tl.float32)
-    if nw is None:
-        nw = tl.load(nw_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     xn = (yf * nw[None, :]).to(dt)
     if xn_ptr.dtype.element_ty != dt:
         xn = xn.to(tl.float32) * F16_SCALE
@@ -138,43 +137,24 @@ def _weight_dot(a, w, acc, scale, rows, k0, N: tl.constexpr, K: tl.constexpr, BK
 
 
 @triton.jit
-def _rope_cs(out, pos, rows, dt: tl.constexpr, MODEL: tl.constexpr, rotated=None):
-    """RoPE's cos and sin [rows of the step, BN] at each row's position for the tile's q or k rows (`rows`, run one),
-    rounded as the reference rounds them; where `rotated` is given, loaded only where it holds (a v tile's are never
-    read)."""
-    HALF: tl.constexpr = MODEL.head_dim // 2
-    fi = rows % HALF
-    if rotated is None:
-        c = tl.load(out.cos + pos[:, None] * HALF + fi[None, :]).to(dt).to(tl.float32)
-        s = tl.load(out.sin + pos[:, None] * HALF + fi[None, :]).to(dt).to(tl.float32)
-    else:
-        c = tl.load(out.cos + pos[:, None] * HALF + fi[None, :], mask=rotated, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(out.sin + pos[:, None] * HALF + fi[None, :], mask=rotated, other=0.0).to(dt).to(tl.float32)
-    return c, s
-
-
-@triton.jit
-def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl.constexpr, pre=None):
+def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl.constexpr):
     """QKV's epilogue on the tile's two runs [rows, BN] (float32, bias added): RoPE on q and k rows at each row's
     position (run one holds x[d], run two x[d + head_dim/2]), q to the attention's input, k and v into the KV cache
-    at the row's (slot, position). pre: (positions, slots, cos, sin) loaded already (_ahead)."""
+    at the row's (slot, position)."""
     KVH: tl.constexpr = MODEL.kv_heads
     D: tl.constexpr = MODEL.head_dim
     Q: tl.constexpr = MODEL.heads * D
     KV: tl.constexpr = KVH * D
+    HALF: tl.constexpr = D // 2
     live = rb < B
-    if pre is None:
-        pos = tl.load(out.positions + rb, mask=live, other=0)
-    else:
-        pos = pre[0]
+    pos = tl.load(out.positions + rb, mask=live, other=0)
     lo = lo.to(dt).to(tl.float32)  # the linear's output, rounded where the reference rounds it
     hi = hi.to(dt).to(tl.float32)
     first = tl.min(rows, axis=0)
     if first < Q + KV:
-        if pre is None:
-            c, s = _rope_cs(out, pos, rows, dt, MODEL)
-        else:
-            c, s = pre[2], pre[3]
+        fi = rows % HALF
+        c = tl.load(out.cos + pos[:, None] * HALF + fi[None, :]).to(dt).to(tl.float32)
+        s = tl.load(out.sin + pos[:, None] * HALF + fi[None, :]).to(dt).to(tl.float32)
         lo, hi = lo * c - hi * s, hi * c + lo * s
     m = live[:, None] & (rows[None, :] < Q + 2 * KV)
     if first < Q:
@@ -183,10 +163,7 @@ def _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt: tl.constexpr, MODEL: tl
     else:
         cache = out.cache
         ctx = cache.context
-        if pre is None:
-            slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
-        else:
-            slot = pre[1]
+        slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
         base = (layer * cache.slots + slot[:, None]) * KVH * ctx * D + pos[:, None].to(tl.int64) * D
         r1, r2 = (rows - Q) % KV, (rows2 - Q) % KV
         o1 = base + ((r1 // D) * ctx * D + r1 % D)[None, :]
@@ -219,81 +196,25 @@ def _lm_out(lg, rows, rb, B, best_v, best_i, out, N: tl.constexpr):
 
 
 @triton.jit
-def _row_vector(ptr, rows, N: tl.constexpr):
-    """A float32 value per output row (a row scale, a bias) of the tile's `rows`."""
-    return tl.load(ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _ahead(OP: tl.constexpr, rows, rows2, B, ws, out, dt: tl.constexpr, MODEL: tl.constexpr, N: tl.constexpr,
-           BPAD: tl.constexpr, CG: tl.constexpr):
-    """MatvecTile.ahead: what the tile's epilogue reads beside its sums, loaded before its stream so that their round
-    trips to L2 overlap it instead of following it. Everything here was written before the task's wait (the residual
-    stream's columns: by the tasks that the wait follows) or before the launch (the rows' positions and slots, RoPE's
-    tables, the weights' scales and biases, the norm weights). A tuple: the row scales of the tile's two runs (where
-    the weights have float32 row scales), then QKV: the biases of its two runs, the rows' positions and slots, RoPE's
-    cos and sin; OPROJ and DOWN: the residual stream's columns and the next norm's weights. (A value that the format
-    does not have is a placeholder the epilogue never reads.)"""
-    rb = tl.arange(0, BPAD)
-    live = rb < B
-    unused = tl.zeros([1], tl.float32)
-    s1, s2 = unused, unused
-    if ws.scale is not None:
-        if ws.scale.dtype.element_ty == tl.float32:
-            s1 = _row_vector(ws.scale, rows, N)
-            if ws.scale2 is not None:
-                s2 = _row_vector(ws.scale2, rows2, N)
-    if OP == I.QKV:
-        b1, b2 = unused, unused
-        if ws.bias is not None:
-            b1, b2 = _row_vector(ws.bias, rows, N), _row_vector(ws.bias, rows2, N)
-        pos = tl.load(out.positions + rb, mask=live, other=0)
-        slot = tl.load(out.slots + rb, mask=live, other=0).to(tl.int64)
-        ROT: tl.constexpr = (MODEL.heads + MODEL.kv_heads) * MODEL.head_dim  # q and k rows are rotated
-        c, s = _rope_cs(out, pos, rows, dt, MODEL, tl.min(rows, axis=0) < ROT)
-        return s1, s2, b1, b2, pos, slot, c, s
-    elif (OP == I.OPROJ) or (OP == I.DOWN):
-        m = live[:, None] & (rows[None, :] < N)
-        x = ld_act(out.x + rb[:, None] * N + rows[None, :], m, CG)
-        nw = tl.load(out.norm_weight + rows, mask=rows < N, other=0.0).to(tl.float32)
-        return s1, s2, x, nw
-    else:
-        return s1, s2
-
-
-@triton.jit
 def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr,
               dt: tl.constexpr, MODEL: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr, BN: tl.constexpr,
-              CG: tl.constexpr, pre=None):
+              CG: tl.constexpr):
     """What a matvec does with a finished tile: float32 sums [BPAD, BN] of its rows (and acc2: QKV's second run,
-    gate/up's up). out: QkvOut (QKV), ResidualOut (OPROJ, DOWN), the ffn buffer (GATEUP), LmOut (LMHEAD). pre: what
-    _ahead loaded for the tile, or None (loaded here)."""
+    gate/up's up). out: QkvOut (QKV), ResidualOut (OPROJ, DOWN), the ffn buffer (GATEUP), LmOut (LMHEAD)."""
     rb = tl.arange(0, BPAD)
     if ws.scale is not None:
         if ws.scale.dtype.element_ty == tl.float32:  # one scale per output row (int8 blocks: per k slice, float16)
-            if pre is None:
-                acc = acc * _row_vector(ws.scale, rows, N)[None, :]
-                if ws.scale2 is not None:
-                    acc2 = acc2 * _row_vector(ws.scale2, rows2, N)[None, :]
-            else:
-                acc = acc * pre[0][None, :]
-                if ws.scale2 is not None:
-                    acc2 = acc2 * pre[1][None, :]
+            acc = acc * tl.load(ws.scale + rows, mask=rows < N, other=0.0)[None, :]
+            if ws.scale2 is not None:
+                acc2 = acc2 * tl.load(ws.scale2 + rows2, mask=rows2 < N, other=0.0)[None, :]
     m = (rb[:, None] < B) & (rows[None, :] < N)
     if OP == I.QKV:
         lo = acc * rstd[:, None]
         hi = acc2 * rstd[:, None]
         if ws.bias is not None:
-            if pre is None:
-                lo += _row_vector(ws.bias, rows, N)[None, :]
-                hi += _row_vector(ws.bias, rows2, N)[None, :]
-            else:
-                lo += pre[2][None, :]
-                hi += pre[3][None, :]
-        if pre is None:
-            _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt, MODEL)
-        else:
-            _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt, MODEL, (pre[4], pre[5], pre[6], pre[7]))
+            lo += tl.load(ws.bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+            hi += tl.load(ws.bias + rows2, mask=rows2 < N, other=0.0).to(tl.float32)[None, :]
+        _qkv_out(lo, hi, rows, rows2, rb, B, layer, out, dt, MODEL)
     elif OP == I.GATEUP:
         gate = (acc * rstd[:, None]).to(dt).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
@@ -303,19 +224,15 @@ def _epilogue(OP: tl.constexpr, rows, rows2, acc, acc2, rstd, best_v, best_i, B,
         best_v, best_i = _lm_out((acc * rstd[:, None]).to(dt).to(tl.float32), rows, rb, B, best_v, best_i, out, N)
     else:  # OPROJ, DOWN: the residual stream x += acc, and the next norm's operand and sums of squares
         ptrs = out.x + rb[:, None] * N + rows[None, :]
-        if pre is None:
-            x, nw = ld_act(ptrs, m, CG), None
-        else:
-            x, nw = pre[2], pre[3]
-        y = (x.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+        y = (ld_act(ptrs, m, CG).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
         tl.store(ptrs, y, mask=m)
         n0 = tl.min(rows, axis=0)
         if out.xn_final is None:
-            norm_operand(y, m, rb, n0, out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN, nw)
+            norm_operand(y, m, rb, n0, out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
         elif layer == MODEL.layers - 1:  # the final norm's operand: the LM head's
-            norm_operand(y, m, rb, n0, out.xn_final, out.norm_weight, ssq_ptr, dt, N, BPAD, BN, nw)
+            norm_operand(y, m, rb, n0, out.xn_final, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
         else:
-            norm_operand(y, m, rb, n0, out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN, nw)
+            norm_operand(y, m, rb, n0, out.xn, out.norm_weight, ssq_ptr, dt, N, BPAD, BN)
     return best_v, best_i
 
 
@@ -366,17 +283,17 @@ def _k_merge(sums, sums2, ks, PARTS: tl.constexpr, TWO: tl.constexpr, BPAD: tl.c
 @triton.jit
 def _finish_tile(OP: tl.constexpr, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr, ks,
                  PARTS: tl.constexpr, dt: tl.constexpr, MODEL: tl.constexpr, N: tl.constexpr, BPAD: tl.constexpr,
-                 BN: tl.constexpr, CG: tl.constexpr, pre=None):
+                 BN: tl.constexpr, CG: tl.constexpr):
     """A tile's float32 sums [BPAD, BN] are complete (or, with K split, this task's part is): the epilogue, by the
-    last part to arrive where K is split. pre: the epilogue's inputs loaded ahead (_ahead), or None."""
+    last part to arrive where K is split."""
     if PARTS > 1:
         sums, sums2, mine = _k_merge(sums, sums2, ks, PARTS, (OP == I.GATEUP) or (OP == I.QKV), BPAD, BN, CG)
         if mine:
             best_v, best_i = _epilogue(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr,
-                                       dt, MODEL, N, BPAD, BN, CG, pre)
+                                       dt, MODEL, N, BPAD, BN, CG)
     else:
         best_v, best_i = _epilogue(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out, ssq_ptr,
-                                   dt, MODEL, N, BPAD, BN, CG, pre)
+                                   dt, MODEL, N, BPAD, BN, CG)
     return best_v, best_i
 
 
@@ -520,12 +437,6 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
     acc = tl.zeros([KS, BPAD, BN], tl.float32)
     acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
     end_row = tl.minimum(row0 + tiles * TR, N)
-    AHEAD: tl.constexpr = TILE.ahead and (OP != I.LMHEAD)
-    if AHEAD:  # the first tile's epilogue inputs, on their way while its stream starts (each next tile's: below)
-        rows, rows2 = _tile_rows(OP, row0, MODEL, BN)
-        pre = _ahead(OP, rows, rows2, B, ws, out, dt, MODEL, N, BPAD, CG)
-    else:
-        pre = None
     for it in tl.range(0, tiles * KB1, num_stages=TILE.stages):
         sub = it // KB1
         kb = it - sub * KB1
@@ -540,9 +451,6 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
                     prefetch_l2((ws.w2 + ahead * K).to(tl.int64, bitcast=True) + lane * 0, nbytes + lane * 0,
                                  lane + 1)
         rows, rows2 = _tile_rows(OP, n0, MODEL, BN)
-        if AHEAD:
-            if (kb == 0) & (sub > 0):
-                pre = _ahead(OP, rows, rows2, B, ws, out, dt, MODEL, N, BPAD, CG)
         k0 = (kc0 + kb) * BK
         rk = k0 + koff  # [KS, BKS]
         a = _operand(a_ptr, rb, rk, B, K, EVEN, DOT_T, SCALE_IN, CG)
@@ -561,7 +469,7 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
             else:
                 sums, sums2 = tl.sum(acc, axis=0), tl.sum(acc2, axis=0)
             best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out,
-                                          ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG, pre)
+                                          ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG)
             acc = tl.zeros([KS, BPAD, BN], tl.float32)
             acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
     return best_v, best_i

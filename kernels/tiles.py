@@ -29,12 +29,6 @@ class MatvecTile(NamedTuple):
     # W8A8 (FP8 weights, swapped tiles): each k chunk's activations quantized to e4m3 with a scale per row (its
     # absmax over the chunk to 448), so the dot runs e4m3 x e4m3 on the tensor cores (wgmma, from 64-row tiles)
     w8a8: bool = False
-    # What each tile's epilogue reads beside its sums (the residual stream's columns, the norm weights, the row
-    # scales, QKV's positions, slots, RoPE tables and biases) loaded as its stream starts, not after it ends: at one
-    # row a task's tile is most of its time, and each of those round trips to L2 (~0.6 us) followed its last chunk
-    # (matvec.py: _ahead). Unswapped tiles, not the LM head's. Off by default: the H200 read -0.6 to +1.0% a step, bf16
-    # slower at every bucket (bench/NOTES.md "The epilogue's loads ahead, measured")
-    ahead: bool = False
 
 
 MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)

@@ -58,14 +58,6 @@ CASES = {
     # through TMA at one row and 32-row tiles at four, the LM head's 128-row boxes
     "llama-fp8-default-tiles": (False, True, 256, 3, 64, 1, "fp8"),
     "qwen-int8-row-default-tiles": (True, False, 200, 2, 32, 4, "int8-row"),
-    # each tile's epilogue inputs loaded as its stream starts (MatvecTile.ahead): the residual, norm weights, RoPE
-    # tables, positions and slots (llama: several tiles a task, each next one's loaded at its first chunk), QKV's
-    # biases and FP8's row scales (qwen), with K split (the last part's epilogue reads what its task loaded), and
-    # int8 block scales through descriptors (no row scales to load)
-    "llama-ahead": (False, True, 256, 3, 64, 1, "bf16"),
-    "qwen-fp8-ahead": (True, False, 200, 2, 32, 4, "fp8"),
-    "llama-fp8-ahead-ksplit": (False, True, 256, 3, 64, 1, "fp8"),
-    "qwen-int8-ahead-tma": (True, False, 200, 2, 32, 4, "int8"),
 }
 
 
@@ -417,8 +409,6 @@ def _check(case: str) -> dict:
     if case.endswith("-ksplit"):  # hidden 64 and ffn 128 in chunks of 16: 4 and 8 chunks, cut into 2 and 4 parts
         parts = {Op.QKV: 2, Op.OPROJ: 2, Op.GATEUP: 4, Op.DOWN: 4}
         tiles |= {op: tiles[op]._replace(k_splits=n, k_halves=False) for op, n in parts.items()}
-    if "-ahead" in case:
-        tiles = {op: t._replace(ahead=True) for op, t in tiles.items()}
     if weight_format == "int8" and k_chunk // 4 > 32:  # a k slice within one int8 block
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
     if case.endswith("-default-tiles"):
