@@ -1,8 +1,8 @@
 """The engine loop as a server's /metrics saw it over one loadtest: the runner scrapes /metrics before and after each
 (<loadtest>.metrics-before.txt, <loadtest>.metrics.txt in the raw folder), and the report reads the difference of two
 histograms, parley_engine_host_seconds, parley_gpu_idle_seconds, parley_step_gpu_seconds,
-parley_admission_verdict_seconds (and its parts, parley_engine_received_seconds and parley_admission_forecast_seconds)
-and parley_token_delivery_seconds, as quantiles
+parley_admission_verdict_seconds (and its parts, parley_engine_received_seconds and parley_admission_forecast_seconds;
+of the first, parley_request_transit_seconds: the client's own send) and parley_token_delivery_seconds, as quantiles
 (interpolated within a bucket, as Prometheus' histogram_quantile does), and the GPU's idle gaps over 100 us by the host
 phase that made them (parley_gpu_idle_gaps_total and its seconds). The loadtest's warm-up requests are in it."""
 
@@ -19,6 +19,7 @@ STEP_GPU = "parley_step_gpu_seconds"
 SLOW_STEP_S = 0.005  # a step this long on the GPU: a prefill of a thousand tokens and more, or the GPU stalling
 VERDICT = "parley_admission_verdict_seconds"
 RECEIVED = "parley_engine_received_seconds"
+TRANSIT = "parley_request_transit_seconds"  # of RECEIVED: the client's send to the server's first sight (its header)
 FORECAST = "parley_admission_forecast_seconds"
 DELIVERY = "parley_token_delivery_seconds"
 FRONT_LAG = "parley_front_end_loop_lag_seconds"
@@ -104,8 +105,9 @@ def over(before: str | None, after: str, name: str) -> dict[float, float] | None
 
 def figures(raw: Path, loadtest: str) -> dict[str, Any]:
     """host_us_p50/p99, gpu_idle_us_p50/p99, step_gpu_us_p50/p99 and slow_gpu_steps (over SLOW_STEP_S),
-    verdict_us_p50/p99 (arrival to admission's verdict), of it received_us_p50/p99 (arrival to the engine's receipt)
-    and forecast_us_p50/p99 (the verdict's own time), delivery_us_p50/p99
+    verdict_us_p50/p99 (arrival to admission's verdict), of it received_us_p50/p99 (arrival to the engine's receipt;
+    of that, transit_us_p50/p99: the client's send to the server's first sight) and forecast_us_p50/p99 (the verdict's
+    own time), delivery_us_p50/p99
     (a delta of tokens from the engine's publishing it to the front end's reading it) and loop_iterations
     over one loadtest; {} where it was not scraped, None
     for a figure the server did not measure (the GPU's idle time on a CPU)."""
@@ -119,7 +121,8 @@ def between(before: str | None, after: str) -> dict[str, Any]:
     """figures()'s figures from two scrapes' texts (bench engine-loop reads the engine's registry itself)."""
     out: dict[str, Any] = {}
     for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE), ("step_gpu", STEP_GPU), ("verdict", VERDICT),
-                      ("received", RECEIVED), ("forecast", FORECAST), ("delivery", DELIVERY), ("front_lag", FRONT_LAG)):
+                      ("received", RECEIVED), ("transit", TRANSIT), ("forecast", FORECAST), ("delivery", DELIVERY),
+                      ("front_lag", FRONT_LAG)):
         h = over(before, after, name)
         for q in (50, 99):
             v = None if h is None else quantile(h, q / 100)

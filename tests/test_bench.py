@@ -204,7 +204,10 @@ def test_e2e_starts_parley(tmp_path: Path) -> None:
     assert loop["loop_iterations"] >= 3 * 64 and 0 < loop["host_us_p50"] <= loop["host_us_p99"]
     assert loop["gpu_idle_us_p50"] is None and loop["gpu_idle_us_p99"] is None
     assert loop["front_lag_us_p99"] is not None and loop["front_lag_ms_max"] is not None  # its event loop, watched
+    # the loadtest stamps x-request-start: the client's own send is counted, within the way to the engine
+    assert loop["transit_us_p50"] is not None and 0 < loop["transit_us_p50"] <= loop["received_us_p50"]
     assert "host time per iteration p50 µs" in report.with_suffix(".md").read_text()
+    assert "of it the client's send p50 µs" in report.with_suffix(".md").read_text()
     assert 0 < doc["startup_s"]["reference.bf16"] < 300  # the start-up, as issue 21 bounds it
 
 
@@ -230,6 +233,7 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert figures["host_us_p99"] == 200.0  # the 99th: the second bucket's last
     assert figures["gpu_idle_us_p50"] is None and figures["gpu_idle_us_p99"] is None
     assert figures["delivery_us_p50"] is None  # a server before parley_token_delivery_seconds: None, not 0
+    assert figures["transit_us_p50"] is None  # nor one before parley_request_transit_seconds
     assert figures["step_gpu_us_p99"] is None and figures["slow_gpu_steps"] is None
     assert loop_metrics.figures(tmp_path, "never-scraped") == {}
     # each step's time on the GPU: 97 steps near a millisecond, 3 of 10-20 ms (a stall the host's figures miss)
