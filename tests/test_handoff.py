@@ -193,8 +193,9 @@ def test_the_engines_budget_decides_whether_a_verdicts_second_part_runs_beside_t
                                                                                            steps_beside):
     """--handoff-budget-ms: a 2 ms verdict whose second part is expected to take 2 ms more runs whole beside one
     step where the engine's budget holds both parts, and its second part waits for the next step where it does not
-    (the host's slack beside a step is what the budget says; past it the GPU would wait). An engine running a step
-    ahead, as on a GPU: work handed to an idle one runs before its launch, whole, whatever the budget."""
+    (the host's slack beside a step is what the budget says; past it the GPU would wait). The engine runs a step
+    ahead, as on a GPU: one that runs step by step has nothing in flight between steps and runs handed-over work
+    whole before its next launch."""
     from service.engine.commit import StepDone
     from tests.test_engine import recorded_engine
 
