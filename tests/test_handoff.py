@@ -88,6 +88,34 @@ def tiny():
     return load_model("synthetic:tiny")
 
 
+def recorded_steps(eng: Engine) -> list:
+    """The StepDone events `eng` commits from now on, in order (admission still consumes each)."""
+    from service.engine.commit import StepDone
+
+    steps: list[StepDone] = []
+    consume = eng.admission.consume
+    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
+    return steps
+
+
+def handed_beside_a_request(eng: Engine, task, cost_s: float = 0.0) -> list:
+    """Start `eng`, run a 40-token request, hand `task` (a verdict, expected to take cost_s) over once its first
+    step has committed, and stop once the request ends: the StepDone events of its steps."""
+    steps = recorded_steps(eng)
+    eng.start()
+    try:
+        got = threading.Event()
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                   lambda d: d.finish_reason and got.set())
+        while not steps:
+            time.sleep(0.001)
+        eng.run_soon(task, cost_s, kind="verdict")
+        assert got.wait(20)
+    finally:
+        eng.stop()
+    return steps
+
+
 def test_the_engine_runs_handed_work_on_its_own_thread_and_plans_its_request_at_once(tiny):
     from service.backends.reference import ReferenceDecoder
 
@@ -131,24 +159,10 @@ def test_a_step_says_how_long_handed_work_ran_within_its_cadence(tiny):
     StepDone carries the seconds of handed-over work its iteration ran (the admission log's `handed_ms`), so that a
     step that ran long beside a verdict reads as the host's, not the kernel's."""
     from service.backends.reference import ReferenceDecoder
-    from service.engine.commit import StepDone
 
     dec = ReferenceDecoder(tiny.config, tiny.weights, max_slots=2, max_context=128)
     eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=4)
-    steps: list[StepDone] = []
-    consume = eng.admission.consume
-    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
-    eng.start()
-    try:
-        got = threading.Event()
-        eng.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                   lambda d: d.finish_reason and got.set())
-        while not steps:
-            time.sleep(0.001)
-        eng.run_soon(lambda: time.sleep(0.004), kind="verdict")  # a 4 ms verdict, beside a running request's steps
-        assert got.wait(20)
-    finally:
-        eng.stop()
+    steps = handed_beside_a_request(eng, lambda: time.sleep(0.004))  # a 4 ms verdict, beside a request's steps
     handed = [s.handed_over for s in steps if s.handed_over > 0]
     assert len(handed) == 1 and handed[0] >= 0.004
     (beside,) = [s for s in steps if s.handed_over > 0]
@@ -196,14 +210,10 @@ def test_the_engines_budget_decides_whether_a_verdicts_second_part_runs_beside_t
     (the host's slack beside a step is what the budget says; past it the GPU would wait). The engine runs a step
     ahead, as on a GPU: one that runs step by step has nothing in flight between steps and runs handed-over work
     whole before its next launch."""
-    from service.engine.commit import StepDone
     from tests.test_engine import recorded_engine
 
     eng, _ = recorded_engine(tiny, overlap=True)
     eng.handoff_budget_s = budget_ms / 1e3
-    steps: list[StepDone] = []
-    consume = eng.admission.consume
-    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
 
     def second() -> None:
         time.sleep(0.002)
@@ -212,17 +222,7 @@ def test_the_engines_budget_decides_whether_a_verdicts_second_part_runs_beside_t
         time.sleep(0.002)
         return Then(second, 0.002, "delays")
 
-    eng.start()
-    try:
-        got = threading.Event()
-        eng.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                   lambda d: d.finish_reason and got.set())
-        while not steps:
-            time.sleep(0.001)
-        eng.run_soon(first, 0.002, kind="verdict")
-        assert got.wait(20)
-    finally:
-        eng.stop()
+    steps = handed_beside_a_request(eng, first, 0.002)
     beside = [[kind for kind, _ in s.handed] for s in steps if s.handed]
     assert beside == ([["verdict"], ["delays"]] if steps_beside == 2 else [["verdict", "delays"]])
 
@@ -307,13 +307,10 @@ def test_a_running_ahead_engine_counts_work_handed_before_its_first_step_within_
     """An engine that runs a step ahead (a GPU's) and has nothing in flight runs handed-over work first, then launches:
     that work is within the launched step's cadence, and the step's StepDone says so (kind and seconds), as a step
     completed in the same iteration does (the admission log names the task that held a step up)."""
-    from service.engine.commit import StepDone
     from tests.test_engine import recorded_engine
 
     eng, _ = recorded_engine(tiny, overlap=True)
-    steps: list[StepDone] = []
-    consume = eng.admission.consume
-    eng.admission.consume = lambda ev: (steps.append(ev) if isinstance(ev, StepDone) else None, consume(ev))[1]
+    steps = recorded_steps(eng)
     got = threading.Event()
 
     def verdict() -> None:  # a 4 ms verdict that admits its request: the engine launches its first step right after
