@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import NamedTuple
 
 from service.admission_guard import AdmissionGuard, Level
 from service.admission_log import AdmissionLog
@@ -50,8 +52,7 @@ PROBE_WITHIN_UNCHECKED = 4.0  # ...this many, while no served step has checked t
 # 2-core host ran 3.7x the real steps)
 
 
-@dataclass(frozen=True)
-class Promise:
+class Promise(NamedTuple):
     """What admission said of a request: admitted at `at`, its SLA token at `predicted` (the forecast unstretched),
     judged at `level` with `stretch`. Each later admission forecasts it again beside its newcomer and judges it at the
     newcomer's level: the promise moves to that forecast, level and stretch, and is scored where it was last judged
@@ -154,8 +155,11 @@ class AdmissionController:
     def level_of(self, active: list[Request], req: Request) -> Level:
         """The load `req` would join: requests in flight with it, and the prompt tokens still to prefill (whether they
         fit one step: alone, a step with no decode row, whose budget is the planner's prefill_rows)."""
-        pending = sum(_prompt_left(r) for r in active) + _prompt_left(req)
-        return Level.of(len(active) + 1, pending, self.planner.budget(decoding=bool(active)),
+        return self._level(self.planner.snapshot([*active, req]))
+
+    def _level(self, states: list[ForecastState]) -> Level:
+        """level_of() from the requests' snapshot (the newcomer last), which a verdict takes for its forecasts."""
+        return Level.of(len(states), sum(map(_PROMPT_LEFT, states)), self.planner.budget(decoding=len(states) > 1),
                         self.planner.launch_min_tokens)
 
     # -- the Engine's admission hooks (service.engine.admission.Admission) ----------------------------------
@@ -196,11 +200,11 @@ class AdmissionController:
             active = self._in_flight()
         now = time.perf_counter()
         self._reconsider_best_effort()
-        level = self.level_of(active, req)
+        states = self.planner.snapshot([*active, req])
+        level = self._level(states)
         # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
         stretch = 1.0 if self.best_effort else self.guard.stretch(level)
-        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s,
-                     self.planner.snapshot([*active, req]))
+        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s, states)
         try:
             self._joined(j)
         except Rejected as refusal:
@@ -271,18 +275,8 @@ class AdmissionController:
     def _costs(self, stretch: float) -> tuple[Callable[[int, int], float], Callable[[int, int], float],
                                               Callable[[int, int, int, int], float]]:
         """The latency model's step, prefill and run-of-steps times, stretched: the forecast's costs."""
-        lat = self.latency
-
-        def step_s(rows: int, kv_positions: int) -> float:
-            return lat.step(rows, kv_positions) * stretch
-
-        def prefill_s(tokens: int, cached: int) -> float:
-            return lat.prefill(tokens, cached) * stretch
-
-        def steps_s(rows: int, kv_positions: int, grow: int, n: int) -> float:
-            return lat.steps(rows, kv_positions, grow, n) * stretch
-
-        return step_s, prefill_s, steps_s
+        costs = self.latency.stretched(stretch)
+        return costs.step, costs.prefill, costs.steps
 
     def _joined(self, j: _Judging) -> None:
         """Every admitted request's and the newcomer's predicted SLA-token time (stretched) with the newcomer joined
@@ -472,11 +466,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
-def _prompt_left(r: Request) -> int:
-    """Prompt tokens it still needs prefilled: all but its cached ones while it waits, the unplanned ones after."""
-    if r.state is State.WAITING:
-        return max(1, len(r.prompt_ids) - r.cached_tokens)
-    return max(0, len(r.prompt_ids) - r.prefilled)
+_PROMPT_LEFT = attrgetter("prompt_left")  # a request's prompt tokens still to prefill, in a snapshot (ForecastState)
 
 
 def _remaining(r: Request) -> int:

@@ -67,11 +67,13 @@ class LatencyModel:
         """Seconds for a step of `rows` rows attending over `kv_positions` positions in all; more rows are never
         predicted faster."""
         r = max(1, rows)
-        base, kv_s = self._cost(r)
-        return base + kv_s * max(0, kv_positions - SHORT_CONTEXT * r)
+        return step_time(self._cost(r), r, kv_positions)
 
     def _cost(self, rows: int) -> tuple[float, float]:
         """A step of `rows` rows: its seconds at a short context and a position's price, kept until _step changes."""
+        cost = self._bases.get(rows)  # read without the lock: a stale pair is one read just before the update
+        if cost is not None:
+            return cost
         with self._lock:
             cost = self._bases.get(rows)
             if cost is None:
@@ -82,13 +84,11 @@ class LatencyModel:
         """Seconds for n steps of `rows` rows in a row, the first attending over `kv_positions` positions and each
         next one over `grow` more (grow >= 0): the sum of step() over them, in closed form."""
         r = max(1, rows)
-        base, kv_s = self._cost(r)
-        over = kv_positions - SHORT_CONTEXT * r  # positions beyond the short context, at the first step
-        if grow <= 0:
-            return n * (base + kv_s * max(0, over))
-        first = 0 if over > 0 else min(n, -over // grow + 1)  # the first step attending beyond the short context
-        paying = n - first
-        return n * base + kv_s * (paying * over + grow * (first + n - 1) * paying / 2)
+        return steps_time(self._cost(r), r, kv_positions, grow, n)
+
+    def stretched(self, stretch: float) -> StretchedCosts:
+        """The model's times x `stretch`, for one verdict's forecasts (admission's)."""
+        return StretchedCosts(self, stretch)
 
     def _kv_s(self, rows: int) -> float:
         """Seconds a K/V position costs a step of `rows` rows: its point's (on a GPU the bucket it pads to) measured
@@ -226,6 +226,51 @@ class LatencyModel:
                 "observed_steps": self.observed_steps,
                 "observed_prefills": self.observed_prefills,
             }
+
+
+def step_time(cost: tuple[float, float], rows: int, kv_positions: int) -> float:
+    """A step's seconds from its row count's (seconds at a short context, price of a position beyond it)."""
+    base, kv_s = cost
+    return base + kv_s * max(0, kv_positions - SHORT_CONTEXT * rows)
+
+
+def steps_time(cost: tuple[float, float], rows: int, kv_positions: int, grow: int, n: int) -> float:
+    """n steps' seconds, each attending over `grow` more positions than the last: step_time's sum in closed form."""
+    base, kv_s = cost
+    over = kv_positions - SHORT_CONTEXT * rows  # positions beyond the short context, at the first step
+    if grow <= 0:
+        return n * (base + kv_s * max(0, over))
+    first = 0 if over > 0 else min(n, -over // grow + 1)  # the first step attending beyond the short context
+    paying = n - first
+    return n * base + kv_s * (paying * over + grow * (first + n - 1) * paying / 2)
+
+
+class StretchedCosts:
+    """A latency model's step, run-of-steps and prefill times, each x `stretch`: the costs one verdict's forecasts play
+    with. Each row count's costs are read from the model once and kept here (a forecast beside 15 requests asks for
+    ~40 runs of steps; through the model each took a lock and three calls), so the times are the model's to the bit,
+    as of the verdict's first ask."""
+
+    def __init__(self, model: LatencyModel, stretch: float) -> None:
+        self.model, self.stretch = model, stretch
+        self._costs: dict[int, tuple[float, float]] = {}
+
+    def _cost(self, rows: int) -> tuple[float, float]:
+        cost = self._costs.get(rows)
+        if cost is None:
+            cost = self._costs[rows] = self.model._cost(rows)
+        return cost
+
+    def step(self, rows: int, kv_positions: int) -> float:
+        r = max(1, rows)
+        return step_time(self._cost(r), r, kv_positions) * self.stretch
+
+    def steps(self, rows: int, kv_positions: int, grow: int, n: int) -> float:
+        r = max(1, rows)
+        return steps_time(self._cost(r), r, kv_positions, grow, n) * self.stretch
+
+    def prefill(self, tokens: int, cached: int) -> float:
+        return self.model.prefill(tokens, cached) * self.stretch
 
 
 def _bucket(n: int, buckets: list[int]) -> int:

@@ -304,7 +304,6 @@ def test_the_steps_before_a_late_forecast_still_count_in_the_score():
     near its end and knows how far it has come: against it, a request whose every step ran 30% over the model scored
     about 1 (the guard's stretch read 1.02-1.04 on the H200 while such requests took 1.3-1.5x). Against the model
     clock it scores the 1.3 its steps ran."""
-    from dataclasses import replace
 
     from service.engine.commit import Token
     from service.engine.request import State
@@ -314,7 +313,7 @@ def test_the_steps_before_a_late_forecast_still_count_in_the_score():
     running = newcomer()
     adm.check(running)
     begun = time.perf_counter() - 60 * 0.0013  # its verdict, 60 steps of 1.3 ms ago
-    adm._promises[running.id] = replace(adm._promises[running.id], at=begun)
+    adm._promises[running.id] = adm._promises[running.id]._replace(at=begun)
     adm.model_clock.start(running.id, begun)
     running.state, running.prefilled, running.output_ids = State.RUNNING, 32, [0] * 60
     t = run_steps(adm, begun, 60, 1, 0.0013)
@@ -915,7 +914,6 @@ def verdict_beside_a_running_request(now: float, spent_s: float, slack_s: float,
     (`model_s` of it by the model clock; None: no step has ended in its span). The running request's deadline is
     `slack_s` after its SLA token beside the newcomer, as the stretched forecast from now puts it (its past aside).
     The guard's stretch is 1.20, its usual pace 1.0; `now` is the frozen admission clock."""
-    from dataclasses import replace
 
     from service.engine.request import State
 
@@ -931,7 +929,7 @@ def verdict_beside_a_running_request(now: float, spent_s: float, slack_s: float,
     assert moved.stretch == pytest.approx(1.20)
     adm.release(trial)
     first = adm._promises[running.id]
-    adm._promises[running.id] = replace(first, at=first.at - spent_s)
+    adm._promises[running.id] = first._replace(at=first.at - spent_s)
     if model_s is not None:  # its span began spent_s ago, and the steps since were predicted model_s
         adm.model_clock.forget(running.id)
         adm.model_clock.start(running.id, now - spent_s)

@@ -318,7 +318,7 @@ def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(m
     def prefill_s(tokens, cached):
         return 0.002 + 1e-5 * tokens + 1e-8 * cached
 
-    def one_step(decoding, rows, kv, grow, most, t, end, step_s, out, pending, steps_s=None):
+    def one_step(decoding, rows, kv, grow, most, t, end, step_s, out, steps_s=None):
         t += step_s(rows, kv)
         for s in decoding:
             s.token(t, out)

@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.prefix_cache import BLOCK_TOKENS
@@ -212,33 +213,49 @@ class Planner:
         out = {id(s.req): (math.inf if s.to_nth > 0 else now) for s in sims}
         if not sims:
             return out
+        max_batch = self.max_batch
+        # What never changes in a play, worked out once (a verdict beside 15 requests plays ~10 rounds of this loop):
+        # whether anyone lags (a lagging request's turn decides its rows; nobody else's turn is ever read), and how
+        # many wait for a seat.
+        lagging = any(map(_LAGS, sims))
+        unseated = sum(not s.seated and not s.done for s in sims)
         t, end = now, now + horizon_s
-        while t < end and any(s.to_nth > 0 for s in sims):
+        while t < end and any(map(_TO_NTH, sims)):  # an SLA token to come (to_nth >= 0)
             seated = [s for s in sims if s.seated and not s.done]
-            for s in sims:
-                if not s.seated and not s.done and len(seated) < self.max_batch:
-                    s.seated = True
-                    seated.append(s)
-                    if s.prompt_left - 1 >= self.launch_min_tokens or (not any(o.prompt_left == 0 for o in seated)
-                                                                       and s.prompt_left > self.idle_launch_tokens):
-                        t += prefill_s(s.prompt_left - 1, s.cached)
-                        s.cached += s.prompt_left - 1
-                        s.prompt_left = 1
-            mixed = not all(s.lags for s in seated)
-            rows = kv = sampled = 0
-            decoding, chunks = [], []
-            for s in seated:
-                if s.prompt_left == 0:
-                    s.turn += 1
-                    if not (s.lags and mixed and s.turn % 2 == 0):
-                        decoding.append(s)
-                        rows, sampled, kv = rows + 1, sampled + 1, kv + s.cached
+            if unseated and len(seated) < max_batch:
+                for s in sims:
+                    if not s.seated and not s.done and len(seated) < max_batch:
+                        s.seated = True
+                        unseated -= 1
+                        seated.append(s)
+                        alone = not any(o.prompt_left == 0 for o in seated)  # nobody decodes beside it
+                        if s.prompt_left - 1 >= self.launch_min_tokens or (alone
+                                                                           and s.prompt_left > self.idle_launch_tokens):
+                            t += prefill_s(s.prompt_left - 1, s.cached)
+                            s.cached += s.prompt_left - 1
+                            s.prompt_left = 1
+            decoding, prompting = [], []
+            if lagging:
+                mixed = not all(s.lags for s in seated)
+                for s in seated:
+                    if s.prompt_left == 0:
+                        s.turn += 1
+                        if not (s.lags and mixed and s.turn % 2 == 0):
+                            decoding.append(s)
+                    else:
+                        prompting.append(s)
+            else:
+                decoding = [s for s in seated if not s.prompt_left]
+                prompting = [s for s in seated if s.prompt_left]
+            rows = sampled = len(decoding)
+            kv = sum(map(_CACHED, decoding))
+            chunks = []
             budget = self.budget(bool(decoding))
-            for s in seated:
-                if s.prompt_left == 0 or rows >= budget:
-                    continue
+            for s in prompting:
+                if rows >= budget:
+                    break
                 n = min(s.prompt_left, budget - rows)
-                if n == s.prompt_left and sampled >= self.max_batch:
+                if n == s.prompt_left and sampled >= max_batch:
                     n -= 1
                 if n > 0:
                     chunks.append((s, n))
@@ -249,28 +266,26 @@ class Planner:
             # nobody lags and nobody can be seated: the same step again until something changes, where every seated
             # request decodes, or one prompt rides beside them a full chunk of n rows a step (up to its last chunk,
             # which may differ: each step n more positions for each of its rows, one more for each decoding row)
-            fixed = not any(s.lags for s in seated) and not (len(seated) < self.max_batch
-                                                             and not all(s.seated or s.done for s in sims))
-            if fixed and not chunks and steps_s is not None and len(decoding) == len(seated) \
-                    and all(s.seated or s.done for s in sims):  # nobody will join: only ends change the step
-                drained = self._drain(decoding, t, end, steps_s)
+            fixed = not (lagging and any(s.lags for s in seated)) and not (len(seated) < max_batch and unseated)
+            if fixed and not chunks and steps_s is not None and not prompting and not unseated:
+                drained = self._drain(decoding, t, end, steps_s)  # nobody will join: only ends change the step
                 if drained is not None:
                     return out | drained
             if fixed and (not chunks or len(chunks) == 1 and chunks[0][1] < chunks[0][0].prompt_left):
-                # whether a request besides the decoding ones has an SLA token to come (forecast() goes on)
-                pending = any(s.to_nth > 0 for s in sims if s.prompt_left > 0 or not s.seated or s.done)
+                # Every request besides the decoding ones (a prompt, one waiting for a seat, one ended) is one that
+                # an SLA token may be still to come for: the loop goes on while any has one, so where no decoding
+                # request has its own to come, another has.
                 if not chunks:
-                    t, _ = self._repeat(decoding, rows, kv, rows, math.inf, t, end, step_s, out, pending, steps_s)
+                    t, _ = self._repeat(decoding, rows, kv, rows, math.inf, t, end, step_s, out, steps_s)
                 else:
                     c, n = chunks.pop()
                     t, taken = self._repeat(decoding, rows, kv, len(decoding) + n * n, (c.prompt_left - 1) // n, t,
-                                            end, step_s, out, pending, steps_s)
+                                            end, step_s, out, steps_s)
                     c.cached += n * taken
                     c.prompt_left -= n * taken
             else:
                 t += step_s(rows, kv)
-                for s in decoding:
-                    s.token(t, out)
+                _advance(decoding, 1, t, out)
             for s, n in chunks:
                 s.cached += n
                 s.prompt_left -= n
@@ -286,11 +301,11 @@ class Planner:
         ends before it, with no step played. Beside 15 decoding requests a verdict's forecast was 16 such runs, each
         replanned (~0.7 ms on a 2-core CPU). The SLA tokens' times, by id(request); None where one would come past
         the horizon (forecast() then plays on as before)."""
-        ending = sorted(decoding, key=lambda s: s.to_end)
+        ending = sorted(decoding, key=_TO_END)
         rows = len(ending)
-        kv = sum(s.cached for s in ending)  # positions attended over at the first step, less rows x steps since
+        kv = sum(map(_CACHED, ending))  # positions attended over at the first step, less rows x steps since
         k, gone, times = 0, 0, {}  # steps played, requests ended
-        for s in sorted((s for s in decoding if 0 < s.to_nth <= s.to_end), key=lambda s: s.to_nth):
+        for s in sorted((s for s in decoding if 0 < s.to_nth <= s.to_end), key=_TO_NTH):
             while ending[gone].to_end < s.to_nth:  # run to the next end before this SLA token
                 e = ending[gone].to_end
                 t += steps_s(rows, kv + rows * k, rows, e - k)
@@ -305,22 +320,21 @@ class Planner:
 
     @staticmethod
     def _repeat(decoding: list[ForecastState], rows: int, kv: int, grow: int, most: float, t: float, end: float,
-                step_s: Callable[[int, int], float], out: dict[int, float], pending: bool,
+                step_s: Callable[[int, int], float], out: dict[int, float],
                 steps_s: Callable[[int, int, int, int], float] | None = None) -> tuple[float, int]:
         """forecast()'s steps while nothing changes but the positions: the same `rows` rows each step, attending over
         `grow` more positions than the last, until a decoding request reaches its SLA token or its end, `most` steps,
-        or the horizon; one step only where no decoding request has an SLA token to come and no other either
-        (`pending`: forecast() stops after it). The same times, step for step, as planning each in turn, without
-        planning each again: a verdict beside a few requests took 0.5 ms on the H100's host, most of it replanning
-        identical steps, and beside 15 decoding ones a 32-token prompt rides a row a step (31 identical steps).
-        With steps_s, a run of steps that ends within the horizon costs one call (on the H200's host a verdict beside
-        15 decoding requests still took ~0.4 ms, half of it here, and verdicts come in bursts). Returns the time
-        after them and how many."""
-        steps = min(most, min((s.to_end for s in decoding), default=most))
-        if any(s.to_nth > 0 for s in decoding):
-            steps = min(steps, min(s.to_nth for s in decoding if s.to_nth > 0))
-        elif not pending:
-            steps = 1
+        or the horizon (forecast() calls it only where an SLA token is still to come: a decoding request's, or another
+        request's after these steps). The same times, step for step, as planning each in turn, without planning each
+        again: a verdict beside a few requests took 0.5 ms on the H100's host, most of it replanning identical steps,
+        and beside 15 decoding ones a 32-token prompt rides a row a step (31 identical steps). With steps_s, a run of
+        steps that ends within the horizon costs one call (on the H200's host a verdict beside 15 decoding requests
+        still took ~0.4 ms, half of it here, and verdicts come in bursts). Nobody here lags: their turns are not
+        counted. Returns the time after them and how many."""
+        steps = min(most, min(map(_TO_END, decoding), default=most))
+        to_nth = min(filter(None, map(_TO_NTH, decoding)), default=0)  # the nearest SLA token to come (to_nth >= 0)
+        if to_nth:
+            steps = min(steps, to_nth)
         taken = 0
         if steps_s is not None and 1 < steps < math.inf:
             n = int(steps)
@@ -331,16 +345,7 @@ class Planner:
             t += step_s(rows, kv)
             kv += grow
             taken += 1
-        for s in decoding:
-            s.turn += taken - 1  # forecast() counted this step's turn
-            s.cached += taken
-            s.to_end -= taken
-            if s.to_nth > 0:
-                s.to_nth -= taken
-                if s.to_nth == 0:
-                    out[id(s.req)] = t
-            if s.to_end <= 0:
-                s.done = True
+        _advance(decoding, taken, t, out)
         return t, taken
 
 
@@ -362,14 +367,17 @@ class ForecastState:
 
     @classmethod
     def of(cls, r: Request) -> ForecastState:
+        # (written for speed: a verdict snapshots every request in flight, and this took 22 of a verdict's ~160 us
+        # beside 15 requests on a CPU as a keyword call with max() and the property read in turn)
         out = len(r.output_ids)
-        if r.state is State.WAITING:  # at least its last prompt token is prefilled
+        state = r.state
+        if state is _WAITING:  # at least its last prompt token is prefilled
             left, cached = max(1, len(r.prompt_ids) - r.cached_tokens), r.cached_tokens
         else:
-            left, cached = len(r.prompt_ids) - r.prefilled, r.prefilled + max(0, out - 1)
-        return cls(r, left, cached, max(0, r.sla_token_index - out), max(0, r.params.max_tokens - out),
-                   seated=r.state is State.RUNNING,
-                   lags=r.choice is Choice.HOST and not (r.constraint is not None and r.constraint.opening))
+            left, cached = len(r.prompt_ids) - r.prefilled, r.prefilled + (out - 1 if out else 0)
+        to_nth, to_end = r.sla_token_index - out, r.params.max_tokens - out
+        return cls(r, left, cached, to_nth if to_nth > 0 else 0, to_end if to_end > 0 else 0, state is _RUNNING,
+                   r.choice is _HOST and not (r.constraint is not None and r.constraint.opening))
 
     def copy(self) -> ForecastState:
         return ForecastState(self.req, self.prompt_left, self.cached, self.to_nth, self.to_end, self.seated, self.lags,
@@ -384,6 +392,24 @@ class ForecastState:
                 out[id(self.req)] = t
         if self.to_end <= 0:
             self.done = True
+
+
+def _advance(decoding: list[ForecastState], steps: int, t: float, out: dict[int, float]) -> None:
+    """forecast()'s decoding requests `steps` steps on, the last of them ending at `t`: an SLA token that comes there
+    goes into `out`, a reply that ends there is done (ForecastState.token, for many steps and requests in one loop)."""
+    for s in decoding:
+        s.cached += steps
+        to_end = s.to_end = s.to_end - steps
+        if s.to_nth > 0:
+            to_nth = s.to_nth = s.to_nth - steps
+            if to_nth == 0:
+                out[id(s.req)] = t
+        if to_end <= 0:
+            s.done = True
+
+
+_CACHED, _TO_END, _TO_NTH, _LAGS = attrgetter("cached"), attrgetter("to_end"), attrgetter("to_nth"), attrgetter("lags")
+_WAITING, _RUNNING, _HOST = State.WAITING, State.RUNNING, Choice.HOST
 
 
 def _slot(req: Request) -> int:
