@@ -228,3 +228,38 @@ def test_a_lookup_costs_well_under_a_millisecond():
             times.append(seconds)
         print(f"\nlookup of {len(prompt)} tokens over 64 slots: median {statistics.median(times) * 1e6:.0f} µs")
         assert statistics.median(times) < 1e-3
+
+
+def test_what_a_prompt_expects_cached_is_what_its_placement_finds():
+    """Admission judges a request by expected_cached (which looks up the prefix without choosing a slot); place() then
+    chooses one. In every state a busy server's slots go through (shared system prompts, sessions, busy, idle, pinned,
+    all but one busy, all busy), the two agree on the cached tokens whenever place() finds a slot."""
+    rng = random.Random(37)
+    systems = [tokens(n, 500 + n) for n in (0, 16, 40, 70)]  # shorter and longer than COPY_MIN_TOKENS
+    checked = {"copies": 0, "takes over": 0, "fresh": 0, "the last idle slot, less than a copy's worth": 0}
+    for case in range(400):
+        kv = KVSlots(rng.randint(1, 4), clock=Clock())
+        sessions = [Session() for _ in range(2)]
+        held = []
+        for _ in range(rng.randint(0, 12)):
+            prompt = rng.choice(systems) + tokens(rng.randint(1, 40), rng.randrange(10**6))
+            if rng.random() < 0.2:  # one block exactly, which others extend: its last token is prefilled, so it
+                prompt = systems[1]  # shares one token less than a block (less than a copy's worth)
+            session = rng.choice([None, None, *sessions])
+            if session is not None and session.busy:
+                session = None
+            want = kv.expected_cached(prompt, block_hashes(prompt), session)
+            p = kv.place(prompt, block_hashes(prompt), session)
+            if p is None:
+                assert want == 0 or all(kv._state[s].busy for s in range(len(kv._state))), case
+                continue
+            assert p.cached == want, case
+            checked["copies" if p.source is not None else "takes over" if p.cached else "fresh"] += 1
+            others_busy = all(st.busy for s, st in enumerate(kv._state) if s != p.slot)
+            checked["the last idle slot, less than a copy's worth"] += others_busy and 0 < p.cached < COPY_MIN_TOKENS
+            kv.filled(p.slot, prompt, block_hashes(prompt))
+            held.append((p.slot, prompt, session))
+            if rng.random() < 0.6:  # some end (their slots idle, keeping their K/V), some stay busy
+                slot, fed, s = held.pop(rng.randrange(len(held)))
+                kv.release(slot, fed + tokens(rng.randint(0, 8), case), s)
+    assert min(checked.values()) > 10, checked
