@@ -411,7 +411,10 @@ class AdmissionController:
     def consume(self, event: Event) -> None:
         """What a step committed: its time teaches the latency model (a step's, or the prefill launched before it),
         an SLA token (or an end before it) the guard, an end frees the request's place."""
-        if isinstance(event, StepDone):
+        if isinstance(event, Token):  # most events, one a token: tested first
+            if event.n == event.req.sla_token_index:
+                self.observe_nth(event.req, event.at)
+        elif isinstance(event, StepDone):
             # the model clock first, with what the model predicted before it learns from this step
             lat = self.latency
             predicted = lat.step(event.rows, event.kv_positions) + \
@@ -427,15 +430,13 @@ class AdmissionController:
                     self.latency.observe_prefill(tokens, cached, rest / len(event.launched))
             else:
                 self.latency.observe_step(event.rows, event.seconds, event.kv_positions)
-        elif isinstance(event, Token | Finished):
+        elif isinstance(event, Finished):
             req = event.req
             if event.token is not None and event.n == req.sla_token_index:
                 self.observe_nth(req, event.at)
-            elif isinstance(event, Finished) and event.reason in ("stop", "length") and req.deadline is not None \
-                    and event.n < req.sla_token_index:
+            elif event.reason in ("stop", "length") and req.deadline is not None and event.n < req.sla_token_index:
                 self.guard.judged(event.at > req.deadline)  # it ended before its SLA token: judged by its last
-            if isinstance(event, Finished):
-                self.release(req)
+            self.release(req)
 
     # -- what operators and clients read ------------------------------------------------------------------
     def retry_after_s(self, active: list[Request], now: float) -> float:

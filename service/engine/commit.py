@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from service.engine.request import Request, State
 from service.engine.step_plan import StepPlan
@@ -38,9 +39,9 @@ class Started:
     at: float
 
 
-@dataclass(frozen=True)
-class Token:
-    """Request `req` got its n-th token (1-based), streaming `text`; `gap`: seconds since its token before."""
+class Token(NamedTuple):
+    """Request `req` got its n-th token (1-based), streaming `text`; `gap`: seconds since its token before. (A tuple,
+    not a frozen dataclass: one is made for every token a step commits, and a frozen dataclass took 0.7 us of it.)"""
 
     req: Request
     token: int
@@ -110,8 +111,9 @@ def _apply(req: Request, token: int, eos: frozenset[int], max_context: int, now:
     req.last_token_at = now
     if token in eos and not req.params.ignore_eos:
         return Finished(req, "stop", now, "", token, n, gap)
-    text = req.output.add(token)
-    if req.output.stopped:
+    output = req.output
+    text = "" if output is None else output.add(token)  # None: the front end detokenizes (api/engine_client.py)
+    if output is not None and output.stopped:
         return Finished(req, "stop", now, text, token, n, gap)
     if n >= req.params.max_tokens or req.kv_len + 1 >= max_context:
         return Finished(req, "length", now, text, token, n, gap)
