@@ -232,7 +232,8 @@ class EngineService:
                                 seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos, constraint=constraint)
         try:
             return self.engine.prepare(m.prompt_ids, params, functools.partial(self._sink, m.rid, self._to(m.rid)),
-                                       session=session, arrival=m.arrival, delivery_s=m.delivery_s)
+                                       session=session, arrival=m.arrival, delivery_s=m.delivery_s,
+                                       detokenize=p.detokenize)
         except Rejected as r:
             return Verdict(m.rid, r.status, r.reason, r.message, r.retry_after_s)
         except ValueError as e:

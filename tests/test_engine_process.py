@@ -21,12 +21,12 @@ import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from service.api.engine_client import EngineClient, RemoteGrammar
+from service.api.engine_client import EngineClient, RemoteGrammar, RemoteStream
 from service.config import ServeConfig
 from service.engine import ipc
 from service.engine.admission import Rejected
 from service.engine.grammar import GrammarError
-from service.engine.request import SamplingParams
+from service.engine.request import Delta, SamplingParams
 from service.engine_process import EngineService
 from service.runtime import build_engine
 from tests.server_support import (
@@ -141,6 +141,81 @@ def test_the_client_and_the_service_in_one_process() -> None:
 
     with engine_service() as addresses:
         asyncio.run(go(addresses))
+
+
+def test_text_detokenized_by_the_front_end_is_the_engines() -> None:
+    """A request without stop strings crosses as token ids and this front end writes its text; one with stop strings
+    is detokenized in the engine process (it must read the text to stop). Greedy, both ways, the same prompts: the
+    same tokens and the same text, whatever byte sequences the tiny model's byte-level tokens make (characters split
+    across tokens, bytes that never make one: held, then flushed at the end); and a stop string still stops."""
+
+    async def go(addresses: ipc.Addresses) -> None:
+        client = await EngineClient.connect(addresses)
+        try:
+            for prompt in ([1, 2, 3], [200, 201, 202, 203], [65, 66, 67, 68, 69, 70]):
+                runs = {}
+                for stop in ((), ("never said",)):
+                    stream = await client.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                        ignore_eos=True, stop=stop))
+                    deltas = [d async for d in stream]
+                    runs[stop] = ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+                                  deltas[-1].finish_reason)
+                (ids, here, why), (engine_ids, there, engine_why) = runs[()], runs[("never said",)]
+                assert ids == engine_ids and len(ids) == 24 and why == engine_why == "length", prompt
+                assert here == there and here, (prompt, here, there)
+            text = runs[()][1]
+            word = text[-4:-1]  # a stop string the reply writes: the engine stops where it first does
+            stream = await client.submit([65, 66, 67, 68, 69, 70], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                                  ignore_eos=True, stop=(word,)))
+            deltas = [d async for d in stream]
+            assert deltas[-1].finish_reason == "stop" and "".join(d.text for d in deltas) == text[:text.index(word)]
+        finally:
+            await client.close()
+
+    with engine_service() as addresses:
+        asyncio.run(go(addresses))
+
+
+def test_a_front_end_writes_the_text_as_the_engine_would() -> None:
+    """RemoteStream's own detokenizer on the engine's deltas of token ids: a character split across two tokens comes
+    whole with the second; an end-of-sequence token that stopped the reply is not shown (one let through with
+    ignore_eos is a token like any); what the detokenizer holds at the end is flushed on stop and length, not on a
+    cancel; deltas made here (a cancel) pass as they are."""
+    from service.engine.output import TextOutput
+    from service.model.synthetic import byte_tokenizer
+
+    tok = byte_tokenizer(300)
+    eos = tok.hf.token_to_id("A")  # an end-of-sequence id that would show as text (a special one shows as nothing)
+    e_acute = [tok.hf.token_to_id(piece) for piece in tok.hf.encode("é").tokens]
+    assert len(e_acute) == 2 and eos is not None and tok.detokenizer().add(eos) == "A"  # two bytes, two tokens
+
+    class Client:
+        def __init__(self) -> None:
+            self.eos = frozenset({eos})
+
+    async def stream(ignore_eos: bool = False) -> RemoteStream:
+        return RemoteStream(Client(), 1, 3, 0.0, None, None, TextOutput(tok.detokenizer()), ignore_eos)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        s = await stream()
+        s.put(Delta("", [e_acute[0]]))
+        s.put(Delta("", [e_acute[1]]))
+        s.put(Delta("", [eos], finish_reason="stop"))
+        got = [s._queue.get_nowait()[0] for _ in range(3)]
+        assert [d.text for d in got] == ["", "é", ""] and got[-1].token_ids == [eos]
+        held = await stream()
+        held.put(Delta("", [e_acute[0]], finish_reason="length"))  # half a character at the end: flushed, as U+FFFD
+        assert held._queue.get_nowait()[0].text == "\ufffd"
+        cut = await stream()
+        cut.put(Delta("", [e_acute[0]]))
+        cut.cancel = lambda: None  # type: ignore[method-assign]
+        cut.put(Delta("", [], finish_reason="cancelled"))
+        assert [cut._queue.get_nowait()[0].text for _ in range(2)] == ["", ""]  # nothing flushed on a cancel
+        through = await stream(ignore_eos=True)
+        through.put(Delta("", [eos], finish_reason="length"))
+        assert through._queue.get_nowait()[0].text == "A"
+
+    asyncio.run(go())
 
 
 def test_streams_tools_and_one_metrics(proc_server: Server) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
@@ -46,6 +46,7 @@ from service.engine.messages import (
     Verdict,
     first_id,
 )
+from service.engine.output import TextOutput
 from service.engine.request import Delta, SamplingParams, Timings, Usage
 from service.model.tokenizer import Tokenizer
 
@@ -85,12 +86,15 @@ def delta_of(o: Out) -> Delta:
 
 
 class RemoteStream(QueuedDeltas):
-    """One request submitted to the engine process."""
+    """One request submitted to the engine process. `output`: where this front end detokenizes its tokens (a request
+    without stop strings: the engine sends token ids alone, and spends none of its thread's time a token on text)."""
 
     def __init__(self, client: EngineClient, rid: int, prompt_tokens: int, arrival: float,
-                 on_close: Callable[[], None] | None, on_delivered: Callable[[float], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None, on_delivered: Callable[[float], None] | None = None,
+                 output: TextOutput | None = None, ignore_eos: bool = False) -> None:
         super().__init__(on_delivered)
         self.client, self.rid = client, rid
+        self._output, self._ignore_eos = output, ignore_eos
         self.verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self._prompt_tokens = prompt_tokens
         self._tokens = 0
@@ -103,12 +107,26 @@ class RemoteStream(QueuedDeltas):
         """The engine's delta (`published`: when the engine process sent it), or one made here (None)."""
         if self._ended:
             return  # cancelled here already: the engine's own last delta is never read
+        if self._output is not None:  # (the deltas made here, a cancel's and a failure's, carry no token)
+            d = self._detokenized(d)
         if d.token_ids and self._first_at is None:
             self._first_at = time.perf_counter()
         self._tokens += len(d.token_ids)
         if d.finish_reason is not None:
             self._ended = True
         self._queue.put_nowait((d, published))
+
+    def _detokenized(self, d: Delta) -> Delta:
+        """The engine's delta with its text, as the engine would have written it (commit.py, Engine._end): every token
+        but an end-of-sequence one that stopped the reply, and what the detokenizer still holds once it ended."""
+        assert self._output is not None
+        ids = d.token_ids
+        if d.finish_reason == "stop" and ids and ids[-1] in self.client.eos and not self._ignore_eos:
+            ids = ids[:-1]
+        text = "".join(map(self._output.add, ids))
+        if d.finish_reason in ("stop", "length"):
+            text += self._output.finish()
+        return replace(d, text=d.text + text)
 
     def fail(self, why: str) -> None:
         self.put(Delta("", [], finish_reason="error", error=why, usage=self._usage()))
@@ -205,10 +223,13 @@ class EngineClient:
             raise Rejected("engine_gone", f"the engine process is gone: {self.dead}", retry_after_s=5.0, status=503)
         rid = next(self._rids)
         arrival = arrival if arrival is not None else time.perf_counter()
-        stream = self._streams[rid] = RemoteStream(self, rid, len(prompt_ids), arrival, on_close, on_delivered)
+        here = not params.stop  # stop strings: the engine must read the text to stop there, so it detokenizes
+        stream = self._streams[rid] = RemoteStream(
+            self, rid, len(prompt_ids), arrival, on_close, on_delivered,
+            TextOutput(self.tokenizer.detokenizer()) if here else None, params.ignore_eos)
         p = Params(params.max_tokens, params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), params.seed,
                    list(params.stop), params.ignore_eos, None if grammar is None else grammar.lark,
-                   grammar is not None and grammar.opening)
+                   grammar is not None and grammar.opening, detokenize=not here)
         self._send(Submit(rid, list(prompt_ids), p, arrival, None if session is None else session.id, delivery_s))
         try:
             verdict = await stream.verdict

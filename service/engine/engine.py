@@ -182,9 +182,12 @@ class Engine:
         return self.admit(req, received)
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Delta], None],
-                session: Session | None = None, arrival: float | None = None, delivery_s: float = 0.0) -> Request:
+                session: Session | None = None, arrival: float | None = None, delivery_s: float = 0.0,
+                detokenize: bool = True) -> Request:
         """A submit's first half: the request validated (ValueError, or Rejected while draining), built, and its
-        prompt's cached prefix looked up, for admit() to decide on."""
+        prompt's cached prefix looked up, for admit() to decide on. `detokenize`: False where the sink's side turns
+        the token ids into text itself (an engine process's front end, for a request without stop strings): its
+        deltas then carry token ids and no text."""
         if not self.accepting:
             raise Rejected("draining", "the server is shutting down", retry_after_s=5.0, status=503)
         started = time.perf_counter()
@@ -198,7 +201,8 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # in C: a generator over the prompt took ~50 ns a token
             raise ValueError(f"token ids must lie in [0, {vocab})")
         req = Request(prompt_ids=list(prompt_ids), params=params, sink=sink, session=session,
-                      output=TextOutput(self.tokenizer.detokenizer(), params.stop), sla_tokens=self.sla_tokens)
+                      output=TextOutput(self.tokenizer.detokenizer(), params.stop) if detokenize else None,
+                      sla_tokens=self.sla_tokens)
         if arrival is not None:
             req.arrival = arrival
         req.delivery_s = delivery_s
@@ -566,7 +570,7 @@ class Engine:
             return  # ended already (an error while its final delta went out)
         self.planner.finish(req)
         text = ev.text
-        if ev.reason in ("stop", "length"):
+        if ev.reason in ("stop", "length") and req.output is not None:
             try:
                 text += req.output.finish()
             except Exception:

@@ -33,6 +33,8 @@ class Params(msgspec.Struct, array_like=True, frozen=True):
     ignore_eos: bool
     grammar: str | None = None
     opening: bool = False  # the grammar holds the reply's opening only (lifted once it accepts)
+    detokenize: bool = True  # the engine turns ids into text (a request with stop strings: it must see them to stop);
+    # else its deltas carry token ids alone and the front end detokenizes, off the engine thread (api/engine_client.py)
 
 
 def first_id(front_end: int) -> int:

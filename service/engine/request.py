@@ -92,7 +92,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     sink: Callable[[Delta], None]  # called on the engine thread; must not block
-    output: TextOutput
+    output: TextOutput | None  # ids → text and stop strings; None where the front end detokenizes (token ids only)
     session: object | None = None  # a kv_slots.Session
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.perf_counter)
