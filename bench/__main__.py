@@ -32,6 +32,7 @@ SCRIPTS = {
     "diag": ("bench._diag", "the megakernel's per-step logits error against the reference (GPU)"),
     "engine-loop": ("bench.engine_loop", "the engine loop alone: host time, GPU idle, token gaps at 1-16 rows"),
     "host-profile": ("bench.host_profile", "a py-spy recording of a server (e2e --set profile=...), summarized"),
+    "step-host": ("bench.step_host", "the engine thread's Python for one step's tokens: plan, commit, publish (CPU)"),
     "verdict": ("bench.verdict", "admission's verdict on a newcomer beside N in flight: its host time (CPU)"),
     "router": ("bench.router", "N replicas (one per GPU) behind vllm-router: goodput ratio, voice caching, failover"),
 }
