@@ -188,9 +188,9 @@ def test_a_prompt_only_step_is_as_wide_as_prefill_rows_and_calibrated_up_to_it(t
     from service.runtime import build_engine
 
     rt = build_engine(ServeConfig(model="synthetic:tiny", device="cpu", max_batch=2, max_rows=4, prefill_rows=16,
-                                  max_context=128, calibration_cache=str(tmp_path), handoff_budget_ms=0.3))
+                                  max_context=128, calibration_cache=str(tmp_path), handoff_budget_ms=0.7))
     try:
-        assert rt.engine.handoff_budget_s == pytest.approx(0.0003)  # --handoff-budget-ms reaches the engine too
+        assert rt.engine.handoff_budget_s == pytest.approx(0.0007)  # --handoff-budget-ms reaches the engine too
         planner = rt.engine.planner
         assert (planner.max_rows, planner.prefill_rows) == (4, 16)
         assert planner.budget(decoding=True) == 4 and planner.budget(decoding=False) == 16
