@@ -247,19 +247,12 @@ def steps_time(cost: tuple[float, float], rows: int, kv_positions: int, grow: in
 
 class StretchedCosts:
     """A latency model's step, run-of-steps and prefill times, each x `stretch`: the costs one verdict's forecasts play
-    with. Each row count's costs are read from the model once and kept here (a forecast beside 15 requests asks for
-    ~40 runs of steps; through the model each took a lock and three calls), so the times are the model's to the bit,
-    as of the verdict's first ask."""
+    with, the model's own formulas called directly (a forecast beside 15 requests asks for ~40 runs of steps; through
+    a closure over the model each took three calls and a lock)."""
 
     def __init__(self, model: LatencyModel, stretch: float) -> None:
         self.model, self.stretch = model, stretch
-        self._costs: dict[int, tuple[float, float]] = {}
-
-    def _cost(self, rows: int) -> tuple[float, float]:
-        cost = self._costs.get(rows)
-        if cost is None:
-            cost = self._costs[rows] = self.model._cost(rows)
-        return cost
+        self._cost = model._cost
 
     def step(self, rows: int, kv_positions: int) -> float:
         r = max(1, rows)
