@@ -48,6 +48,18 @@ def describe(device: str | None = None) -> dict[str, str | None]:
             "triton": _version("triton"), "llguidance": _version("llguidance"), "parley": commit()}
 
 
+def cpu_name(short: bool = False) -> str:
+    """The host CPU's model name ("AMD EPYC 7B13"; `short`: without its clock, for file names), for the benchmarks that
+    measure the host's Python rather than the device."""
+    name = platform.processor() or "cpu"
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return name.split("@")[0].strip() if short else name
+
+
 def file_stem(name: str, device: str) -> str:
     """`<name>-<device>`, in the characters a file name anywhere accepts: "e2e-NVIDIA-H100-80GB-HBM3"."""
     return "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in f"{name}-{device}")

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.device import describe, file_stem
-from bench.verdict import cpu_name, latency_model
+from bench.device import cpu_name, describe, file_stem
+from bench.publish import publish
+from bench.verdict import latency_model
 from service.admission import AdmissionController
 from service.engine import ipc
 from service.engine.commit import commit
@@ -173,13 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.decoding:
         points.append(point(n, a.steps, a.seed))
         print(json.dumps(points[-1]), flush=True)
-    about = describe("cpu")
-    result = {**about, "cpu": cpu_name(), "steps": a.steps, "points": points}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = file_stem("step-host" + (f"-{a.tag}" if a.tag else ""), result["cpu"].split("@")[0].strip())
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
+    result = {**describe("cpu"), "cpu": cpu_name(), "steps": a.steps, "points": points}
+    publish(Path(a.out), file_stem("step-host" + (f"-{a.tag}" if a.tag else ""), cpu_name(short=True)), result,
+            markdown(result))
     print(markdown(result))
     return 0
 

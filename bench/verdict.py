@@ -23,14 +23,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.device import describe, file_stem
+from bench.device import cpu_name, describe, file_stem
+from bench.publish import publish
 from service import admission
 from service.admission import AdmissionController
 from service.admission_guard import IN_FLIGHT_BUCKETS, Level
@@ -228,16 +228,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench verdict", description=__doc__.split("\n\n")[0])
     ap.add_argument("--in-flight", nargs="+", type=int, default=[0, 1, 4, 8, 12, 15])
@@ -252,13 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in a.in_flight:
             points.append(point(n, regime, a.verdicts, a.seed))
             print(json.dumps(points[-1]), flush=True)
-    about = describe("cpu")
-    result = {**about, "cpu": cpu_name(), "verdicts": a.verdicts, "points": points}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = file_stem("verdict" + (f"-{a.tag}" if a.tag else ""), result["cpu"].split("@")[0].strip())
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
+    result = {**describe("cpu"), "cpu": cpu_name(), "verdicts": a.verdicts, "points": points}
+    publish(Path(a.out), file_stem("verdict" + (f"-{a.tag}" if a.tag else ""), cpu_name(short=True)), result,
+            markdown(result))
     print(markdown(result))
     return 0
 
