@@ -971,3 +971,43 @@ def test_an_admitted_request_s_past_counts_as_the_guard_bounds_it_in_the_model_c
     assert not verdict(0.05, 0.048, -0.0005)  # late by the bound
     assert verdict(0.05, 0.025, 0.0005)  # its steps ran 2x the model: charged the 50 ms that passed, not 1.2 x 25
     assert not verdict(0.05, 0.025, -0.0005)
+
+
+def test_a_newcomer_inside_its_deadline_by_less_than_the_stretch_is_admitted_while_the_promises_leave_room(
+        frozen_clock):
+    """One moment in a hundred ran 28% over (H200 voice, s75: three requests of a level at 1.2-1.28x set its stretch
+    for the minute after). A newcomer forecast at 84 ms beside a running request, 95 ms allowed, is late at the
+    stretch (1.28) and on time at the loose one (the 0.98 quantile, 1.0): admitted where the requests served and in
+    flight promise little risk, its own risk (1%: the scores above its 1.13x) promised; refused where the promises in
+    flight already carry the budget."""
+    from service.admission_guard import Level
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.001, 2: 0.0013}, {16: 0.002, 128: 0.0025}, max_rows=64)  # beside one: ~84 ms to 64
+
+    def arrived(req):  # now, on the frozen clock: however long the host took to get here
+        req.arrival = frozen_clock
+        return req
+
+    def served(risk_in_flight, budgeted=True):
+        adm = AdmissionController(lat, 0.1, 64, 4, risk_budget=budgeted)  # target 0.995: N 399, the cap 2%
+        for i in range(400):
+            adm.guard.observe(Level(0, 0), 1.28 if i % 100 == 0 else 1.0, 1.0)
+        for i in range(100):  # served on time with room to spare
+            adm.guard.budget.promise([f"served-{i}"], [0.0])
+            adm.guard.budget.settle(f"served-{i}")
+        adm.guard.budget.promise(["elsewhere"], [risk_in_flight])
+        adm.check(arrived(newcomer(state=State.RUNNING)))  # alone: 64 ms x 1.28 fits
+        return adm
+
+    adm = served(0.0)
+    level = adm.level_of(list(adm._active.values()), newcomer())
+    assert adm.guard.stretch(level) == pytest.approx(1.28) and adm.guard.loose_stretch(level) == pytest.approx(1.0)
+    adm.check(arrived(newcomer()))
+    # both now promised 1% (the running one's 64 tokens beside it: 84 ms of 95 too), over 103 requests
+    assert adm.guard.budget.promised() == pytest.approx(0.02 / 103, rel=0.05)
+
+    for adm in (served(0.9), served(0.0, budgeted=False)):  # no room for a loose verdict; no --risk-budget
+        with pytest.raises(Rejected, match="cannot deliver"):
+            adm.check(arrived(newcomer()))
+    assert adm.guard.budget.promised() == 0.0  # the risks are measured without the budget too: the one admitted
