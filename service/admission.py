@@ -94,20 +94,6 @@ class _Judging:
     # since its first verdict
     typical: float = 1.0  # the guard's usual pace at this level
 
-    def on_time_pace(self, r: Request, t: float) -> float:
-        """The pace (times the model's time) at which `r`, `t` its stretched forecast, reaches its SLA token just at
-        its deadline: where over() is 0 (it grows with the pace); inf where nothing is left to forecast."""
-        assert r.deadline is not None
-        wall, model = self.spent.get(id(r), (0.0, None))
-        rest = (t - self.now) / self.stretch
-        budget = r.deadline - self.now + wall
-        if model is None:
-            return budget / (wall + rest) if wall + rest > 0 else math.inf
-        pace = budget / (model + rest) if model + rest > 0 else math.inf
-        if pace * model >= wall:
-            return pace
-        return (r.deadline - self.now) / rest if rest > 0 else math.inf
-
     def over(self, r: Request, t: float, pace: float) -> float:
         """How far past its deadline `r` comes at `pace` (times the forecast), `t` its stretched forecast."""
         assert r.deadline is not None
@@ -119,7 +105,7 @@ class _Judging:
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
                  strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic,
-                 trace: AdmissionLog | None = None, risk_budget: bool = False) -> None:
+                 trace: AdmissionLog | None = None) -> None:
         self.latency = latency
         self.trace = trace  # --admission-log: a line per verdict, SLA token and step (service/admission_log.py)
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
@@ -127,7 +113,6 @@ class AdmissionController:
         # the policy admission forecasts with: the engine's own planner once bound (Engine binds it)
         self.planner = Planner(KVSlots(max_batch), max_batch, latency.max_rows, max_context=1 << 30)
         self.guard = AdmissionGuard(target, clock)
-        self.risk_budget = risk_budget  # --risk-budget: verdicts may judge loosely where the promises leave room
         self.model_clock = ModelClock()  # what a promise is scored against, over its span
         self._last_probe = -math.inf
         self._over_logged_at = -math.inf  # when a score over its stretch was last logged
@@ -219,14 +204,7 @@ class AdmissionController:
         level = self._level(states)
         # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
         stretch = 1.0 if self.best_effort else self.guard.stretch(level)
-        # Judged loosely where the promises made leave room for one more at the risk budget's cap
-        # (service/risk_budget.py); the risks each promise then carries are measured in _admit.
-        loose = None if self.best_effort or not self.risk_budget or not self.guard.budget.room() \
-            else self.guard.loose_stretch(level)
-        j = _Judging(req, active, now, stretch if loose is None else loose, level, self._probe_within() * self.sla_s,
-                     states)
-        if loose is not None and loose < stretch:
-            j.note["strict_stretch"] = stretch
+        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s, states)
         try:
             self._joined(j)
         except Rejected as refusal:
@@ -250,7 +228,7 @@ class AdmissionController:
     def _admit(self, j: _Judging) -> None:
         """Admitted: the newcomer's promise made, and every admitted request's moved to its forecast beside it."""
         req, now, stretch = j.req, j.now, j.stretch
-        moved: list[tuple[str, float]] = []  # (id, the pace it is on time at) of each request whose promise moves
+        self._trace_verdict(j, None)
         with self._lock:
             for r in [*j.active, req]:  # the forecast (unstretched) of every admitted request beside the newcomer
                 t = j.joined.get(id(r), math.inf)
@@ -260,16 +238,8 @@ class AdmissionController:
                         self.model_clock.start(r.id, now)
                     predicted = now + (t - now) / stretch
                     self._promises[r.id] = Promise(p.at if p is not None else now, predicted, j.level, stretch)
-                    if r.deadline is not None:
-                        moved.append((r.id, j.on_time_pace(r, t)))
             self._active[req.id] = req
         self._decided += 1
-        if moved:
-            risks = self.guard.miss_risks(j.level, [pace for _, pace in moved])
-            self.guard.budget.promise([rid for rid, _ in moved], risks)
-            if moved[-1][0] == req.id:
-                j.note["risk"] = risks[-1]
-        self._trace_verdict(j, None)
 
     def _trace_step(self, event: StepDone, predicted: float) -> None:
         """A sampled step's line; and every step with a long handed-over task in its cadence gets a `handed` line, so
@@ -407,7 +377,6 @@ class AdmissionController:
         with self._lock:
             self._active.pop(req.id, None)
             self._promises.pop(req.id, None)
-        self.guard.budget.drop(req.id)
         self.model_clock.forget(req.id)
 
     def observe_nth(self, req: Request, at: float) -> None:
@@ -416,7 +385,6 @@ class AdmissionController:
         over its span (ModelClock; nothing to score where no step was committed since its verdict)."""
         with self._lock:
             promise = self._promises.pop(req.id, None)
-        self.guard.budget.settle(req.id)
         model_s, ran_s = self.model_clock.span(req.id), self.model_clock.ran(req.id)
         self.model_clock.forget(req.id)
         if req.deadline is not None:
@@ -491,7 +459,6 @@ class AdmissionController:
         late, exceeded = self.guard.miss_rate()
         return {"target": self.guard.target, "late_share_last_minute": round(late, 4),
                 "over_stretch_share_last_minute": round(exceeded, 4),
-                "promised_late_share": round(self.guard.budget.promised(), 4),
                 "levels": [{**s.level.labels, "stretch": round(s.stretch, 4), "scores": s.scores}
                            for s in self.guard.levels()]}
 

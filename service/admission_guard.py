@@ -45,7 +45,6 @@ late; with 1.5, 1.12-1.15 and 6-14 of 120-158, none of the admitted late (bench/
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import statistics
@@ -56,7 +55,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from service.recent_window import RecentWindow
-from service.risk_budget import RiskBudget
 
 PRIOR_ALONE = 1.05
 PRIOR_LOADED = 1.5
@@ -145,10 +143,6 @@ class AdmissionGuard:
         self.enough = enough_scores(target)
         self._scores: dict[Level, RecentWindow] = {}
         self._stretches: dict[Level, float] = {}  # each level's stretch since the scores last changed
-        self._loose: dict[Level, float | None] = {}  # each level's loose stretch, likewise
-        self._pools: dict[Level, tuple[list[list[float]], int, float]] = {}  # the scores a level is judged by (the
-        # ranked windows, how many, the largest), likewise
-        self.budget = RiskBudget(target, self.enough)
         self._judged: deque[tuple[float, bool]] = deque()  # (when, late) of each admitted request's SLA
         self._exceeded: deque[tuple[float, bool]] = deque()  # (when, score over the stretch it was admitted with)
         self._clock = clock
@@ -199,58 +193,6 @@ class AdmissionGuard:
         seen = recent[-2] if len(recent) > 1 else PRIOR_ALONE  # the largest score never decides alone
         return (len(recent) * seen + PRIOR_SCORES * PRIOR_ALONE) / (len(recent) + PRIOR_SCORES)
 
-    def loose_stretch(self, level: Level) -> float | None:
-        """The stretch of a verdict the risk budget lets judge loosely (service/risk_budget.py): the quantile at
-        1 - the budget's cap of the scores the level is judged by; None where they are too few to say (fewer than the
-        stretch's own N, or a request alone short of its own: the stretch decides there)."""
-        with self._lock:
-            if level not in self._loose:
-                pool = self._pool(level)
-                self._loose[level] = None if pool is None else \
-                    min(pooled_quantile(pool[0], pool[1], 1.0 - self.budget.cap), self._stretch(level))
-            return self._loose[level]
-
-    def miss_risks(self, level: Level, ratios: Sequence[float]) -> list[float]:
-        """For each ratio, the share of the scores `level` is judged by above it: the chance that a request at this
-        level whose deadline leaves that ratio x its forecast comes late. Where the level is short of N, the scores
-        its stretch's prior is averaged with: the nearest levels' (a request alone: its own last PRIOR_SCORES), whatever
-        there are; 0 where there are none."""
-        with self._lock:
-            pool = self._pool(level)
-            if pool is None:  # short of N: the scores the stretch's prior is averaged with
-                if level.alone:  # a request alone: its own recent ones only, as _alone_stretch
-                    own = self._scores.get(level)
-                    ranked = [sorted(list(own.order)[-PRIOR_SCORES:]) if own is not None else []]
-                else:
-                    ranked = [self._scores[lv].ranked for ring in self._rings(level) for lv in ring]
-                pool = ranked, sum(map(len, ranked)), _top(ranked)
-            windows, n, top = pool
-            return [0.0 if x >= top else sum(len(r) - bisect.bisect_right(r, x) for r in windows) / n
-                    for x in ratios]
-
-    def _pool(self, level: Level) -> tuple[list[list[float]], int, float] | None:
-        """The ranked scores a level is judged by, and how many: its own where it has N, else its own and the nearest
-        levels' until there are N; None where all of them together have fewer, or a request alone has fewer of its
-        own."""
-        if level in self._pools:
-            return self._pools[level]
-        own = self._scores.get(level)
-        found: tuple[list[list[float]], int, float] | None = None
-        if own is not None and len(own) >= self.enough:
-            found = [own.ranked], len(own), _top([own.ranked])
-        elif not level.alone:
-            pool: list[list[float]] = []
-            n = 0
-            for ring in self._rings(level):
-                pool += [self._scores[lv].ranked for lv in ring]
-                n += sum(len(self._scores[lv]) for lv in ring)
-                if n >= self.enough:
-                    found = pool, n, _top(pool)
-                    break
-        if found is not None:
-            self._pools[level] = found
-        return found
-
     def typical(self, level: Level) -> float:
         """How far forecasts at this level run off on the whole: the median of its own scores, of the nearest levels'
         while it has fewer than PRIOR_SCORES, 1 where there are none; never above its stretch."""
@@ -285,7 +227,7 @@ class AdmissionGuard:
             return
         with self._lock:
             self._scores.setdefault(level, RecentWindow(WINDOW_PER_N * self.enough)).add(score)
-            self._forget()
+            self._stretches.clear()
             self._exceeded.append((self._clock(), score > stretch))
             self._trim()
 
@@ -308,14 +250,8 @@ class AdmissionGuard:
                 for x in self._scores[lv].order if lv in self._scores else ():
                     window.add(x)
                 self._scores[lv] = window
-            self._forget()
+            self._stretches.clear()
         return taken
-
-    def _forget(self) -> None:
-        """The scores changed: what was computed from them is computed again when asked."""
-        self._stretches.clear()
-        self._loose.clear()
-        self._pools.clear()
 
     def judged(self, late: bool) -> None:
         """An admitted request's SLA was judged: its SLA token came (or it ended before it), late or in time."""
@@ -343,11 +279,6 @@ class AdmissionGuard:
             shown = set(self._scores) | {Level(0, 1), Level(1, 1)}
             return [LevelState(lv, self._stretch(lv), len(self._scores.get(lv, ())),
                                self._scores[lv].median() if lv in self._scores else None) for lv in sorted(shown)]
-
-
-def _top(ranked: Sequence[Sequence[float]]) -> float:
-    """The largest score of several sorted windows."""
-    return max((r[-1] for r in ranked if r), default=-math.inf)
 
 
 def _share(recent: deque[tuple[float, bool]]) -> float:

@@ -93,12 +93,6 @@ class ServeConfig(BaseSettings):
                               "than forecast admitted requests took, as measured at each load level (0.995: a "
                               "minute of a hundred requests then shows at least 99% of them on time, not half the "
                               "minutes below it as a true 1% would)")
-    risk_budget: bool = Field(False, description="let a verdict judge at the guard's loose stretch (its 0.98 "
-                              "quantile at 0.995: a request promised at most 4x the target's late share) while the "
-                              "risks promised to the requests in flight and the recent ones, each the share of its "
-                              "level's scores above the pace its deadline allows, average within 1 - --sla-target "
-                              "(service/risk_budget.py). Off until measured against the guard alone on one GPU; the "
-                              "promised late share is on /metrics either way")
     admission_log: str | None = Field(None, description="a file that gets a JSON line for every admission verdict "
                                       "(its forecast, stretch, time left, and the rule that refused it) and every "
                                       "admitted request's SLA token (how far its forecast was off): why a request "

@@ -304,15 +304,9 @@ class _GuardCollector(Collector):
         miss.add_metric([], late)
         over = GaugeMetricFamily(
             "parley_admission_guard_exceeded_rate", "Share of admitted requests over the last minute whose actual / "
-            "forecast time exceeded the stretch they were admitted with (a loose verdict's stretch is exceeded by up "
-            "to the risk budget's cap; the promised late share bounds the mean)")
+            "forecast time exceeded the stretch they were admitted with (what the target bounds)")
         over.add_metric([], exceeded)
-        promised = GaugeMetricFamily(
-            "parley_admission_guard_promised_late_share", "The mean chance of coming late that admission promised the "
-            "requests in flight and the recent ones that reached their SLA token, each by its level's measured scores "
-            "(service/risk_budget.py): at most 1 - the target; where it is lower, verdicts may judge loosely")
-        promised.add_metric([], self.guard.budget.promised())
-        yield from (target, quantile, scores, median, miss, over, promised)
+        yield from (target, quantile, scores, median, miss, over)
 
 
 def _value(gauge: Gauge) -> float:

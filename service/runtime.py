@@ -105,8 +105,7 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     if trace is not None:
         atexit.register(trace.close)  # the last lines written at a clean exit (SIGTERM's drain)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
-                                    strict=cfg.strict_sla, target=cfg.sla_target, trace=trace,
-                                    risk_budget=cfg.risk_budget)
+                                    strict=cfg.strict_sla, target=cfg.sla_target, trace=trace)
     remember_guard(cfg, key, admission)
     metrics = Metrics(cfg.sla_tokens)
     metrics.export_guard(admission.guard)
