@@ -35,5 +35,7 @@ def test_the_report_has_each_count_of_requests(tmp_path: Path) -> None:
     assert [p["decoding"] for p in points] == [1, 4]
     for p in points:
         assert 0 < p["plan_us"] and 0 < p["step_us"] and p["message_bytes"] > 0
-    assert points[1]["step_us"] > points[0]["step_us"]  # four tokens cost the engine thread more than one
+    # four tokens make a longer message than one (their times are the bench's to show: a timed comparison of 20 steps
+    # read 34.5 against 35.3 µs on a busy CI host)
+    assert points[1]["message_bytes"] > points[0]["message_bytes"]
     assert "| 4 |" in report.with_suffix(".md").read_text()
