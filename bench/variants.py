@@ -151,6 +151,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # weights through the tensor-memory accelerator in every matvec (boxes of at most 256 columns)
     "tma": lambda w: KernelConfig(tiles=_tiles(w, tma=True, k_chunk=256, stages=6 if w != "bf16" else 4)),
     "lm-pointers": lambda w: KernelConfig(tiles=_tiles(w, (Op.LMHEAD,), tma=False)),
+    # int8 weights converted by Triton's integer ops (sign-extended pairs), as before the byte permutes
+    "int8-add16": lambda w: KernelConfig(tiles=_tiles(w, int8_prmt=False)),
     "one-stream": lambda w: KernelConfig(tiles=_tiles(w, (Op.OPROJ, Op.DOWN), k_halves=False)),
     # weights prefetched into L2 a task ahead instead of before each task's own wait
     "pf-ahead": lambda w: KernelConfig(prefetch_own=False, prefetch_ahead=1),

@@ -567,7 +567,7 @@ class Megakernel:
 
     @staticmethod
     def _runnable(t: MatvecTile) -> MatvecTile:
-        return t if not INTERPRET else t._replace(prefetch_tiles=0)  # the interpreter runs no inline PTX
+        return t if not INTERPRET else t._replace(prefetch_tiles=0, int8_prmt=False)  # the interpreter: no PTX
 
     def _descriptors(self, tiles: TileTable) -> tuple[object, ...]:
         """Each matrix as a [L*rows, cols] tensor descriptor with its tile's box where its matvec loads through TMA

@@ -29,6 +29,9 @@ class MatvecTile(NamedTuple):
     # W8A8 (FP8 weights, swapped tiles): each k chunk's activations quantized to e4m3 with a scale per row (its
     # absmax over the chunk to 448), so the dot runs e4m3 x e4m3 on the tensor cores (wgmma, from 64-row tiles)
     w8a8: bool = False
+    # int8 weights converted to float16 by byte permutes in inline PTX (matvec._int8_f16), else by Triton's integer
+    # ops (what the interpreter runs)
+    int8_prmt: bool = True
 
 
 MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
