@@ -61,6 +61,10 @@ def test_e2e_plan_is_issue_21s_and_36s() -> None:
     assert e2e(only="megakernel.bf16,megakernel.fp8").estimate_s() < GPU_CALL_S - 60
     assert e2e(only="reference.bf16,qwen.megakernel.bf16").estimate_s() < GPU_CALL_S - 60
     assert e2e(capacity=False).estimate_s() < GPU_CALL_S - 60
+    # int8 with row scales runs when named, with its capacity, in a call of its own
+    [int8_row] = [s for s in e2e(only="megakernel.int8row").servers if s.label == "megakernel.int8row"]
+    assert "--weights int8-row" in " ".join(int8_row.serve) and "megakernel.int8row" not in servers
+    assert e2e(only="megakernel.int8row").estimate_s() < GPU_CALL_S - 60
 
 
 def test_e2e_compares_the_thread_and_the_process_engine_in_one_call() -> None:
