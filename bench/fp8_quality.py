@@ -77,17 +77,18 @@ W8A8_CHUNK = 256
 
 
 @contextlib.contextmanager
-def w8a8_products(group: int, weights: Callable[[torch.Tensor], bool | int] = lambda w: True) -> Iterator[None]:
+def w8a8_products(group: int, weights: Callable[[torch.Tensor], bool | int] = lambda w: True,
+                  activations: Callable[[torch.Tensor, int], torch.Tensor] = fp8.activations_e4m3) -> Iterator[None]:
     """While inside, the reference decoder's products whose weight `weights` picks quantize their activations as a
-    W8A8 tile does (fp8.activations_e4m3 over runs of `group` columns, or of the columns `weights` names for that
-    weight): the oracle of a W8A8 step."""
+    W8A8 tile does (`activations`: fp8.activations_e4m3, or int8.activations_int8 for int8 weights, over runs of
+    `group` columns, or of the columns `weights` names for that weight): the oracle of a W8A8 step."""
     plain = reference.linear
 
     def quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         pick = weights(weight)
         if pick is False:
             return plain(x, weight, bias)
-        return plain(fp8.activations_e4m3(x, group if pick is True else pick), weight, bias)
+        return plain(activations(x, group if pick is True else pick), weight, bias)
 
     with mock.patch.object(reference, "linear", quantized):
         yield
@@ -169,13 +170,16 @@ def main() -> None:
                     help="embed-too runs only for the int8 formats and today's fp8 (it is the lookup's values)")
     ap.add_argument("--w8a8", nargs="*", default=list(W8A8), choices=list(W8A8),
                     help="W8A8 rows: today's fp8 weights (LM head quantized) with these products' activations in e4m3")
+    ap.add_argument("--w8a8-int8", nargs="*", default=["a8-gateup", "a8-gateup-lm64"], choices=list(W8A8),
+                    help="int8 W8A8 rows: int8-row weights (LM head quantized) with these products' activations in "
+                    "int8 (a scale per row and chunk)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(device=device, dtype=torch.float32)
     windows = text_windows(model.tokenizer, args.windows, args.window)
     ctx = max(args.window, 256) + args.new_tokens
-    variants: dict[str, tuple[str, str, Callable[[], ModelWeights], tuple[str, ...]]] = {
+    variants: dict[str, tuple[str, str, Callable[[], ModelWeights], tuple[str, ...]]] = {  # (..., W8A8 products)
         "float32": ("float32", "-", lambda: model.weights, ()),
         "bf16": ("bf16", "-", lambda: model.weights.to(device, torch.bfloat16), ()),
     }
@@ -188,6 +192,9 @@ def main() -> None:
         variants[f"e4m3-row-pow2+{a8}/quantized"] = (
             f"e4m3-row-pow2+{a8}", "quantized", lambda: variant(model.weights, FORMATS["e4m3-row-pow2"], "quantized"),
             W8A8[a8])
+    for a8 in args.w8a8_int8:
+        variants[f"int8-row+{a8}/quantized"] = (
+            f"int8-row+{a8}", "quantized", lambda: variant(model.weights, FORMATS["int8-row"], "quantized"), W8A8[a8])
     prompts = [model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
     rows, texts = {}, {}
     for name, (fmt, heads, build, a8_products) in variants.items():
@@ -195,7 +202,9 @@ def main() -> None:
         dt = torch.float32 if name == "float32" else torch.bfloat16
         weights = build()
         dec = ReferenceDecoder(model.config, weights, 1, ctx, device, dt)
-        a8 = w8a8_products(W8A8_CHUNK, w8a8_of(dec.weights, a8_products)) if a8_products else contextlib.nullcontext()
+        act = int8.activations_int8 if fmt.startswith("int8-row+") else fp8.activations_e4m3
+        a8 = (w8a8_products(W8A8_CHUNK, w8a8_of(dec.weights, a8_products), act) if a8_products
+              else contextlib.nullcontext())
         with a8:
             rows[name] = {"format": fmt, "heads": heads, "perplexity": perplexity(dec, windows)}
             texts[name] = [greedy(dec, p, args.new_tokens) for p in prompts]
@@ -231,7 +240,9 @@ def main() -> None:
         f"+a8-…: W8A8, today's fp8 weights with the activations of gate/up (a8-gateup), of gate/up and the LM head "
         f"(a8-gateup-lm; a8-gateup-lm128 / -lm64: the LM head's over 128 / 64 columns, -lm64 the megakernel's "
         f"default from 16 rows) or of "
-        f"every product (a8-all) in e4m3, a scale per row and {W8A8_CHUNK} columns (the megakernel's W8A8 tiles). "
+        f"every product (a8-all) in e4m3, a scale per row and {W8A8_CHUNK} columns (the megakernel's W8A8 tiles); "
+        "int8-row+a8-…: `int8-row` weights with those products' activations in int8 (a scale per row and chunk, "
+        "int8 x int8 on the tensor cores). "
         "Head: bf16 = LM head and embedding in bf16; quantized = the LM head quantized, the embedding lookup bf16 "
         "(as served); embed-too = both quantized.", "",
         "| format | head | perplexity | vs bf16 | greedy identical | shared prefix |",

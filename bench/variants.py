@@ -17,7 +17,7 @@ def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **cha
     """The default tiles of each launch's rows, with `change` applied to `ops` in launches of at least min_rows
     (with int8 weights, then cut into one k slice per block: int8_slices)."""
     def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8", weights == "int8-row")
         if rows < min_rows:
             return tiles
         changed = {op: t._replace(**change) if op in ops else t for op, t in tiles.items()}
@@ -53,7 +53,7 @@ def _flat(weights: str, qkv: tuple[int, int], o: tuple[int, int], gateup: tuple[
     shape = {Op.QKV: qkv, Op.OPROJ: o, Op.GATEUP: gateup, Op.DOWN: down}
 
     def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8", weights == "int8-row")
         if rows < min_rows:
             return tiles
         k = k_chunk * (2 if weights == "fp8" and k_chunk < 256 else 1)
@@ -74,7 +74,7 @@ def _w8a8(weights: str, ops: tuple[Op, ...] = (Op.GATEUP, Op.LMHEAD), min_rows: 
              Op.GATEUP: MatvecTile(rows=gateup_rows), Op.LMHEAD: MatvecTile(rows=lm_rows, tma=True)}
 
     def table(rows: int) -> dict[Op, MatvecTile]:
-        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8")
+        tiles = default_tiles(weights != "bf16", rows, weights == "int8", weights == "fp8", weights == "int8-row")
         if weights != "fp8" or rows < min_rows:
             return tiles
         return tiles | {op: shape[op]._replace(k_chunk=k_chunk, k_slices=1, swap=True, w8a8=True,
@@ -254,7 +254,7 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "lm128": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=2)),
     "lm128-ks1": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=128, k_chunk=128, k_slices=1)),
     "lm256": lambda w: KernelConfig(tiles=_narrow(w, (Op.LMHEAD,), rows=256, k_chunk=64, k_slices=1)),
-    # FP8 weight-only everywhere: the default before gate/up ran W8A8 from 16 rows
+    # 8-bit weight-only everywhere: FP8's default before gate/up ran W8A8 from 16 rows (int8-row's before s76)
     "weight-only": lambda w: KernelConfig(tiles=lambda rows: default_tiles(w != "bf16", rows, w == "int8")),
     # FP8 W8A8 from 16 rows (_w8a8): gate/up (the default now) and the LM head; each alone; four stages; 128-row
     # gate/up tiles; at every row count (rows padded to 16); O and down too (64-row tiles: 32 tasks each)
@@ -277,7 +277,7 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "a8-xn16": lambda w: KernelConfig(f16_norm_operand=True, tiles=_w8a8(w)),
     # the whole step in one launch, the LM head's tail included (the default before KernelConfig.lm_launch)
     "one-launch": lambda w: KernelConfig(lm_launch=False),
-    # FP8 from 16 sampled rows: the LM head weight-only (before it ran W8A8 over 128-column chunks)
+    # 8-bit W8A8 from 16 sampled rows: the LM head weight-only (FP8's before it ran W8A8 over 128-column chunks)
     "lm-weight-only": lambda w: KernelConfig(tiles=_lm_weight_only(w)),
     # the LM head's W8A8 over 64-column chunks (a scale per 64: within 1% of weight-only FP8's perplexity, 128 is
     # not), in tiles of 128 or 256 rows, over 4 to 12 stages

@@ -312,8 +312,8 @@ def _finish_tile(OP: tl.constexpr, rows, rows2, sums, sums2, rstd, best_v, best_
 def _swapped_tile(w_ptr, desc, drow, rows, k0, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, DOT_T: tl.constexpr,
                   W_INT8: tl.constexpr, PRMT: tl.constexpr):
-    """The weight tile [BN, BK] of `rows` and columns [k0, k0 + BK), in the dot's type (8-bit converted; e4m3 stays
-    e4m3 where the dot's type is e4m3: W8A8)."""
+    """The weight tile [BN, BK] of `rows` and columns [k0, k0 + BK), in the dot's type (8-bit converted; e4m3 and
+    int8 stay as they are where the dot's type is theirs: W8A8)."""
     if TMA:
         w = desc.load([(drow + tl.min(rows, axis=0)).to(tl.int32), k0.to(tl.int32)])
     else:
@@ -323,9 +323,19 @@ def _swapped_tile(w_ptr, desc, drow, rows, k0, N: tl.constexpr, K: tl.constexpr,
         else:
             w = tl.load(w_ptr + rows[:, None] * K + rk[None, :], mask=(rows[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
-    if W_INT8:
+    if W_INT8 and DOT_T != tl.int8:
         return _int8_f16(w, PRMT)
     return w.to(DOT_T)
+
+
+@triton.jit
+def _act_int8(a):
+    """W8A8's activations for int8 weights: a [BK, BPAD] (float32, a k chunk of each row) as int8 and each row's scale
+    (the chunk's absmax maps to 127, rounded half up; a row of zeros, the padding, keeps zeros and scale 0)."""
+    amax = tl.max(tl.abs(a), axis=0)
+    live = amax > 0
+    q = tl.floor(a * tl.where(live, 127.0 / amax, 1.0)[None, :] + 0.5).to(tl.int8)
+    return q, tl.where(live, amax / 127.0, 0.0)
 
 
 @triton.jit
@@ -336,6 +346,15 @@ def _act_e4m3(a):
     live = amax > 0
     q = (a * tl.where(live, E4M3_MAX / amax, 1.0)[None, :]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return q, tl.where(live, amax / E4M3_MAX, 0.0)
+
+
+@triton.jit
+def _a8_dot(w, a, W_INT8: tl.constexpr):
+    """A W8A8 chunk's dot w [BN, BK] @ a [BK, BPAD], in float32: e4m3 x e4m3, or int8 x int8 summed exactly in int32."""
+    if W_INT8:
+        return tl.dot(w, a, out_dtype=tl.int32).to(tl.float32)
+    else:
+        return tl.dot(w, a)
 
 
 @triton.jit
@@ -350,7 +369,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
     added up; the weights' row scales wait for the epilogue as ever."""
     BN: tl.constexpr = TILE.rows
     A8: tl.constexpr = TILE.w8a8
-    W_T: tl.constexpr = tl.float8e4nv if A8 else DOT_T
+    W_T: tl.constexpr = (tl.int8 if W_INT8 else tl.float8e4nv) if A8 else DOT_T
     PRMT: tl.constexpr = TILE.int8_prmt
     BK: tl.constexpr = TILE.k_chunk
     ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
@@ -371,7 +390,9 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             a = ld_act(a_ptrs, rb[None, :] < B, CG)
         else:
             a = ld_act(a_ptrs, (rb[None, :] < B) & (rk[:, None] < K), CG)
-        if A8:  # scale-invariant: an operand not yet times F16_SCALE enters as it is (matvec leaves rstd alone)
+        if A8 and W_INT8:  # int8 x int8 on the tensor cores, int32 sums
+            a, a_scale = _act_int8(a.to(tl.float32))
+        elif A8:  # scale-invariant: an operand not yet times F16_SCALE enters as it is (matvec leaves rstd alone)
             a, a_scale = _act_e4m3(a.to(tl.float32))
         elif SCALE_IN:
             a = a.to(tl.float32) * F16_SCALE
@@ -379,13 +400,13 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             a = a.to(DOT_T)
         w = _swapped_tile(ws.w, ws.desc, ws.drow, rows, k0, N, K, BN, BK, EVEN, TILE.tma, W_T, W_INT8, PRMT)
         if A8:
-            acc += tl.dot(w, a) * a_scale[None, :]
+            acc += _a8_dot(w, a, W_INT8) * a_scale[None, :]
         else:
             acc = tl.dot(w, a, acc)
         if ROWS2:
             w2 = _swapped_tile(ws.w2, ws.desc2, ws.drow, rows2, k0, N, K, BN, BK, EVEN, TILE.tma, W_T, W_INT8, PRMT)
             if A8:
-                acc2 += tl.dot(w2, a) * a_scale[None, :]
+                acc2 += _a8_dot(w2, a, W_INT8) * a_scale[None, :]
             else:
                 acc2 = tl.dot(w2, a, acc2)
         if kb == KB - 1:

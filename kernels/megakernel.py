@@ -486,7 +486,8 @@ class Megakernel:
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
         if t is None:
-            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks, e4m3=self.w.fp8)
+            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks, e4m3=self.w.fp8,
+                                 a8_int8=self.w.int8 and not self.w.int8_blocks)
         return t(rows) if callable(t) else t
 
     def tiles(self, batch: int) -> TileTable:
@@ -504,8 +505,8 @@ class Megakernel:
             if t.swap and (self.w.int8_blocks or rows < 16 and not INTERPRET):
                 raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows; the LM "
                                  "head's: max_sampled) and no int8 block scales")
-            if t.w8a8 and not (t.swap and self.w.fp8):
-                raise ValueError(f"{op.name}: W8A8 tiles need FP8 weights and swapped operands")
+            if t.w8a8 and not (t.swap and (self.w.fp8 or self.w.int8 and not self.w.int8_blocks)):
+                raise ValueError(f"{op.name}: W8A8 tiles need FP8 or int8-row weights and swapped operands")
             if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
                 raise ValueError(f"int8 weights: {op.name}'s k slices of {t.k_chunk // t.k_slices} columns cross "
                                  f"blocks of {INT8_BLOCK} (int8_slices makes a tile's slices fit)")

@@ -38,10 +38,14 @@ MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
 TileTable = dict[Op, MatvecTile]
 
 
-def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bool = False) -> TileTable:
+def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bool = False, a8_int8: bool = False
+                  ) -> TileTable:
     """The tiles of a launch whose matvecs have `rows` rows (its bucket; the LM head's own rows for the LM head).
     fp8: 8-bit weights (e4m3, or int8 with row scales, which stream alike); int8: int8 with block scales; e4m3: the
-    weights are e4m3 (W8A8 possible).
+    weights are e4m3 (W8A8 possible); a8_int8: int8 with row scales, W8A8 with int8 activations (the same tiles as
+    e4m3's from 16 rows: gate/up, and the LM head where it has 16 rows; the dot int8 x int8 on wgmma). On the H100
+    that took int8-row's 16-row step from 1.147 to 0.958 ms and 64 rows from 2.297 to 2.131 (gate/up alone: 1.069,
+    2.237), for +1.1% perplexity over its weight-only form on SmolLM2 (bench/NOTES.md "int8 W8A8").
 
     Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core dot) of
     256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's 64-row
@@ -109,7 +113,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
         tiles[Op.DOWN] = MatvecTile(k_chunk=256 * k, k_halves=True, stages=stages)
         if rows >= 16 and fp8:
             tiles[Op.LMHEAD] = MatvecTile(rows=128, k_chunk=128, k_slices=1, tma=True, stages=stages)
-            if e4m3:
+            if e4m3 or a8_int8:
                 tiles[Op.GATEUP] = W8A8_GATEUP
                 tiles[Op.LMHEAD] = W8A8_LMHEAD
         elif fp8:  # 8-bit: the one long stream's TMA boxes 128 rows deep, 4 of them in flight (more bytes in flight)
@@ -124,7 +128,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     # swapped operands: the weight tile is the dot's M, the rows its N (measured, bench/NOTES.md "Flat steps")
     wide = {op: MatvecTile(k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
             for op in (Op.QKV, Op.OPROJ, Op.DOWN)}
-    wide[Op.GATEUP] = W8A8_GATEUP if e4m3 else \
+    wide[Op.GATEUP] = W8A8_GATEUP if e4m3 or a8_int8 else \
         MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
     return wide | {Op.LMHEAD: lm_wide}
 

@@ -101,8 +101,9 @@ def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
 
 def test_w8a8_where_the_default_tiles_say() -> None:
     """e4m3 weights run gate/up W8A8 in launches of 16 rows and more, and the LM head W8A8 where it has 16 rows
-    (the LM head's table is its own rows', at most the 16 sampled of any bucket: kernels/tiles.py); fewer rows, bf16
-    and int8 with row scales never; W8A8 tiles over weights that are not e4m3 are refused."""
+    (the LM head's table is its own rows', at most the 16 sampled of any bucket: kernels/tiles.py), and so does int8
+    with row scales (int8 activations); fewer rows, bf16 and int8 blocks never; W8A8 tiles over bf16 weights are
+    refused."""
     from kernels.instructions import Op
     from kernels.megakernel import KernelConfig
     from kernels.tiles import MATVECS, MatvecTile, default_tiles
@@ -125,10 +126,15 @@ def test_w8a8_where_the_default_tiles_say() -> None:
     assert fp8.tiles(16)[Op.GATEUP].w8a8 and fp8.tiles(64)[Op.GATEUP].w8a8 and not fp8.tiles(8)[Op.GATEUP].w8a8
     # a 64-row step samples 16 rows: its LM head runs the 16-row W8A8 tiles
     assert fp8.tiles(16)[Op.LMHEAD].w8a8 and fp8.tiles(64)[Op.LMHEAD].w8a8 and not fp8.tiles(8)[Op.LMHEAD].w8a8
-    assert not any(t.w8a8 for t in decoder("int8-row").kernel.tiles(16).values())
+    # int8 with row scales: the same W8A8 tiles, int8 activations; Q8_0's block scales never
+    int8_row = decoder("int8-row").kernel
+    for rows in (16, 64):
+        assert int8_row.tiles(rows)[Op.GATEUP].w8a8 and int8_row.tiles(rows)[Op.LMHEAD].w8a8
+    assert not any(t.w8a8 for t in int8_row.tiles(8).values())
+    assert not any(t.w8a8 for rows in (1, 16, 64) for t in decoder("int8").kernel.tiles(rows).values())
     a8 = MatvecTile(rows=16, k_chunk=16, k_slices=1, swap=True, w8a8=True)
     bf16 = decoder("bf16", KernelConfig(tiles={op: a8 for op in MATVECS})).kernel
-    with pytest.raises(ValueError, match="W8A8 tiles need FP8 weights"):
+    with pytest.raises(ValueError, match="W8A8 tiles need FP8 or int8-row weights"):
         bf16.tiles(16)
 
 

@@ -44,13 +44,15 @@ def _rel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _check(shape: str, batch: int, weight_format: str = "bf16", steps: int = STEPS, variant: str = "default",
            w8a8: tuple[str, ...] = ()) -> dict:
     """With `variant` a bench variant's kernel (bench/variants.py); with `w8a8` (matrix names) the oracles quantize
-    those products' activations as the W8A8 tiles do (bench.fp8_quality.w8a8_products)."""
+    those products' activations as the W8A8 tiles do (bench.fp8_quality.w8a8_products: e4m3, or int8 with int8-row
+    weights)."""
     import contextlib
 
     from bench.fp8_quality import W8A8_CHUNK, w8a8_of, w8a8_products
     from bench.variants import VARIANTS
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
+    from service.model import fp8, int8
     from service.model.synthetic import load_synthetic
 
     seed = int.from_bytes(os.urandom(4), "little")
@@ -79,7 +81,8 @@ def _check(shape: str, batch: int, weight_format: str = "bf16", steps: int = STE
         def pick(w: torch.Tensor) -> bool | int:  # either oracle's weights: True, the product's own chunk, or False
             return next((c for c in (p(w) for p in picks) if c is not False), False)
 
-        return w8a8_products(W8A8_CHUNK, pick) if w8a8 else contextlib.nullcontext()
+        act = int8.activations_int8 if weight_format == "int8-row" else fp8.activations_e4m3
+        return w8a8_products(W8A8_CHUNK, pick, act) if w8a8 else contextlib.nullcontext()
 
     d_ref, e_mk, e_ref = [], [], []
     argmax_consistent, agree_mk, agree_ref = True, 0, 0
@@ -131,16 +134,19 @@ def test_megakernel_matches_reference_on_gpu(shape: str, batch: int, weight_form
     assert r["argmax_agree_fp32_mk"] >= r["argmax_agree_fp32_ref"] - 0.1, r
 
 
-@pytest.mark.parametrize(("variant", "products"), [("default", "a8-gateup-lm64"), ("a8", "a8-gateup-lm")])
-def test_w8a8_step_matches_its_oracle_on_gpu(variant: str, products: str) -> None:
-    """FP8 W8A8 at 16 rows (the default: gate/up in swapped tiles with e4m3 activations, wgmma e4m3 x e4m3, and the
-    LM head alike over 64-column chunks; bench variant `a8`: the LM head's over 256) against the reference decoders
-    quantizing the same products' activations alike. On these random-weight models two W8A8 computations stray far
-    apart (the bf16 and float32 oracles ~0.18), so the kernel is held to be as close to the float32 oracle as the
-    bf16 one is."""
+@pytest.mark.parametrize(("weight_format", "variant", "products"),
+                         [("fp8", "default", "a8-gateup-lm64"), ("fp8", "a8", "a8-gateup-lm"),
+                          ("int8-row", "default", "a8-gateup-lm64"), ("int8-row", "lm-weight-only", "a8-gateup")])
+def test_w8a8_step_matches_its_oracle_on_gpu(weight_format: str, variant: str, products: str) -> None:
+    """W8A8 at 16 rows against the reference decoders quantizing the same products' activations alike. FP8 (the
+    default: gate/up in swapped tiles with e4m3 activations, wgmma e4m3 x e4m3, and the LM head alike over 64-column
+    chunks; bench variant `a8`: the LM head's over 256); int8-row alike with int8 activations, wgmma int8 x int8
+    summed in int32 (the default; `lm-weight-only`: gate/up alone). On these random-weight models two W8A8
+    computations stray far apart (the bf16 and float32 oracles ~0.18), so the kernel is held to be as close to the
+    float32 oracle as the bf16 one is."""
     from bench.fp8_quality import W8A8
 
-    r = _check("llama-3.2-1b", 16, "fp8", steps=8, variant=variant, w8a8=W8A8[products])
+    r = _check("llama-3.2-1b", 16, weight_format, steps=8, variant=variant, w8a8=W8A8[products])
     print("w8a8", r)
     assert _as_good_as_the_reference(r), r
     assert r["argmax_consistent"], r

@@ -23,7 +23,8 @@ import torch
 from service.model.quantized import LAYER_MATRICES, QuantizedModel, quantize_with
 from service.model.weights import Int8Matrix, ModelWeights
 
-__all__ = ["BLOCK", "LAYER_MATRICES", "Int8Matrix", "QuantizedModel", "quantize", "quantize_model"]
+__all__ = ["BLOCK", "LAYER_MATRICES", "Int8Matrix", "QuantizedModel", "activations_int8", "quantize",
+           "quantize_model"]
 
 BLOCK = 32  # columns per scale (Q8_0's)
 INT8_MAX = 127
@@ -50,3 +51,16 @@ def quantize_model(weights: ModelWeights, dtype: torch.dtype = torch.bfloat16, b
     biases stay as they are."""
     own = (weights.int8 or {}) if block == BLOCK else {}
     return quantize_with(weights, dtype, lambda key, w: own[key] if key in own else quantize(w, block))
+
+
+def activations_int8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """W8A8's activations for int8 weights as the megakernel's W8A8 tiles quantize them (MatvecTile.w8a8), dequantized:
+    each row's runs of `group` columns (the tile's k chunk) scaled so that their absmax maps to 127, rounded half up
+    to an integer and scaled back; a run of zeros stays zeros. What an oracle multiplies by the weights to match the
+    kernel."""
+    xf = x.float()
+    cols = xf.shape[-1]
+    g = torch.nn.functional.pad(xf, (0, -cols % group)).unflatten(-1, (-1, group))
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    q = torch.floor(g * torch.where(amax > 0, INT8_MAX / amax, 1.0) + 0.5)
+    return (q * (amax / INT8_MAX)).flatten(-2)[..., :cols].to(x.dtype)
