@@ -13,8 +13,9 @@ a consumer's matvec streams a ready operand, and computes rstd from x itself (no
 Weights are bf16; or FP8 (e4m3) with one float32 scale per output row, converted in registers after the load and
 scaled in the epilogue; or int8, converted by bit manipulation, with one float32 scale per output row (scaled in the
 epilogue) or one float16 scale per block of 32 columns (GGUF's Q8_0; scaled per k slice of the dot: _weight_dot):
-the same tensor-core dot streams half the bytes. FP8 weights in swapped tiles may also run W8A8 (MatvecTile.w8a8):
-each k chunk's activations quantized to e4m3 per row, the dot e4m3 x e4m3 with no weight conversion at all.
+the same tensor-core dot streams half the bytes. FP8 and int8-row weights in swapped tiles may also run W8A8
+(MatvecTile.w8a8): each k chunk's activations quantized per row to e4m3 or int8, the dot e4m3 x e4m3 or int8 x int8
+(summed in int32) with no weight conversion at all.
 """
 
 from __future__ import annotations

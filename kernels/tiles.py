@@ -26,8 +26,9 @@ class MatvecTile(NamedTuple):
     k_halves: bool = False
     k_splits: int = 1  # parts of K, each a task of one tile (the last to arrive adds them up: instructions.py)
     swap: bool = False  # the weights as the dot's wide side (M), the step's rows (padded to 16) as N; one k slice
-    # W8A8 (FP8 weights, swapped tiles): each k chunk's activations quantized to e4m3 with a scale per row (its
-    # absmax over the chunk to 448), so the dot runs e4m3 x e4m3 on the tensor cores (wgmma, from 64-row tiles)
+    # W8A8 (FP8 or int8-row weights, swapped tiles): each k chunk's activations quantized to the weights' type with a
+    # scale per row (its absmax over the chunk to 448 or 127), so the dot runs e4m3 x e4m3 or int8 x int8 on the
+    # tensor cores (wgmma, from 64-row tiles)
     w8a8: bool = False
     # int8 weights converted to float16 by byte permutes in inline PTX (matvec._int8_f16), else by Triton's integer
     # ops (what the interpreter runs)
@@ -45,7 +46,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     weights are e4m3 (W8A8 possible); a8_int8: int8 with row scales, W8A8 with int8 activations (the same tiles as
     e4m3's from 16 rows: gate/up, and the LM head where it has 16 rows; the dot int8 x int8 on wgmma). On the H100
     that took int8-row's 16-row step from 1.147 to 0.958 ms and 64 rows from 2.297 to 2.131 (gate/up alone: 1.069,
-    2.237), for +1.1% perplexity over its weight-only form on SmolLM2 (bench/NOTES.md "int8 W8A8").
+    2.237), for +0.77% perplexity over its weight-only form on SmolLM2 (bench/NOTES.md "int8 W8A8").
 
     Up to 16 rows, what the H100 measured best (bench/NOTES.md, K1-K4): 16-row tiles (the smallest tensor-core dot) of
     256 columns; QKV and gate/up stream two runs of rows side by side, down its K's two halves; the LM head's 64-row
