@@ -319,6 +319,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # per SM; twice the warps hide more of it if the 255 registers they may each keep are enough (8 warps were slower
     # than 4 on the kernel of V1-V3, bench/NOTES.md)
     "warps8": lambda w: KernelConfig(num_warps=8),
+    # 8-bit weights' 64-row buckets in 4 warps a program, as before KernelConfig.wide_warps_8bit (default 8)
+    "warps4": lambda w: KernelConfig(wide_warps_8bit=4),
     # O and down in wide tiles with K split, so that fewer tasks reread each activation (_k_split): each slower than
     # the default at every row count on the H200 (bench/NOTES.md "A verdict in two halves; O and down with K split")
     "dn-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4)),

@@ -282,6 +282,13 @@ TileChoice = TileTable | Callable[[int], TileTable]
 @dataclass(frozen=True)
 class KernelConfig:
     num_warps: int = 4
+    # 8-bit weights with row scales (FP8, int8-row) in buckets of wide_warps_rows rows or more: warps a program. Their
+    # swapped tiles' dots and conversions are issued by one warp per scheduler at 4 warps, which hides little, and
+    # their 64-row launch kept 328 B of stack a thread (8 warps: 80). On the H100, in turns against 4 (bench/NOTES.md
+    # "Eight warps for 8-bit 64-row steps"): 64 rows FP8 1.864 -> 1.758 ms, int8-row 2.136 -> 1.921; but 32 rows FP8
+    # 1.293 -> 1.380 and bf16 slower at both (1.465 -> 1.683, 1.862 -> 1.988), so bf16 and 32 rows keep num_warps
+    wide_warps_8bit: int = 8
+    wide_warps_rows: int = 64
     num_stages: int = 4  # the launch's default, for loops that set none of their own
     programs_per_sm: int = 1
     tiles: TileChoice | None = None  # None: default_tiles for each launch's rows and the weights' format
@@ -647,8 +654,14 @@ class Megakernel:
             SKIP_WAITS=c.skip_waits, PART=part,
             MATVEC=matvec_call if called else matvec,
             ATTENTION=attention_call if called and launch.rows <= c.call_attention_max_rows else attention,
-            num_warps=c.num_warps, num_stages=c.num_stages, **extra,
+            num_warps=self.warps(launch.rows), num_stages=c.num_stages, **extra,
         )
+
+    def warps(self, rows: int) -> int:
+        """Warps a program in a launch of `rows` rows (KernelConfig.wide_warps_8bit)."""
+        row_scaled_8bit = self.w.fp8 or (self.w.int8 and not self.w.int8_blocks)
+        wide = row_scaled_8bit and rows >= self.cfg.wide_warps_rows
+        return self.cfg.wide_warps_8bit if wide else self.cfg.num_warps
 
 
 def _lm_starts(s: I.Schedule) -> torch.Tensor:
