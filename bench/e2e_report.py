@@ -166,7 +166,7 @@ def markdown(doc: dict[str, Any]) -> str:
     paired = [r for r in doc["records"] if "capacity_rps" in r]
     if paired:
         lines += ["", "Goodput beside capacity: the highest rate with 99% of all requests on time, with admission on "
-                      "and with it off (`--sla-ms 100000`, the same arrivals judged by the client against 100 ms). "
+                      "and with it off (`--no-admission`, the same arrivals judged by the client against 100 ms). "
                       "Above 1 where admission refuses the few requests that, served, would come late: with it off "
                       "they count against the rate",
                   "", "| backend | goodput req/s | capacity req/s (admission off) | goodput / capacity | admitted on "

@@ -22,8 +22,10 @@ PRICE = ("--gpu-hourly-usd", "2.5")  # the same price the load tester assumes: i
 SLA = ("--sla-tokens", "64", "--sla-ms", "100")
 START_S = 60.0  # a server's start on the H100 with a cold Triton cache, at most (the plan's estimate)
 WARM_START_S = 30.0  # ...and of the same model again (Triton's and the calibration's caches warm)
-# Admission off: an SLA no request misses, so the server admits all it can queue; the client still judges by 100 ms.
-ADMISSION_OFF = "--sla-ms 100000"
+# Admission off: every request admitted unjudged, no forecast beside the steps (--sla-ms 100000 forecast each
+# newcomer behind the whole queue: up to 5 ms a verdict past capacity, the GPU idle beside it); the client judges by
+# 100 ms.
+ADMISSION_OFF = "--no-admission"
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
     SLA (or past `sweep_max_rate`), then `sweep_bisect` bisections, `sweep_s` seconds of arrivals each, from
     `sweep_workers` client processes (one client's own event-loop lag reached p99 2.0-3.0 ms at 45-80 req/s on the
     H100 host, `e2e-fp8-s37-…`, above the 2 ms the figures allow: two share the load). `capacity`: each swept run's
-    server again with admission off (`--sla-ms 100000`), swept the same way and judged by the client against the
+    server again with admission off (`--no-admission`), swept the same way and judged by the client against the
     same 100 ms: its capacity, and the report's goodput / capacity (what admission keeps of what the server can
     serve on time). `sweep_warmup`: requests sent at the first rate before anything is measured: a fresh server's
     admission guard judges requests beside others by a conservative prior until it has seen some of its own

@@ -219,7 +219,7 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{r['preemptive']} ({_pct(r['preemptive_admitted_share'])}) |")
     if doc.get("capacity"):
         lines += ["", "## Capacity: the same arrivals, admission off", "",
-                  "The server again with `--sla-ms 100000` (it admits every turn), the sweep's sessions at some of its "
+                  "The server again with `--no-admission` (it admits every turn), the sweep's sessions at some of its "
                   "rates, judged by the client against the same SLA. " + (
                       "A session goes on past a refused turn (an agent's fallback LLM answers it), so both servers are "
                       "asked for the same turns. "

@@ -105,8 +105,10 @@ class _Judging:
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
                  strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic,
-                 trace: AdmissionLog | None = None) -> None:
+                 trace: AdmissionLog | None = None, forecasts: bool = True) -> None:
         self.latency = latency
+        # --no-admission (False): every request admitted without a forecast; deadlines still set, on time still judged
+        self.forecasts = forecasts
         self.trace = trace  # --admission-log: a line per verdict, SLA token and step (service/admission_log.py)
         self.sla_s, self.sla_tokens = sla_s, sla_tokens
         self.max_batch = max_batch  # requests seated together
@@ -124,7 +126,7 @@ class AdmissionController:
         self._lock = threading.Lock()
         self._active: dict[str, Request] = {}
         self._promises: dict[str, Promise] = {}
-        self.best_effort = not strict and not self.idle_server_meets_sla()
+        self.best_effort = not strict and forecasts and not self.idle_server_meets_sla()
         if self.best_effort:
             log.warning("even an idle server cannot deliver %d tokens within %.0f ms here (predicted %.0f ms): "
                         "serving best-effort; --strict-sla refuses instead",
@@ -179,6 +181,9 @@ class AdmissionController:
         # room for the hop from the engine to the front end, where the client's clock reads it (api/delivery.py); at
         # most a share of the SLA, so that a front end that stalled once cannot make an idle server refuse
         req.deadline = req.arrival + self.sla_s - min(req.delivery_s, DELIVERY_SHARE * self.sla_s)
+        if not self.forecasts:
+            self._admit_unjudged(req)
+            return
         with self._deciding:
             judging = self._first(req)
             if not judging.late:
@@ -240,6 +245,16 @@ class AdmissionController:
                     self._promises[r.id] = Promise(p.at if p is not None else now, predicted, j.level, stretch)
             self._active[req.id] = req
         self._decided += 1
+
+    def _admit_unjudged(self, req: Request) -> None:
+        """--no-admission: in flight without a forecast or a promise (nothing scored, the guard learns only whether
+        it came in time)."""
+        with self._lock:
+            self._active[req.id] = req
+            self._decided += 1
+        if self.trace is not None:
+            self.trace.record("verdict", t=time.perf_counter(), req=req.id, admitted=True, reason=None, rule="off",
+                              prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
 
     def _trace_step(self, event: StepDone, predicted: float) -> None:
         """A sampled step's line; and every step with a long handed-over task in its cadence gets a `handed` line, so

@@ -86,6 +86,11 @@ class ServeConfig(BaseSettings):
                                "until it has learned. Needs the calibration cache")
     sla_ms: float = Field(100.0, description="the deadline of the SLA token, in ms from arrival")
     sla_tokens: int = Field(64, description="which token the SLA is about (the Nth)")
+    admission: bool = Field(True, description="forecast each request beside those in flight and refuse at once "
+                            "what would miss the SLA (off: every request admitted unjudged, best-effort, its SLA "
+                            "token still timed against the deadline on /metrics: what `bench e2e` measures the "
+                            "server's capacity with; --sla-ms 100000 instead forecast every newcomer behind the whole "
+                            "queue, up to 5 ms a verdict beside the GPU's steps past capacity)")
     strict_sla: bool = Field(False, description="refuse what cannot meet the SLA even where no request could "
                              "(a CPU) instead of serving best-effort")
     sla_target: float = Field(0.995, ge=0.5, lt=1.0, description="the share of admitted requests that reach the SLA "

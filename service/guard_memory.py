@@ -30,9 +30,10 @@ WHAT = "admission guard memory"
 
 def memory_key(calibration_key: dict[str, Any], sla_ms: float, sla_tokens: int) -> dict[str, Any]:
     """The calibration's key and the SLA: a score is the time to the SLA token over its forecast, and the loads a
-    server reaches are what its SLA admits. A server with admission off in practice (the benchmarks' --sla-ms 100000)
-    shares the calibration of the one beside it, but not its memory: on the H200 it read the admitting server's
-    scores and wrote its own, of a server that never refused, over them at its exit."""
+    server reaches are what its SLA admits. A server with admission off in practice (the benchmarks' --sla-ms 100000,
+    before --no-admission, which keeps no memory at all) shares the calibration of the one beside it, but not its
+    memory: on the H200 it read the admitting server's scores and wrote its own, of a server that never refused, over
+    them at its exit."""
     return {**calibration_key, "sla_ms": sla_ms, "sla_tokens": sla_tokens}
 
 

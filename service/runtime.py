@@ -54,7 +54,8 @@ class Runtime:
         """What admission predicts with (GET /v1/latency_model): the latency model, the SLA, the guard."""
         adm = self.admission
         return {**self.latency.snapshot(), "sla_ms": adm.sla_s * 1e3, "sla_tokens": adm.sla_tokens,
-                "best_effort": adm.best_effort, "strict": adm.strict, "guard": adm.snapshot(),
+                "admission": adm.forecasts, "best_effort": adm.best_effort, "strict": adm.strict,
+                "guard": adm.snapshot(),
                 "idle_time_to_sla_token_ms": round(adm.idle_prediction_s() * 1e3, 3),
                 "backend": self.backend, "device": self.device}
 
@@ -105,7 +106,8 @@ def build_engine(cfg: ServeConfig) -> Runtime:
     if trace is not None:
         atexit.register(trace.close)  # the last lines written at a clean exit (SIGTERM's drain)
     admission = AdmissionController(latency, cfg.sla_ms / 1e3, cfg.sla_tokens, cfg.max_batch,
-                                    strict=cfg.strict_sla, target=cfg.sla_target, trace=trace)
+                                    strict=cfg.strict_sla, target=cfg.sla_target, trace=trace,
+                                    forecasts=cfg.admission)
     remember_guard(cfg, key, admission)
     metrics = Metrics(cfg.sla_tokens)
     metrics.export_guard(admission.guard)
@@ -132,7 +134,7 @@ def remember_guard(cfg: ServeConfig, key: dict[str, object], admission: Admissio
     """Where the calibration is cached (and --guard-memory is on), the guard starts from what the last run of this
     server learned and leaves what it learns at a clean exit (service/guard_memory.py)."""
     directory = cache_dir_of(cfg.calibration_cache)
-    if directory is None or not cfg.guard_memory:
+    if directory is None or not cfg.guard_memory or not cfg.admission:  # --no-admission: no forecast to score
         return
     key = guard_memory.memory_key(key, cfg.sla_ms, cfg.sla_tokens)
     path = guard_memory.memory_path(directory, key)

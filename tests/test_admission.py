@@ -1,6 +1,7 @@
 """Admission control against a backend slowed on purpose: a burst splits into admitted requests that all meet the
 SLA as the client measures it, and fast refusals; the metrics agree."""
 
+import json
 import logging
 import queue
 import threading
@@ -9,7 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.admission import AdmissionController
+from service.admission import DELIVERY_SHARE, AdmissionController
 from service.backends.faults import FaultInjectingDecoder
 from service.backends.reference import ReferenceDecoder
 from service.calibration import calibrate
@@ -971,3 +972,39 @@ def test_an_admitted_request_s_past_counts_as_the_guard_bounds_it_in_the_model_c
     assert not verdict(0.05, 0.048, -0.0005)  # late by the bound
     assert verdict(0.05, 0.025, 0.0005)  # its steps ran 2x the model: charged the 50 ms that passed, not 1.2 x 25
     assert not verdict(0.05, 0.025, -0.0005)
+
+
+def test_no_admission_admits_every_request_unjudged_and_still_times_its_sla(monkeypatch, tmp_path):
+    """--no-admission (what `bench e2e` measures capacity with): a request that a strict server refuses is admitted
+    without any forecast (--sla-ms 100000 had forecast every newcomer behind the whole queue: up to 5 ms a verdict
+    beside the GPU's steps), gets its deadline from its arrival all the same, and its SLA token is judged against it
+    (the late share on /metrics); the log says why it was admitted."""
+    from service.admission_log import AdmissionLog
+    from service.engine.commit import Token
+    from service.engine.output import TextOutput
+    from service.engine.request import Request
+    from service.model.synthetic import byte_tokenizer
+
+    slow = LatencyModel({1: 0.050}, {16: 0.2, 128: 0.5}, max_rows=64)  # 64 tokens in 3.2 s: never within 0.1 s
+    trace = AdmissionLog(tmp_path / "admission.jsonl")
+    off = AdmissionController(slow, 0.1, 64, 4, strict=True, trace=trace, forecasts=False)
+    assert not off.best_effort  # nothing forecast, nothing to serve best-effort about
+
+    def no_forecast(*args, **kwargs):
+        raise AssertionError("--no-admission forecast")
+
+    monkeypatch.setattr(off.planner, "forecast", no_forecast)
+    out = TextOutput(byte_tokenizer(300).detokenizer())
+    reqs = [Request([1, 2, 3], SamplingParams(max_tokens=64), lambda d: None, out) for _ in range(6)]
+    for r in reqs:  # more than the server's 4 slots: admission off queues them all
+        off.check(r)
+        assert r.deadline == pytest.approx(r.arrival + 0.1 - min(r.delivery_s, 0.1 * DELIVERY_SHARE))
+    assert len(off._in_flight()) == 6
+    on_time, late = reqs[0], reqs[1]
+    off.consume(Token(req=on_time, token=7, n=on_time.sla_token_index, text="x", at=on_time.deadline - 0.01))
+    off.consume(Token(req=late, token=7, n=late.sla_token_index, text="x", at=late.deadline + 0.01))
+    assert off.guard.miss_rate()[0] == pytest.approx(0.5)
+    trace.close()
+    lines = [json.loads(x) for x in (tmp_path / "admission.jsonl").read_text().splitlines()]
+    assert [x["req"] for x in lines] == [r.id for r in reqs]  # a verdict line each, and no SLA token's: no score
+    assert all(x["kind"] == "verdict" and x["admitted"] and x["rule"] == "off" for x in lines)

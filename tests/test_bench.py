@@ -48,7 +48,7 @@ def test_e2e_plan_is_issue_21s_and_36s() -> None:
             assert "--sweep-rates" not in t.args and t.args[t.args.index("--sweep-start") + 1] == "10"
     for run in ("megakernel.bf16", "megakernel.fp8"):  # issue 36: the capacity beside the goodput, in the same call
         on, off = servers[run], servers[f"{run}.admissionoff"]
-        assert off.serve == (*on.serve, "--sla-ms", "100000") and off.needs_own_server
+        assert off.serve == (*on.serve, "--no-admission") and off.needs_own_server
         [sweep] = [t for t in on.loadtests if t.name == f"{run}-sweep-32"]
         [capacity] = off.loadtests
         assert capacity.name == f"{run}-capacity-32" and capacity.args == sweep.args  # the same rates
@@ -100,7 +100,7 @@ def test_voice_plan_fits_one_call() -> None:
     assert sweep[sweep.index("--sweep-rates") + 1] == "1,2,4,8,16"  # issue 36: 1-16 sessions/s
     assert sweep[sweep.index("--after-refusal") + 1] == "fall-back"  # a refused turn: the agent's fallback answers
     # the capacity: the same server with admission off, the same sessions (seed) at the sweep's rates from 2/s
-    assert off.needs_own_server and off.serve == with_flags(server.serve, "--sla-ms 100000")
+    assert off.needs_own_server and off.serve == with_flags(server.serve, "--no-admission")
     assert [t.name for t in off.loadtests] == ["capacity-chat", "capacity-realtime"]
     cap = off.loadtests[-1].args
     assert cap[cap.index("--sweep-rates") + 1] == "2,4,8,16"

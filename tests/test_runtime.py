@@ -254,3 +254,8 @@ def test_a_restart_starts_admission_from_what_the_guard_learned(tmp_path: Path, 
     save(*args)
     assert len(list(tmp_path.glob("*.guard.json"))) == 2
     assert build().admission.guard.stretch(busy) == pytest.approx(1.02)
+    at_exit.clear()
+    # --no-admission: no forecast, so nothing scored to keep; and it leaves the admitting server's memory alone
+    off = build(admission=False)
+    assert not off.admission.forecasts and not at_exit
+    assert off.latency_model()["admission"] is False and build().latency_model()["admission"] is True
