@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter runs the kernels (the CPU tests)
+
 
 def _interpreter_numpy2_shim() -> None:
     """Triton 3.6's interpreter turns a scalar into an index with int() of a one-element array, which numpy ≥ 2.4
@@ -34,5 +36,5 @@ def _interpreter_numpy2_shim() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+if INTERPRET:
     _interpreter_numpy2_shim()

@@ -23,12 +23,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels import INTERPRET
 from kernels import instructions as I
 from kernels.kernel_args import INT8_BLOCK
 from kernels.sync import ld_act, prefetch_l2
 
 I8_BLOCK = tl.constexpr(INT8_BLOCK)  # the same, as the kernel reads a global
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+# Triton's interpreter (3.6) rounds float32 to e4m3 without the carry where a mantissa rounds up into the next power
+# of two (124.7 -> 64, not 128; 31.05 -> 16): there the kernel rounds in float32 first (_e4m3_rtne), so the CPU tests
+# check W8A8's quantization as the GPU (cvt.rn.satfinite) and the oracle (torch) do it
+INTERPRETED = tl.constexpr(INTERPRET)
 # A norm's operand (x * norm weight, before rstd) times this on its way into a float16 dot (8-bit weights), rstd and
 # its inverse waiting for the epilogue: float16 overflows at 65,504, the residual stream's outliers stay far below
 # 2^20. A constant (not rstd itself) so the multiply stays in the dot operand's layout, read straight from shared
@@ -340,12 +345,27 @@ def _act_int8(a):
 
 
 @triton.jit
+def _e4m3_rtne(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32 (exact: the steps are
+    powers of two): what the interpreter's conversion then keeps as it is (INTERPRETED)."""
+    ax = tl.abs(x)
+    step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(ax, 1e-30))), -6.0) - 3.0)  # 3 mantissa bits; subnormals
+    y = ax / step
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r % 2 == 1), r - 1.0, r)  # a tie goes to the even neighbour
+    return tl.where(x < 0, -r * step, r * step)
+
+
+@triton.jit
 def _act_e4m3(a):
     """W8A8's activations: a [BK, BPAD] (float32, a k chunk of each row) as e4m3 and each row's scale (the chunk's
     absmax maps to 448, e4m3's largest; a row of zeros, the padding, keeps zeros and scale 0)."""
     amax = tl.max(tl.abs(a), axis=0)
     live = amax > 0
-    q = (a * tl.where(live, E4M3_MAX / amax, 1.0)[None, :]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    x = a * tl.where(live, E4M3_MAX / amax, 1.0)[None, :]
+    if INTERPRETED:
+        x = _e4m3_rtne(x)
+    q = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return q, tl.where(live, amax / E4M3_MAX, 0.0)
 
 

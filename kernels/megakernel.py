@@ -20,7 +20,6 @@ deterministic.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import INTERPRET
 from kernels import instructions as I
 from kernels.attention import attention, prefetch_kv
 from kernels.instructions import Op
@@ -56,9 +56,6 @@ from kernels.matvec import matvec, norm_operand
 from kernels.query_blocks import BLOCK_FIELDS, query_blocks
 from kernels.sync import prefetch, prefetch_record, prefetch_regions, wait_counter
 from kernels.tiles import MatvecTile, TileTable, default_tiles
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # the kernel

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -86,31 +87,34 @@ def test_megakernel_matches_reference_in_interpreter(case: str) -> None:
         # activations left unquantized, is off by ~1% (the quantization's own noise)
         tol = 1.5e-2
     if e4m3_a8:
-        # e4m3 activations have 4 significant bits, and the interpreter rounds float32 to e4m3 its own way (a
-        # mantissa that rounds up past 7 loses its carry where the exponent is odd), not as the GPU and the oracle
-        # (torch) do: a few percent apart, where a scale or chunk gone wrong is off by far more (GPU: to the bit)
-        tol = 0.15
+        # e4m3 activations have 4 significant bits: a value one rounding apart upstream that rounds to the other e4m3
+        # neighbour costs 1/16 of it downstream. Over 16 runs (96 steps) a step's logits were at most 0.018 off, the
+        # K/V at most 0.005 of their size, a run's median step 0.003; an oracle that quantizes nothing reads 0.02-0.04
+        # on every step (its median 0.025), which the median tells apart
+        tol = 3e-2
+        assert statistics.median(r["rel_err"] for r in result["steps"]) < 1e-2, result
     for r in result["steps"]:
         assert r["rel_err"] < tol, (result["seed"], r)
         if not case.endswith("-w8a8"):
             assert r["argmax"] == r["ref_argmax"], (result["seed"], r)
-        if e4m3_a8:
-            # the K/V written, against their size: over 47 runs (282 steps) at most 0.118 of it, then a seed at 0.153
-            # (absolute 0.608 on values of ~4, past the 0.6 this bound was before); a wrong scale is off by ~1
-            assert r["kv_err"] < 0.25 * r["kv_scale"], (result["seed"], r)
-        elif case.endswith("-w8a8"):  # int8 activations: against the K/V's size, as e4m3's
+        if case.endswith("-w8a8"):  # 8-bit activations: against the K/V's size
             assert r["kv_err"] < tol * r["kv_scale"], (result["seed"], r)
         else:
             assert r["kv_err"] < tol, (result["seed"], r)
     assert {r["batch"] for r in result["steps"]} == {1, 3}
 
 
-def test_w8a8_int8_chunk_is_the_oracles_quantization_in_interpreter() -> None:
-    """One int8-row W8A8 chunk as the swapped tiles compute it (matvec._act_int8, then _a8_dot and the rows' scales)
-    against int8.activations_int8 times the weights, on fresh random activations whose rows differ in size by 1000x
-    and padding rows of zeros: each row quantized over the chunk with its own scale, exact int32 sums."""
-    r = _run("int8-a8-chunk")
+@pytest.mark.parametrize("weights", ["int8", "e4m3"])
+def test_w8a8_chunk_is_the_oracles_quantization_in_interpreter(weights: str) -> None:
+    """One W8A8 chunk as the swapped tiles compute it (matvec._act_int8 or _act_e4m3, then _a8_dot and the rows'
+    scales) against int8.activations_int8 or fp8.activations_e4m3 times the weights, on fresh random activations whose
+    rows differ in size by 1000x and padding rows of zeros: each row quantized over the chunk with its own scale;
+    int8's sums exact in int32, e4m3's products exact in float32. The whole-step e4m3 cases cannot tell (an oracle
+    that quantizes nothing is as close to them), so this is where e4m3's quantization is checked on the CPU: a chunk
+    that skipped it is far off (quantization_err)."""
+    r = _run(f"{weights}-a8-chunk")
     assert r["max_err"] < 1e-5 * r["max_ref"], r
+    assert r["quantization_err"] > 100 * r["max_err"], r
     assert r["padding_rows_zero"], r
 
 
@@ -426,11 +430,11 @@ def _check(case: str) -> dict:
     if "-swap" in case:
         tiles = {op: t._replace(swap=True, k_slices=1) if op is not Op.LMHEAD else t for op, t in tiles.items()}
     w8a8 = case.endswith("-w8a8")
-    # e4m3: every product W8A8; int8-row: gate/up and the LM head (what it would serve), the others swapped
-    # weight-only: one product's int8 activations match the oracle's to ~1e-3, but chained through every product a
-    # value one rounding apart upstream rounds the other way downstream, and the oracle drifts as far as the
-    # quantization's own noise (~1%)
-    a8_ops = (Op.GATEUP, Op.LMHEAD) if weight_format == "int8-row" else MATVECS
+    # gate/up and the LM head W8A8 (what FP8 and int8-row serve), the others swapped weight-only: one product's
+    # activations match the oracle's to ~1e-3 (int8) or exactly (e4m3, test_w8a8_chunk_is_the_oracles_quantization_
+    # in_interpreter), but chained through every product a value one rounding apart upstream rounds the other way
+    # downstream, and the oracle drifts as far as the quantization's own noise (int8 ~1%, e4m3 ~3%)
+    a8_ops = (Op.GATEUP, Op.LMHEAD)
     if w8a8:
         tiles = {op: t._replace(swap=True, k_slices=1, k_halves=False, w8a8=op in a8_ops) for op, t in tiles.items()}
     if case.endswith("-ksplit"):  # hidden 64 and ffn 128 in chunks of 16: 4 and 8 chunks, cut into 2 and 4 parts
@@ -461,10 +465,8 @@ def _check(case: str) -> dict:
             pos.append(n)
         toks = torch.randint(0, vocab, (len(slots),), generator=g).tolist()
         for _ in range(3):
-            oracle = w8a8_products(k_chunk, activations=fp8.activations_e4m3)
-            if weight_format == "int8-row":
-                picked = w8a8_of(ref.weights, ("w_gate", "w_up", "lm_head"))
-                oracle = w8a8_products(k_chunk, picked, activations=int8.activations_int8)
+            act = int8.activations_int8 if weight_format == "int8-row" else fp8.activations_e4m3
+            oracle = w8a8_products(k_chunk, w8a8_of(ref.weights, ("w_gate", "w_up", "lm_head")), activations=act)
             with oracle if w8a8 else contextlib.nullcontext():  # the oracle's products alike
                 a = ref.decode(slots, toks, pos)
             b = mk.decode(slots, toks, pos)
@@ -628,33 +630,47 @@ def _check_mixed(case: str) -> dict:
     return out
 
 
-def _check_int8_a8_chunk() -> dict:
+def _check_a8_chunk(int8_weights: bool) -> dict:
+    """One W8A8 chunk in the interpreter: int8 (int8-row) or e4m3 (FP8) weights, the activations quantized by the
+    kernel's _act_int8 / _act_e4m3, _a8_dot and the rows' scales; and the oracle's answer (service/model/int8.py,
+    fp8.py) times the same weights."""
     import torch
     import triton
     import triton.language as tl
 
-    from kernels.matvec import _a8_dot, _act_int8
-    from service.model import int8
+    from kernels.matvec import _a8_dot, _act_e4m3, _act_int8
+    from service.model import fp8, int8
 
-    globals().update(tl=tl, _act_int8=_act_int8, _a8_dot=_a8_dot)  # a jit function resolves names as module globals
+    # a jit function resolves names as module globals
+    globals().update(tl=tl, _act_int8=_act_int8, _act_e4m3=_act_e4m3, _a8_dot=_a8_dot)
 
     @triton.jit
-    def chunk(w_ptr, a_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+    def chunk(w_ptr, a_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, W_INT8: tl.constexpr):
         r, c, p = tl.arange(0, BN), tl.arange(0, BK), tl.arange(0, BP)
         w = tl.load(w_ptr + r[:, None] * BK + c[None, :])
-        q, scale = _act_int8(tl.load(a_ptr + p[None, :] * BK + c[:, None]))  # a^T [BK, BP], as the tiles load it
-        tl.store(o_ptr + r[:, None] * BP + p[None, :], _a8_dot(w, q, True) * scale[None, :])
+        a = tl.load(a_ptr + p[None, :] * BK + c[:, None])  # a^T [BK, BP], as the tiles load it
+        if W_INT8:
+            q, scale = _act_int8(a)
+        else:
+            q, scale = _act_e4m3(a)
+        tl.store(o_ptr + r[:, None] * BP + p[None, :], _a8_dot(w, q, W_INT8) * scale[None, :])
 
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     bn, bk, bp, live = 32, 64, 16, 5
-    w = torch.randint(-127, 128, (bn, bk), generator=g, dtype=torch.int8)
+    if int8_weights:
+        w = torch.randint(-127, 128, (bn, bk), generator=g, dtype=torch.int8)
+    else:
+        w = (torch.randn(bn, bk, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     a = torch.randn(bp, bk, generator=g) * torch.logspace(-2, 1, bp)[:, None]
     a[live:] = 0
     out = torch.zeros(bn, bp)
-    chunk[(1,)](w, a, out, bn, bk, bp)
-    ref = (int8.activations_int8(a, bk) @ w.float().T).T
+    chunk[(1,)](w, a, out, bn, bk, bp, int8_weights)
+    quantized = int8.activations_int8(a, bk) if int8_weights else fp8.activations_e4m3(a, bk)
+    ref = (quantized @ w.float().T).T
+    unquantized = (a @ w.float().T).T  # what a chunk that skipped the activations' quantization would give
     return {"seed": seed, "max_err": (out - ref).abs().max().item(), "max_ref": ref.abs().max().item(),
+            "quantization_err": (unquantized - ref).abs().max().item(),
             "padding_rows_zero": bool((out[:, live:] == 0).all())}
 
 
@@ -663,6 +679,6 @@ if __name__ == "__main__":
     what = sys.argv[1]
     check = {"sampling": _check_sampling, "megakernel-draws": _check_megakernel_draws,
              "megakernel-masks": _check_megakernel_masks, "megakernel-fed": _check_megakernel_fed,
-             "int8-a8-chunk": _check_int8_a8_chunk}.get(what)
+             "int8-a8-chunk": lambda: _check_a8_chunk(True), "e4m3-a8-chunk": lambda: _check_a8_chunk(False)}.get(what)
     mixed = what in MIXED or what in MIXED_STREAMS
     print(json.dumps(check() if check else _check_mixed(what) if mixed else _check(what)))
