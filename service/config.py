@@ -15,6 +15,7 @@ from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
 from service.backend_names import BACKENDS, WEIGHT_FORMATS
+from service.engine.handoff import HANDOFF_BUDGET_S
 
 Backend = Literal[BACKENDS]  # type: ignore[valid-type]  # the tuple, stated once in service.backend_names
 WeightFormat = Literal[WEIGHT_FORMATS]  # type: ignore[valid-type]
@@ -102,11 +103,12 @@ class ServeConfig(BaseSettings):
                                       "(its forecast, stretch, time left, and the rule that refused it) and every "
                                       "admitted request's SLA token (how far its forecast was off): why a request "
                                       "was refused, request by request. Unset: none")
-    handoff_budget_ms: float = Field(0.3, gt=0, description="how much of the host's time beside a launched step the "
-                                     "engine spends on admission's verdicts (and the other work handed to it) before "
-                                     "the rest waits for the next step (a verdict's first part always runs): the "
-                                     "host's slack beside a step. Past it the GPU waits: on the H200 a step's cadence "
-                                     "took on nearly all handed-over work beyond ~0.4 ms (FP8); on the H100 (FP8) 0.3 "
+    handoff_budget_ms: float = Field(HANDOFF_BUDGET_S * 1e3, gt=0,
+                                     description="how much of the host's time beside a launched step the engine "
+                                     "spends on admission's verdicts (and the other work handed to it) before the "
+                                     "rest waits for the next step (a verdict's first part always runs): the host's "
+                                     "slack beside a step. Past it the GPU waits: on the H200 a step's cadence took "
+                                     "on nearly all handed-over work beyond ~0.4 ms (FP8); on the H100 (FP8) 0.3 "
                                      "against 0.5 took the steps beside verdicts from 1.29x to 1.01x their prediction")
     max_waiting: int = Field(64, description="admitted requests that may wait for a slot")
     gpu_hourly_usd: float = Field(0.0, description="this replica's GPU price per hour, exported as "

@@ -24,7 +24,7 @@ from service.engine import sampler
 from service.engine.admission import Admission, AdmitAll, Rejected
 from service.engine.collector import Collector
 from service.engine.commit import Event, Finished, StepDone, Token, commit
-from service.engine.handoff import Handoff, Then
+from service.engine.handoff import HANDOFF_BUDGET_S, Handoff, Then
 from service.engine.host_path import READ, IdleGaps
 from service.engine.kv_slots import KVSlots, Session
 from service.engine.loop_clock import LoopClock
@@ -43,8 +43,6 @@ from service.model.tokenizer import Tokenizer
 log = logging.getLogger("parley.engine")
 
 FEED_BUFFERS = 4  # pinned buffers the fed rows' indices go through, in turn
-HANDOFF_BUDGET_S = 0.0003  # handed-over work run beside a launched step (--handoff-budget-ms): a newcomer's first
-# half and its verdict beside two steps, not one (bench/NOTES.md, s73: FP8 on the H100, 0.3 against 0.5 ms)
 VERDICT_WEIGHT = 0.05  # Engine.prepare_s, verdict_s, delays_s: each submit's weight in the running means of its parts
 DEFAULT_MAX_ROWS = 16  # rows a step carries (decode rows and prompt tokens): the token budget (README: why 16)
 

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 log = logging.getLogger("parley.engine")
 
 PATIENCE_S = 0.02  # a task waits this long for the engine thread before another thread runs it
+# handed-over work run beside a launched step (--handoff-budget-ms, service/config.py): a newcomer's first half and
+# its verdict beside two steps, not one (bench/NOTES.md, s73: FP8 on the H100, 0.3 against 0.5 ms)
+HANDOFF_BUDGET_S = 0.0003
 
 
 @dataclass(frozen=True)
