@@ -325,13 +325,12 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # the default at every row count on the H200 (bench/NOTES.md "A verdict in two halves; O and down with K split")
     "dn-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4)),
     "dn-r32-ks2": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 32, 2)),
-    # wide buckets (64 rows: 8 warps with 8-bit weights): O and down, or QKV too, in 64-row swapped tiles with K over 4
-    # tasks, so that each task rereads a quarter of the rows' activations from L2 and each warp converts its own
-    # 16 weight rows (16-row tiles: every warp converts the whole tile; bench/NOTES.md "Eight warps")
-    "w-od64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
-    "w-qkvod64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.QKV, Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
     "od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4)),
     "w-od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
+    # ... QKV too: in the 64-row bucket (8 warps with 8-bit weights) each task rereads a quarter of the rows'
+    # activations from L2 and each warp converts only its own 16 weight rows (16-row tiles: every warp converts the
+    # whole tile; bench/NOTES.md "Eight warps")
+    "w-qkvod-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.QKV, Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
     # FP8 from 16 rows: down W8A8 as gate/up (e4m3 x e4m3 in swapped 64-row tiles), over 4 parts of K
     "dn-a8-ks4": lambda w: KernelConfig(tiles=_w8a8_split(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits

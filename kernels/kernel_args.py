@@ -57,6 +57,11 @@ class PackedWeights:
         """int8 with a scale per block of INT8_BLOCK columns (not per row)."""
         return self.int8 and self.scales is not None and self.scales["qkv"].dtype == torch.float16
 
+    @property
+    def int8_rows(self) -> bool:
+        """int8 with a scale per output row (`int8-row`), which streams and runs W8A8 as FP8 does."""
+        return self.int8 and not self.int8_blocks
+
     def nbytes(self) -> int:
         """What one decode step streams: every matrix (and scale) once, the norms."""
         mats = sum(self.matrix(n).numel() * self.matrix(n).element_size() for n in self.MATRICES)

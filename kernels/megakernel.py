@@ -491,7 +491,7 @@ class Megakernel:
         t = self.cfg.tiles
         if t is None:
             return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks, e4m3=self.w.fp8,
-                                 a8_int8=self.w.int8 and not self.w.int8_blocks)
+                                 a8_int8=self.w.int8_rows)
         return t(rows) if callable(t) else t
 
     def tiles(self, batch: int) -> TileTable:
@@ -509,7 +509,7 @@ class Megakernel:
             if t.swap and (self.w.int8_blocks or rows < 16 and not INTERPRET):
                 raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows; the LM "
                                  "head's: max_sampled) and no int8 block scales")
-            if t.w8a8 and not (t.swap and (self.w.fp8 or self.w.int8 and not self.w.int8_blocks)):
+            if t.w8a8 and not (t.swap and (self.w.fp8 or self.w.int8_rows)):
                 raise ValueError(f"{op.name}: W8A8 tiles need FP8 or int8-row weights and swapped operands")
             if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
                 raise ValueError(f"int8 weights: {op.name}'s k slices of {t.k_chunk // t.k_slices} columns cross "
@@ -656,8 +656,7 @@ class Megakernel:
 
     def warps(self, rows: int) -> int:
         """Warps a program in a launch of `rows` rows (KernelConfig.wide_warps_8bit)."""
-        row_scaled_8bit = self.w.fp8 or (self.w.int8 and not self.w.int8_blocks)
-        wide = row_scaled_8bit and rows >= self.cfg.wide_warps_rows
+        wide = (self.w.fp8 or self.w.int8_rows) and rows >= self.cfg.wide_warps_rows
         return self.cfg.wide_warps_8bit if wide else self.cfg.num_warps
 
 
