@@ -21,7 +21,11 @@ second-largest score: the levels a busy server reaches rarely are the ones that 
 said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. Where all of them
 together have fewer, the stretch is a prior and the pool's second-largest score averaged, the prior weighing as
 PRIOR_SCORES scores: a fresh server starts from the prior and relaxes as it sees its own requests (on a GPU, the single
-streams a benchmark sends first have it admitting beside others within a few dozen requests).
+streams a benchmark sends first have it admitting beside others within a few dozen requests). Never above the pool's
+conformal quantile once there is one (its largest score, from half of N: 199 scores at 0.995): that bound holds without
+the prior, which held a fresh H100's voice sweep at 1.03-1.05 for 20 s with 199-398 scores at hand, none over 1.02,
+until the 399th dropped the stretch to 1.01 at once (bench/NOTES.md, s79); where the largest is a stall, the prior's
+average is the lower and stays.
 
 A request alone, its level short of N scores, is judged by its own level's last PRIOR_SCORES scores only (their
 second-largest, averaged with the prior). No other level's: its forecast has the engine to itself, and misses
@@ -180,7 +184,10 @@ class AdmissionGuard:
         if not pool:
             return prior
         seen = largest(pool, 2)[1] if n > 1 else prior  # the largest score never decides alone
-        return (n * seen + PRIOR_SCORES * prior) / (n + PRIOR_SCORES)
+        blended = (n * seen + PRIOR_SCORES * prior) / (n + PRIOR_SCORES)
+        # A pool already large enough for a conformal quantile (its largest score: from 199 scores at 0.995) bounds
+        # the stretch by itself; the prior stands in only above it, where one stall is that largest score.
+        return min(blended, pooled_quantile(pool, n, self.target))
 
     @staticmethod
     def _alone_stretch(own: RecentWindow | None) -> float:

@@ -64,6 +64,27 @@ def test_a_fresh_server_starts_from_the_prior_and_relaxes_as_it_learns():
     assert guard.stretch(ALONE) == pytest.approx(0.9)  # and another level keeps its own
 
 
+def test_a_pool_with_a_conformal_quantile_is_not_held_up_by_the_prior():
+    """From 199 scores at 0.995 (half of N) the pool's largest is a conformal quantile of its own: a fresh H100's voice
+    sweep held 199-398 scores none over 1.02 while the prior's average kept its loaded levels at 1.03-1.05 for 20 s. A
+    stall as that largest leaves the prior's average, the lower, in charge."""
+    guard = AdmissionGuard(0.995)
+    half = enough_scores(0.995) // 2  # 199: ceil(200 x 0.995) = 199, the largest
+    scores = [1.0 + 0.02 * i / half for i in range(half)]  # 1.0 to 1.02
+
+    def prior_average(seen: list[float]) -> float:
+        return (len(seen) * sorted(seen)[-2] + PRIOR_SCORES * PRIOR_LOADED) / (len(seen) + PRIOR_SCORES)
+
+    for x in scores[:-1]:
+        guard.observe(ALONE, x, 1.05)
+    before = guard.stretch(BESIDE_ONE)
+    assert before == pytest.approx(prior_average(scores[:-1])) and before > 1.06  # 198 scores: the prior's average
+    guard.observe(ALONE, scores[-1], 1.05)
+    assert guard.stretch(BESIDE_ONE) == pytest.approx(max(scores))  # 199: the pool's largest, 1.02
+    guard.observe(ALONE, 40.0, 1.05)  # a compile's stall is the largest now
+    assert guard.stretch(BESIDE_ONE) == pytest.approx(prior_average([*scores, 40.0]))
+
+
 def test_one_stall_never_decides_but_a_pattern_does():
     guard = AdmissionGuard(0.99)
     guard.observe(BESIDE_ONE, 40.0, 1.5)  # a compile: a first request 40x late
@@ -245,7 +266,8 @@ def _pooled_stretch_by_sorting(guard: AdmissionGuard, level: Level) -> float:
             own = sorted(scores.get(level, []))
             return max(conformal_quantile(sorted(pool), guard.target), own[-2] if len(own) > 1 else 0.0)
     seen = sorted(pool)[-2] if len(pool) > 1 else PRIOR_LOADED
-    return (len(pool) * seen + PRIOR_SCORES * PRIOR_LOADED) / (len(pool) + PRIOR_SCORES)
+    blended = (len(pool) * seen + PRIOR_SCORES * PRIOR_LOADED) / (len(pool) + PRIOR_SCORES)
+    return min(blended, conformal_quantile(sorted(pool), guard.target))  # the pool's own bound, once it has one
 
 
 @pytest.mark.parametrize("target", [0.9, 0.99, 0.995])
