@@ -331,6 +331,10 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # activations from L2 and each warp converts only its own 16 weight rows (16-row tiles: every warp converts the
     # whole tile; bench/NOTES.md "Eight warps")
     "w-qkvod-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.QKV, Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
+    # ... down alone, K over 4 or 8 tasks: s79's FP8 64-row timeline had down 3.7 us a layer faster in those tiles and
+    # QKV twice as slow (48 tiles of its 3,072 rows leave most SMs without one), O 1.7 slower
+    "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True)),
+    "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
     # FP8 from 16 rows: down W8A8 as gate/up (e4m3 x e4m3 in swapped 64-row tiles), over 4 parts of K
     "dn-a8-ks4": lambda w: KernelConfig(tiles=_w8a8_split(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
