@@ -156,6 +156,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "one-stream": lambda w: KernelConfig(tiles=_tiles(w, (Op.OPROJ, Op.DOWN), k_halves=False)),
     # weights prefetched into L2 a task ahead instead of before each task's own wait
     "pf-ahead": lambda w: KernelConfig(prefetch_own=False, prefetch_ahead=1),
+    # the next task's record loaded as this one releases (KernelConfig.record_ahead)
+    "rec-ahead": lambda w: KernelConfig(record_ahead=True),
     "no-kv-prefetch": lambda w: KernelConfig(prefetch_kv=False),
     "pft2": lambda w: KernelConfig(tiles=_tiles(w, (Op.GATEUP,), prefetch_tiles=2)),
     "st6": lambda w: KernelConfig(tiles=_tiles(w, stages=6)),

@@ -89,6 +89,20 @@ def _record(rec):
 
 
 @triton.jit
+def _record_if(rec, valid):
+    """_record where `valid`, else zeros: the record after a program's last task is never read."""
+    tl.static_assert(I.RECORD_LEN == 16, "_record_if loads 16 fields")
+    return (tl.load(rec + 0, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
+            tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
+            tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
+            tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=0),
+            tl.load(rec + 8, mask=valid, other=0), tl.load(rec + 9, mask=valid, other=0),
+            tl.load(rec + 10, mask=valid, other=0), tl.load(rec + 11, mask=valid, other=0),
+            tl.load(rec + 12, mask=valid, other=0), tl.load(rec + 13, mask=valid, other=0),
+            tl.load(rec + 14, mask=valid, other=0), tl.load(rec + 15, mask=valid, other=0))
+
+
+@triton.jit
 def _matvec_task(r, ssq_ptr, SSQ: tl.constexpr):
     """A Matvec record's first row, row tiles, and its slot of sums of squares."""
     return r[I.MV_ROW0], r[I.MV_TILES], ssq_ptr + r[I.MV_SSQ] * SSQ
@@ -144,6 +158,7 @@ def megakernel(
     BPAD: tl.constexpr,  # rows of the launch's tiles (the bucket; the largest one where batch-invariant)
     BS: tl.constexpr,  # rows of the LM head's tiles (lm_rows padded)
     PF_AHEAD: tl.constexpr, PF_OWN: tl.constexpr, PF_KV: tl.constexpr,
+    REC_AHEAD: tl.constexpr,  # KernelConfig.record_ahead: the next task's record loaded as this one releases
     DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
     PROFILE: tl.constexpr,
     SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): no task waits for its inputs
@@ -178,11 +193,16 @@ def megakernel(
         for i in tl.static_range(2):
             if t_begin + i < t_end:
                 prefetch_record(sched.tasks + (t_begin + i) * NF)
+    if REC_AHEAD:
+        r_next = _record_if(sched.tasks + t_begin * NF, t_begin < t_end)
     for t in range(t_begin, t_end):
         rec = sched.tasks + t * NF
         if PROFILE:
             tl.store(sched.prof + t * 4, tl.extra.cuda.globaltimer())
-        r = _record(rec)
+        if REC_AHEAD:
+            r = r_next
+        else:
+            r = _record(rec)
         if CG:
             if t + 2 < t_end:
                 prefetch_record(rec + 2 * NF)
@@ -255,6 +275,8 @@ def megakernel(
             argmax(lm_rows, r[I.ARGMAX_PARTS], r[I.ARGMAX_COUNTERS], lm, outs, inputs.draw, inputs.positions,
                     sched.counters, V, BS, CG, DSTRIDE)
             inc = tl.full([], 0, tl.int32)
+        if REC_AHEAD:  # its round trip beside this task's barrier and release, off the next task's critical path
+            r_next = _record_if(rec + NF, t + 1 < t_end)
         tl.debug_barrier()
         done = r[I.F_DONE]
         if (done >= 0) & (inc > 0):
@@ -315,6 +337,10 @@ class KernelConfig:
     prefetch_own: bool = True  # each task's own first weights, prefetched into L2 before it waits
     prefetch_bytes: int = 64 << 10  # at most this much of each of a task's weight regions
     prefetch_kv: bool = True  # attention tasks prefetch their cached keys and values into L2 before they wait
+    # The next task's record (16 fields, its line already in L2) loaded at the end of this task, before its barrier
+    # and release, instead of at the next task's start: under ncu a one-row step's warps spent 8% of their samples
+    # waiting on a task's record (bench/NOTES.md, s71), on the critical path wherever a task's inputs are ready
+    record_ahead: bool = False
     head_counters: bool = True  # attention for a KV head waits for its own group's QKV tasks, not the whole phase
     # KV heads (of one row) an attention task streams one after another, at most: in buckets whose attention has a
     # task per (row, KV head) pair and whose tasks would still number about one a program (32 and 64 rows of Llama).
@@ -646,7 +672,7 @@ class Megakernel:
             ATT=self.attn_shape(s, blocks),
             BPAD=launch.rows, BS=launch.lm_rows,
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
-            DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
+            REC_AHEAD=c.record_ahead, DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
             POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
             SKIP_WAITS=c.skip_waits, PART=part,
             MATVEC=matvec_call if called else matvec,

@@ -182,7 +182,10 @@ MIXED_STREAMS = {"mixed-llama-heads": ("mixed-llama", {"attn_heads": 2, "chunk":
                  # real row is in a block of several: the two chunked steps (the first with 3 padding rows, whose
                  # tasks only count their pairs), not the mixed one
                  "mixed-llama-blocks-only": ("mixed-llama", {"chunk": 16, "query_blocks": True,
-                                                             "block_min_positions": 1})}
+                                                             "block_min_positions": 1}),
+                 # each task's record loaded by the task before it (KernelConfig.record_ahead), every program's last
+                 # task loading none past its end
+                 "mixed-llama-rec-ahead": ("mixed-llama", {"chunk": 16, "record_ahead": True})}
 
 
 def test_grammar_masks_apply_inside_the_step_in_interpreter() -> None:
