@@ -40,11 +40,6 @@ class Window:
     late: int = 0
     met: int = 0  # refused as late; the replayed stretch meets their deadline
 
-    def row(self) -> dict[str, Any]:
-        return {"from_s": self.start_s, "verdicts": self.verdicts, "stretch_differs": self.differ,
-                "logged_p50": _median(self.logged), "replayed_p50": _median(self.replayed),
-                "refused_late": self.late, "late_met_by_replay": self.met}
-
 
 def replay(lines: list[dict[str, Any]], target: float = 0.995, window_s: float = 10.0) -> list[Window]:
     """The log's verdicts judged again by a fresh AdmissionGuard(target) fed the log's scores as they came."""

@@ -77,29 +77,25 @@ def _embed(c0, tiles, B, tok_ptr, embed_ptr, x_ptr, xn_ptr, nw_ptr, ssq_ptr, H: 
 
 
 @triton.jit
-def _record(rec):
-    """A task's whole record (instructions.RECORD_LEN int64 fields) as a tuple, its loads issued together: one round
-    trip, before anything waits on any field (fields loaded where each is first used cost a round trip each on the
-    task's critical path: ncu's stall samples at 1 and 16 rows, bench/NOTES.md)."""
-    tl.static_assert(I.RECORD_LEN == 16, "_record loads 16 fields")
-    return (tl.load(rec + 0), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4),
-            tl.load(rec + 5), tl.load(rec + 6), tl.load(rec + 7), tl.load(rec + 8), tl.load(rec + 9),
-            tl.load(rec + 10), tl.load(rec + 11), tl.load(rec + 12), tl.load(rec + 13), tl.load(rec + 14),
-            tl.load(rec + 15))
+def _field(rec, k: tl.constexpr, valid):
+    """Field k of a record; with `valid` (not None) a masked load, 0 where it is False."""
+    if valid is None:
+        return tl.load(rec + k)
+    else:
+        return tl.load(rec + k, mask=valid, other=0)
 
 
 @triton.jit
-def _record_if(rec, valid):
-    """_record where `valid`, else zeros: the record after a program's last task is never read."""
-    tl.static_assert(I.RECORD_LEN == 16, "_record_if loads 16 fields")
-    return (tl.load(rec + 0, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
-            tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
-            tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
-            tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=0),
-            tl.load(rec + 8, mask=valid, other=0), tl.load(rec + 9, mask=valid, other=0),
-            tl.load(rec + 10, mask=valid, other=0), tl.load(rec + 11, mask=valid, other=0),
-            tl.load(rec + 12, mask=valid, other=0), tl.load(rec + 13, mask=valid, other=0),
-            tl.load(rec + 14, mask=valid, other=0), tl.load(rec + 15, mask=valid, other=0))
+def _record(rec, valid=None):
+    """A task's whole record (instructions.RECORD_LEN int64 fields) as a tuple, its loads issued together: one round
+    trip, before anything waits on any field (fields loaded where each is first used cost a round trip each on the
+    task's critical path: ncu's stall samples at 1 and 16 rows, bench/NOTES.md). `valid` False: zeros (record_ahead's
+    load after a program's last task reads nothing)."""
+    tl.static_assert(I.RECORD_LEN == 16, "_record loads 16 fields")
+    return (_field(rec, 0, valid), _field(rec, 1, valid), _field(rec, 2, valid), _field(rec, 3, valid),
+            _field(rec, 4, valid), _field(rec, 5, valid), _field(rec, 6, valid), _field(rec, 7, valid),
+            _field(rec, 8, valid), _field(rec, 9, valid), _field(rec, 10, valid), _field(rec, 11, valid),
+            _field(rec, 12, valid), _field(rec, 13, valid), _field(rec, 14, valid), _field(rec, 15, valid))
 
 
 @triton.jit
@@ -194,7 +190,7 @@ def megakernel(
             if t_begin + i < t_end:
                 prefetch_record(sched.tasks + (t_begin + i) * NF)
     if REC_AHEAD:
-        r_next = _record_if(sched.tasks + t_begin * NF, t_begin < t_end)
+        r_next = _record(sched.tasks + t_begin * NF, t_begin < t_end)
     for t in range(t_begin, t_end):
         rec = sched.tasks + t * NF
         if PROFILE:
@@ -276,7 +272,7 @@ def megakernel(
                     sched.counters, V, BS, CG, DSTRIDE)
             inc = tl.full([], 0, tl.int32)
         if REC_AHEAD:  # its round trip beside this task's barrier and release, off the next task's critical path
-            r_next = _record_if(rec + NF, t + 1 < t_end)
+            r_next = _record(rec + NF, t + 1 < t_end)
         tl.debug_barrier()
         done = r[I.F_DONE]
         if (done >= 0) & (inc > 0):
