@@ -87,6 +87,7 @@ class _Judging:
     level: Level
     horizon_s: float
     states: list[ForecastState]
+    ahead: int  # steps the engine had launched: its newcomer is seated after them, in both forecasts
     note: dict[str, object] = field(default_factory=dict)
     joined: dict[int, float] = field(default_factory=dict)  # SLA-token times with the newcomer, by id(request)
     late: list[Request] = field(default_factory=list)  # admitted requests late beside the newcomer
@@ -192,8 +193,9 @@ class AdmissionController:
             decided = self._decided
         yield
         with self._deciding:
-            if self._decided != decided:
+            if self._decided != decided:  # judged again, whole: its first forecast now, then the `delays` rule
                 judging = self._first(req)
+                self._second(judging)
             else:
                 self._second(judging, time.perf_counter() - judging.now)
             self._admit(judging)
@@ -209,7 +211,8 @@ class AdmissionController:
         level = self._level(states)
         # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
         stretch = 1.0 if self.best_effort else self.guard.stretch(level)
-        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s, states)
+        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s, states,
+                     self.planner.steps_ahead)
         try:
             self._joined(j)
         except Rejected as refusal:
@@ -284,7 +287,7 @@ class AdmissionController:
                           in_flight=len(j.active) + 1, prompt_tokens=len(req.prompt_ids),
                           cached_tokens=req.cached_tokens, level=j.level.labels, stretch=j.stretch,
                           since_arrival_ms=(now - req.arrival) * 1e3, left_ms=left * 1e3,
-                          forecast_ms=(t_nth - now) / j.stretch * 1e3, stretched_ms=(t_nth - now) * 1e3,
+                          forecast_ms=(t_nth - now) / j.stretch * 1e3, stretched_ms=(t_nth - now) * 1e3, ahead=j.ahead,
                           **{k: v for k, v in note.items() if k not in ("t_nth", "rule")})
 
     def _costs(self, stretch: float) -> tuple[Callable[[int, int], float], Callable[[int, int], float],
@@ -301,7 +304,7 @@ class AdmissionController:
         req, active, now, stretch, note = j.req, j.active, j.now, j.stretch, j.note
         step_s, prefill_s, steps_s = self._costs(stretch)
         joined = j.joined = self.planner.forecast([*active, req], step_s, prefill_s, now, j.horizon_s, steps_s,
-                                                  states=j.states)
+                                                  states=j.states, join_after=j.ahead)
         t_nth = note["t_nth"] = joined[id(req)]
         if self.best_effort:
             return
@@ -353,7 +356,8 @@ class AdmissionController:
         if not j.late:
             return
         step_s, prefill_s, steps_s = self._costs(j.stretch)
-        alone = self.planner.forecast(j.active, step_s, prefill_s, j.now, j.horizon_s, steps_s, states=j.states[:-1])
+        alone = self.planner.forecast(j.active, step_s, prefill_s, j.now, j.horizon_s, steps_s, states=j.states[:-1],
+                                      join_after=j.ahead)
         for r in j.late:
             if j.joined[id(r)] > alone[id(r)] + DELAYS_NOBODY_S and j.over(r, alone[id(r)], j.typical) <= 0:
                 wall, model = j.spent.get(id(r), (0.0, None))

@@ -9,10 +9,11 @@ on the engine thread (service/engine/handoff.py), which only formats a dict and 
 
 Lines (times in ms; `t` in seconds on the server's perf_counter clock, the one every line shares):
 - {"kind": "verdict", "t", "req", "admitted", "reason", "rule", "in_flight", "prompt_tokens", "cached_tokens",
-  "level", "stretch", "since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms"}: `rule` is what refused it
+  "level", "stretch", "since_arrival_ms", "left_ms", "forecast_ms", "stretched_ms", "ahead"}: `rule` is what refused it
   ("late": its own stretched forecast passes its deadline; "delays": it would make an admitted request late that is on
   time without it; "probe": an idle server admitted it as a probe), `forecast_ms` the time from the verdict to its SLA
-  token the planner forecast, `stretched_ms` that times the stretch, `left_ms` its deadline less now; a `delays`
+  token the planner forecast, `stretched_ms` that times the stretch, `left_ms` its deadline less now, `ahead` the steps
+  the engine had launched (the newcomer is forecast seated after them); a `delays`
   refusal adds its victim's `victim_over_ms` (past its deadline at the stretch beside the newcomer),
   `victim_alone_over_ms` (without it), `victim_since_ms` (since its first verdict) and `victim_model_ms` (the model
   clock's time since then: what its steps so far were predicted to take);

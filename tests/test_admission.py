@@ -764,6 +764,60 @@ def test_a_verdict_decided_between_the_parts_of_another_is_seen_by_it(frozen_clo
     assert adm._promises[between.id].level == adm._promises[first.id].level  # forecast again beside it
 
 
+def test_a_verdict_judged_again_between_its_parts_still_keeps_the_delays_rule(frozen_clock):
+    """A verdict decided whole between another's parts makes that one judge again from its first part; judged again,
+    it still asks the `delays` rule: a newcomer whose prefill launch would make an on-time request miss is refused (it
+    was admitted unasked before)."""
+    from service.engine.request import State
+
+    lat = LatencyModel({1: 0.002, 2: 0.002, 3: 0.002}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+    adm = now_and_then_over(AdmissionController(lat, 0.2, 64, 4))
+    running = newcomer(state=State.RUNNING)
+    adm.check(running)
+    running.output_ids = [0] * 10  # 54 tokens to go: 108 ms at the usual pace, 130 ms stretched
+    running.deadline = frozen_clock + 0.119  # late at the stretch, on time at the usual pace
+    pushing, between = newcomer(prompt_tokens=400), newcomer()
+    parts = adm.verdict(pushing)
+    next(parts)  # the running request is late beside it: the `delays` rule must look
+    adm.check(between)  # rides beside it: delays it not at all, admitted whole meanwhile
+    with pytest.raises(Rejected, match="admitted one miss"):
+        next(parts)  # its 27 ms prefill launch would make the running request miss
+    assert pushing.id not in adm._active and between.id in adm._active
+
+
+def test_a_newcomer_beside_a_busy_gpu_is_forecast_after_the_steps_already_launched(frozen_clock):
+    """The engine launches a step before it commits the one in flight, and a verdict runs beside them: its newcomer
+    is seated in the step after both at the earliest. Forecast as if seated at once, every newcomer beside a busy GPU
+    came ~1.5 steps later than its forecast (the H100's voice sweep), and the guard's score, over the steps that ran
+    since the verdict, never saw it. A request on time only if seated at once is refused."""
+    from service.engine.request import State
+
+    step = 0.002
+    lat = LatencyModel({1: step, 2: step}, {16: 0.02, 128: 0.025, 512: 0.03}, max_rows=64)
+
+    def beside_one(ahead):
+        adm = AdmissionController(lat, 0.2, 64, 4)
+        adm.guard.observe = lambda *a, **k: None  # no score learned
+        adm.guard.stretch = lambda level: 1.0  # forecasts taken as they are
+        running = newcomer(state=State.RUNNING, max_tokens=400)
+        adm.check(running)
+        adm.planner.steps_ahead = ahead
+        req = newcomer()
+        req.arrival = frozen_clock - 0.2 + 0.128 + 0.001  # 129 ms left: 64 steps of 2 ms, and 1 to spare
+        return adm, req
+
+    adm, req = beside_one(0)
+    adm.check(req)
+    assert adm._promises[req.id].predicted - frozen_clock == pytest.approx(64 * step)
+    adm, req = beside_one(2)
+    with pytest.raises(Rejected, match="cannot deliver"):
+        adm.check(req)  # seated two steps on: 132 ms
+    adm, req = beside_one(1)
+    req.arrival += 0.004
+    adm.check(req)
+    assert adm._promises[req.id].predicted - frozen_clock == pytest.approx(65 * step)
+
+
 def test_a_cancelled_request_holds_nobody_back():
     """A barge-in's next turn comes as soon as response.done does, which may be before the engine has dropped the
     cancelled reply: it is judged as if that one were gone (it is, by the engine's next step)."""

@@ -295,6 +295,37 @@ def test_forecast_a_riding_prompt_delays_nobody_a_launched_one_does():
     assert p.forecast([far], step_s, prefill_s, now=0.0, horizon_s=0.01)[id(far)] == math.inf  # past the horizon
 
 
+@pytest.mark.parametrize("with_runs", [False, True])
+def test_a_request_not_yet_seated_joins_after_the_steps_the_engine_has_launched(with_runs):
+    """A request that waits for its seat is forecast in the step after those the engine has launched already
+    (`steps_ahead`; or `join_after`), each of them the running request's alone; the running request's own forecast
+    does not move. With nobody seated the launched steps hold nobody back (they end what is in them)."""
+    def step_s(rows, kv):
+        return 0.001 * rows
+
+    def prefill_s(tokens, cached):
+        return 0.020
+
+    def steps_s(rows, kv, grow, n):
+        return n * step_s(rows, kv)
+
+    runs = steps_s if with_runs else None
+    p = planner(max_rows=16)
+    running = request(8, max_tokens=200)
+    p.add(running)
+    run(p, p.plan())  # its first token: 63 to its SLA token
+    newcomer = request(8, first=300)
+    at_once = p.forecast([running, newcomer], step_s, prefill_s, 0.0, 1.0, runs)
+    p.steps_ahead = 2
+    after = p.forecast([running, newcomer], step_s, prefill_s, 0.0, 1.0, runs)
+    assert at_once[id(newcomer)] == pytest.approx(0.009 + 63 * 0.002)  # 1 + 8 rows, then a token a step beside it
+    assert after[id(newcomer)] == pytest.approx(at_once[id(newcomer)] + 2 * 0.001)  # two steps of the running one
+    assert after[id(running)] == pytest.approx(at_once[id(running)] - 2 * 0.001)  # the newcomer's rows come later
+    assert p.forecast([running, newcomer], step_s, prefill_s, 0.0, 1.0, runs, join_after=0) == at_once
+    alone = request(8, first=600)
+    assert p.forecast([alone], step_s, prefill_s, 0.0, 1.0, runs)[id(alone)] == pytest.approx(0.008 + 63 * 0.001)
+
+
 @pytest.mark.parametrize("closed_form", [False, True])
 def test_forecast_plays_repeated_steps_at_once_with_the_times_of_one_at_a_time(monkeypatch, closed_form):
     """forecast() runs the steps that repeat in one go (Planner._repeat): every seated request decoding and none to

@@ -343,6 +343,7 @@ class Engine:
                 overlapped += self._collect_beside(overlapped, handed)
                 self._clock.mark("handed over")
                 self._complete(inflight, overlapped, handed)
+                self.planner.steps_ahead = 0
                 self._clock.mark("commit")
                 self._clock.iteration(time.perf_counter() - started - overlapped, self._read_wait)
             else:
@@ -356,6 +357,9 @@ class Engine:
             return
         t_plan = time.perf_counter()
         launched = self._launch(plan, inflight)
+        # what a request admitted beside this step cannot join: the step before, still in flight, and this one (on
+        # the CPU a step has run by the time its launch returns)
+        self.planner.steps_ahead = (inflight is not None) + (launched is not None and self.overlap)
         # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
         handed = []
         overlapped = 0.0
@@ -374,6 +378,7 @@ class Engine:
                     launched.handed_s, launched.handed = before + overlapped, (*handed_before, *handed)
             else:
                 self._complete(launched, before + overlapped, handed_before + handed)
+        self.planner.steps_ahead = int(self._inflight is not None)
         self._clock.mark("commit")
         t_complete = time.perf_counter()
         self._update_gauges()
@@ -432,6 +437,7 @@ class Engine:
         self.planner.waiting.clear()
         self.planner.prefilling.clear()
         self.planner.running.clear()
+        self.planner.steps_ahead = 0
 
     def _launch(self, plan: StepPlan, inflight: Launched | None) -> Launched | None:
         """Run a plan on the decoder, without waiting for it: prefix copies, separate prefill launches, the step, and
