@@ -95,10 +95,30 @@ def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
                           "over_stretch": sum(1 for t in ts if (t["score"] or 0) > t["stretch"]),
                           "late": sum(1 for t in ts if t["late"])}
                    for name, ts in sorted(by_level.items())},
+        "own_forecasts": own_forecasts(verdicts, tokens),
         "steps": steps_summary(lines),
         "handed": handed_summary(lines),
         "gc": gc_summary(lines),
     }
+
+
+def own_forecasts(verdicts: list[dict[str, Any]], tokens: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """How far a newcomer's own forecast was off in the latency model's time: for the admitted requests no later
+    verdict forecast again (their latest forecast is their verdict's), the model clock's time of the steps that ran to
+    their SLA token less that forecast, ms, by the steps the engine had launched at the verdict (`ahead`; by alone /
+    beside others in a log from before it). The guard's score cannot see this error (the model clock counts every
+    step since the verdict): a newcomer seated later than its forecast said came that much later (bench/NOTES.md,
+    s80)."""
+    own = {v["req"]: v for v in verdicts if v["admitted"] and v.get("forecast_ms") is not None}
+    groups: dict[str, list[float]] = defaultdict(list)
+    for t in tokens:
+        v = own.get(t["req"])
+        if v is None or t.get("model_ms") is None or abs(t["forecast_ms"] - v["forecast_ms"]) > 1e-6:
+            continue
+        key = f"{v['ahead']} ahead" if "ahead" in v else ("alone" if v.get("in_flight") == 1 else "beside others")
+        groups[key].append(t["model_ms"] - t["forecast_ms"])
+    return {key: {"n": len(xs), "p10": quantile(xs, 0.1), "p50": quantile(xs, 0.5), "p90": quantile(xs, 0.9),
+                  "max": max(xs)} for key, xs in sorted(groups.items())}
 
 
 POSITION_BANDS = (256, 1024, 2048)  # positions a row attends over, on average: the steps' table splits there
@@ -219,6 +239,14 @@ def markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
                       f"{_f(v.get('steps_over_model_p99'), 3)} | {_f(v.get('wall_over_steps_p99'), 3)} | "
                       f"{_f(v['stretch_p50'], 3)} | {v['over_stretch']} | {v['late']} | "
                       f"{s['refused_levels'].get(name, 0)} |" for name, v in s["levels"].items()]
+        own = s.get("own_forecasts") or {}
+        if own:
+            lines += ["", "Newcomers forecast once (no later verdict forecast them again): the latency model's time of "
+                          "the steps that ran to their SLA token less their own forecast, ms, by the steps the engine "
+                          "had launched at the verdict", "",
+                      "| at the verdict | requests | p10 | p50 | p90 | max |", "|---|---|---|---|---|---|"]
+            lines += [f"| {key} | {v['n']} | {_f(v['p10'], 2)} | {_f(v['p50'], 2)} | {_f(v['p90'], 2)} | "
+                      f"{_f(v['max'], 2)} |" for key, v in own.items()]
         steps = s.get("steps") or {}
         if steps:
             lines += ["", "Steps by kind (a prompt chunk riding beside decode rows, a separate prefill launch before "

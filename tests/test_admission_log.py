@@ -81,6 +81,30 @@ def test_every_verdict_and_sla_token_is_a_line_that_says_why(tmp_path):
     assert "1 verdicts forecast twice (the `delays` rule)" in text
 
 
+def test_the_trace_says_how_far_newcomers_forecast_once_were_off_by_the_steps_ahead_at_their_verdict():
+    """A request whose latest forecast is its own verdict's is compared in the model clock's time, grouped by the
+    steps the engine had launched (a request forecast again by a later verdict is left out: load came after it)."""
+    def verdict(req, forecast, ahead, in_flight=2):
+        return {"kind": "verdict", "req": req, "admitted": True, "forecast_ms": forecast, "ahead": ahead,
+                "in_flight": in_flight, "level": {"in_flight": str(in_flight), "prompt": "step"}}
+
+    def token(req, forecast, model):
+        return {"kind": "sla_token", "req": req, "forecast_ms": forecast, "model_ms": model, "after_verdict_ms": model,
+                "score": 1.0, "latest_score": 1.0, "stretch": 1.0, "late": False,
+                "level": {"in_flight": "2", "prompt": "step"}}
+
+    lines = [verdict("a", 80.0, 2), verdict("b", 90.0, 2), verdict("c", 70.0, 0, 1), verdict("d", 85.0, 2),
+             token("a", 80.0, 81.5), token("b", 90.0, 92.5), token("c", 70.0, 70.25), token("d", 95.0, 99.0)]
+    own = admission_trace.summary(lines)["own_forecasts"]
+    assert set(own) == {"0 ahead", "2 ahead"}
+    assert own["2 ahead"]["n"] == 2 and own["2 ahead"]["max"] == pytest.approx(2.5)  # d: forecast again, left out
+    assert own["0 ahead"]["p50"] == pytest.approx(0.25)
+    old = [{k: v for k, v in x.items() if k != "ahead"} for x in lines]
+    assert set(admission_trace.summary(old)["own_forecasts"]) == {"alone", "beside others"}
+    text = "\n".join(admission_trace.markdown({"server": admission_trace.summary(lines)}))
+    assert "| 2 ahead | 2 |" in text
+
+
 def test_a_forecast_past_the_horizon_is_null_and_a_torn_last_line_is_skipped(tmp_path):
     path = tmp_path / "admission.jsonl"
     trace = AdmissionLog(path)
