@@ -9,7 +9,7 @@ from typing import Any
 
 from kernels.instructions import Op
 from kernels.megakernel import KernelConfig
-from kernels.tiles import MATVECS, W8A8_GATEUP, MatvecTile, default_tiles, int8_slices
+from kernels.tiles import MATVECS, MatvecTile, default_tiles, int8_slices
 
 
 def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any
@@ -126,14 +126,14 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
     return table
 
 
-def _w8a8_split(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 from 16 rows: down W8A8 in 64-row swapped tiles, K over 4 tasks (32 tiles alone would leave most
-    programs idle); other formats and buckets keep the default."""
+def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 from 16 rows: down weight-only in the tiles it had before W8A8_DOWN became its default (those of 8-bit
+    weights without W8A8); other formats and buckets keep the default."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
         if weights != "fp8" or b < 16:
             return tiles
-        return tiles | {Op.DOWN: W8A8_GATEUP._replace(k_splits=4)}
+        return tiles | {Op.DOWN: default_tiles(True, b)[Op.DOWN]}
 
     return table
 
@@ -337,8 +337,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # QKV twice as slow (48 tiles of its 3,072 rows leave most SMs without one), O 1.7 slower
     "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True)),
     "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
-    # FP8 from 16 rows: down W8A8 as gate/up (e4m3 x e4m3 in swapped 64-row tiles), over 4 parts of K
-    "dn-a8-ks4": lambda w: KernelConfig(tiles=_w8a8_split(w)),
+    # FP8 from 16 rows: down weight-only, as before its W8A8 tiles over 4 parts of K (s80d's `dn-a8-ks4`) became
+    # the default
+    "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%

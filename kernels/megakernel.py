@@ -55,7 +55,7 @@ from kernels.lm_head import argmax, lm_partials
 from kernels.matvec import matvec, norm_operand
 from kernels.query_blocks import BLOCK_FIELDS, query_blocks
 from kernels.sync import prefetch, prefetch_record, prefetch_regions, wait_counter
-from kernels.tiles import MatvecTile, TileTable, default_tiles
+from kernels.tiles import MatvecTile, TileTable, default_tiles, parts_of_k
 
 # ---------------------------------------------------------------------------------------------------------------
 # the kernel
@@ -522,11 +522,12 @@ class Megakernel:
         tiles = self._table(self.rows_of(batch)) | {Op.LMHEAD: self._table(self.lm_rows_of(batch))[Op.LMHEAD]}
         ks = {Op.QKV: self.dims.hidden, Op.OPROJ: self.dims.q_size, Op.GATEUP: self.dims.hidden,
               Op.DOWN: self.dims.ffn, Op.LMHEAD: self.dims.hidden}
-        for op, t in tiles.items():
-            chunks = -(-ks[op] // t.k_chunk)
-            if t.k_splits > 1 and (chunks % t.k_splits or op is Op.LMHEAD):
-                raise ValueError(f"{op.name}: {t.k_splits} parts of K do not divide its {chunks} k chunks "
-                                 f"(or the LM head, whose K is never split)")
+        for op, t in list(tiles.items()):
+            if t.k_splits > 1:
+                if op is Op.LMHEAD:
+                    raise ValueError("the LM head's K is never split")
+                # parts of K must divide its chunks: the tile asks for a count, the model's K settles it
+                t = tiles[op] = t._replace(k_splits=parts_of_k(-(-ks[op] // t.k_chunk), t.k_splits))
             rows = self.lm_rows_of(batch) if op is Op.LMHEAD else self.rows_of(batch)
             if t.swap and (self.w.int8_blocks or rows < 16 and not INTERPRET):
                 raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows; the LM "
