@@ -127,11 +127,11 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
 
 
 def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 from 16 rows: down weight-only in the tiles it had before W8A8_DOWN became its default (those of 8-bit
+    """FP8 from 32 rows: down weight-only in the tiles it had before W8A8_DOWN became its default (those of 8-bit
     weights without W8A8); other formats and buckets keep the default."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
-        if weights != "fp8" or b < 16:
+        if weights != "fp8" or b < WIDE:
             return tiles
         return tiles | {Op.DOWN: default_tiles(True, b)[Op.DOWN]}
 
@@ -337,8 +337,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # QKV twice as slow (48 tiles of its 3,072 rows leave most SMs without one), O 1.7 slower
     "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True)),
     "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
-    # FP8 from 16 rows: down weight-only, as before its W8A8 tiles over 4 parts of K (s80d's `dn-a8-ks4`) became
-    # the default
+    # FP8 from 32 rows: down weight-only, as before its W8A8 tiles over 4 parts of K (s80d's `dn-a8-ks4`) became
+    # the default there
     "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
