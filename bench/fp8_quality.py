@@ -74,6 +74,7 @@ W8A8: dict[str, tuple[str, ...]] = {
     "a8-gateup-down": ("w_gate", "w_up", "w_down"),  # its default from 32 rows with every row sampled
     "a8-gateup-down-lm64": ("w_gate", "w_up", "w_down", "lm_head:64"),  # ... with 16 sampled rows (the server's)
     "a8-gateup-down-lm": ("w_gate", "w_up", "w_down", "lm_head"),
+    "a8-o-gateup-down-lm64": ("wo", "w_gate", "w_up", "w_down", "lm_head:64"),  # bench variant `w-o-a8-ks4`
     "a8-all": ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"),
 }
 W8A8_CHUNK = 256

@@ -9,7 +9,7 @@ from typing import Any
 
 from kernels.instructions import Op
 from kernels.megakernel import KernelConfig
-from kernels.tiles import MATVECS, MatvecTile, default_tiles, int8_slices
+from kernels.tiles import MATVECS, W8A8_DOWN, MatvecTile, default_tiles, int8_slices
 
 
 def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any
@@ -134,6 +134,17 @@ def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
         if weights != "fp8" or b < WIDE:
             return tiles
         return tiles | {Op.DOWN: default_tiles(True, b)[Op.DOWN]}
+
+    return table
+
+
+def _o_w8a8(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 from 32 rows: O W8A8 in down's default tiles there (W8A8_DOWN: 64-row swapped tiles, K over 4 tasks)."""
+    def table(b: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(b)
+        if weights != "fp8" or b < WIDE:
+            return tiles
+        return tiles | {Op.OPROJ: W8A8_DOWN}
 
     return table
 
@@ -340,6 +351,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # FP8 from 32 rows: down weight-only, as before its W8A8 tiles over 4 parts of K (s80d's `dn-a8-ks4`) became
     # the default there
     "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
+    # ... and O W8A8 in the same tiles (K over 4 tasks) from 32 rows, beside down's
+    "w-o-a8-ks4": lambda w: KernelConfig(tiles=_o_w8a8(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%
