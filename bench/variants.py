@@ -126,25 +126,25 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
     return table
 
 
-def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 from 32 rows: down weight-only in the tiles it had before W8A8_DOWN became its default (those of 8-bit
-    weights without W8A8); other formats and buckets keep the default."""
+def _down_w8a8(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles, K over 4 tasks (W8A8_DOWN); other formats and
+    buckets keep the default."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
         if weights != "fp8" or b < WIDE:
             return tiles
-        return tiles | {Op.DOWN: default_tiles(True, b)[Op.DOWN]}
+        return tiles | {Op.DOWN: W8A8_DOWN}
 
     return table
 
 
 def _o_w8a8(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 from 32 rows: O W8A8 in down's default tiles there (W8A8_DOWN: 64-row swapped tiles, K over 4 tasks)."""
+    """FP8 from 32 rows: O and down W8A8 in W8A8_DOWN's tiles (64-row swapped tiles, K over 4 tasks)."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
         if weights != "fp8" or b < WIDE:
             return tiles
-        return tiles | {Op.OPROJ: W8A8_DOWN}
+        return tiles | {Op.OPROJ: W8A8_DOWN, Op.DOWN: W8A8_DOWN}
 
     return table
 
@@ -348,10 +348,10 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # QKV twice as slow (48 tiles of its 3,072 rows leave most SMs without one), O 1.7 slower
     "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True)),
     "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
-    # FP8 from 32 rows: down weight-only, as before its W8A8 tiles over 4 parts of K (s80d's `dn-a8-ks4`) became
-    # the default there
-    "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
-    # ... and O W8A8 in the same tiles (K over 4 tasks) from 32 rows, beside down's
+    # FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles over 4 parts of K (s80d's `dn-a8-ks4`, which
+    # took it from 16 rows)
+    "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_down_w8a8(w)),
+    # ... and O W8A8 in the same tiles (K over 4 tasks)
     "w-o-a8-ks4": lambda w: KernelConfig(tiles=_o_w8a8(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not

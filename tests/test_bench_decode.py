@@ -9,18 +9,23 @@ import torch
 
 from bench.decode import static_cache_step, static_caches, w8a8_names
 from bench.fp8_quality import W8A8_CHUNK, w8a8_of, w8a8_products
+from bench.variants import VARIANTS
 from service.backends.megakernel import MegakernelDecoder
 from service.backends.reference import ReferenceDecoder
 from service.model.synthetic import load_synthetic
 
 
 def test_the_w8a8_products_are_those_the_launch_runs_w8a8() -> None:
-    """FP8 from 16 rows: gate/up in groups of 256 columns, and with 16 sampled rows the LM head in groups of 64;
-    from 32 rows down too (kernels/tiles.py); fewer rows and bf16 weights run none."""
+    """FP8 from 16 rows: gate/up in groups of 256 columns, and with 16 sampled rows the LM head in groups of 64
+    (kernels/tiles.py); fewer rows and bf16 weights run none; bench variant w-dn-a8-ks4 down too from 32 rows."""
     config, weights, _ = load_synthetic("tiny", device="cpu", dtype=torch.float32, seed=0)
-    for fmt, expect, wide in (("bf16", (), ()), ("fp8", ("w_gate:256", "w_up:256", "lm_head:64"), ("w_down:256",))):
+    for fmt, expect, wide in (("bf16", (), ()), ("fp8", ("w_gate:256", "w_up:256", "lm_head:64"), ()),
+                              ("fp8-w-dn-a8-ks4", ("w_gate:256", "w_up:256", "lm_head:64"), ("w_down:256",))):
+        variant = fmt.partition("-")[2]
+        fmt = fmt.partition("-")[0]
         mk = MegakernelDecoder(config, weights, max_slots=16, max_context=256, device="cpu", dtype=torch.float32,
-                               max_rows=32, max_batch=16, weight_format=fmt)
+                               max_rows=32, max_batch=16, weight_format=fmt,
+                               kernel_config=VARIANTS[variant](fmt) if variant else None)
         names = {b: set(w8a8_names(mk, b)) for b in mk.buckets}
         assert names == {1: set(), 2: set(), 4: set(), 8: set(), 16: set(expect), 32: set(expect + wide)}
 
