@@ -151,3 +151,24 @@ def test_a_pair_streams_as_one_split_only_where_it_has_one_task(invariant: bool)
     splits = {b: mk.kernel.attn_shape(mk.kernel.schedule(b)).max_splits for b in mk.buckets}
     most = KernelConfig().max_splits
     assert splits == ({b: 1 for b in mk.buckets} if invariant else {1: most, 2: most, 4: 1, 8: 1, 16: 1})
+
+
+@pytest.mark.parametrize(("asked", "parts"), [(2, 2), (3, 4), (4, 4), (5, 4), (8, 8), (16, 8)])
+def test_a_split_tile_takes_the_parts_its_models_k_divides_into(asked: int, parts: int) -> None:
+    """A tile asks for parts of K (MatvecTile.k_splits); the model's K settles them: the divisor of its k chunks
+    nearest to the ask, the larger of two as near (kernels.tiles.parts_of_k). The tiny model's down (K = 128 in chunks
+    of 16: 8 chunks) asked for 3 takes 4, for 16 takes 8; the schedule then has that many tasks a tile, each part
+    once. Llama-3.2-1B's down in chunks of 256 (32) takes 4 of 4, SmolLM2's (6) 3, Qwen2.5-1.5B's (35) 5."""
+    from kernels.tiles import MATVECS, MatvecTile, parts_of_k
+
+    assert [parts_of_k(c, 4) for c in (32, 6, 35, 1)] == [4, 3, 5, 1]
+    tiles = {op: MatvecTile(rows=64 if op is Op.LMHEAD else 16, k_chunk=16) for op in MATVECS}
+    mk = tiny_decoder(tiles=tiles | {Op.DOWN: tiles[Op.DOWN]._replace(k_splits=asked)})
+    for b in mk.buckets:
+        assert mk.kernel.tiling(b).k_splits.get(Op.DOWN, 1) == parts
+        t = mk.kernel.schedule(b).tasks
+        down = t[t[:, I.F_OP] == int(Op.DOWN)]
+        per_tile = Counter((int(r[I.F_LAYER]), int(r[I.MV_ROW0])) for r in down)
+        assert set(per_tile.values()) == {parts}
+        first = down[(down[:, I.F_LAYER] == 0) & (down[:, I.MV_ROW0] == 0)]
+        assert sorted(first[:, I.MV_K_SPLIT].tolist()) == list(range(parts))
