@@ -126,25 +126,14 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
     return table
 
 
-def _down_w8a8(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles, K over 4 tasks (W8A8_DOWN); other formats and
-    buckets keep the default."""
+def _wide_w8a8(weights: str, ops: tuple[Op, ...]) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 from 32 rows: `ops` W8A8 in W8A8_DOWN's tiles (gate/up's 64-row swapped tiles, K over 4 tasks); other
+    formats and buckets keep the default."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
         if weights != "fp8" or b < WIDE:
             return tiles
-        return tiles | {Op.DOWN: W8A8_DOWN}
-
-    return table
-
-
-def _o_w8a8(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 from 32 rows: O and down W8A8 in W8A8_DOWN's tiles (64-row swapped tiles, K over 4 tasks)."""
-    def table(b: int) -> dict[Op, MatvecTile]:
-        tiles = _tiles(weights)(b)
-        if weights != "fp8" or b < WIDE:
-            return tiles
-        return tiles | {Op.OPROJ: W8A8_DOWN, Op.DOWN: W8A8_DOWN}
+        return tiles | dict.fromkeys(ops, W8A8_DOWN)
 
     return table
 
@@ -350,9 +339,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
     # FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles over 4 parts of K (s80d's `dn-a8-ks4`, which
     # took it from 16 rows)
-    "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_down_w8a8(w)),
+    "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.DOWN,))),
     # ... and O W8A8 in the same tiles (K over 4 tasks)
-    "w-o-a8-ks4": lambda w: KernelConfig(tiles=_o_w8a8(w)),
+    "w-o-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.OPROJ, Op.DOWN))),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%
