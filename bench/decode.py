@@ -318,11 +318,14 @@ def compiled_peer(ref: ReferenceDecoder, tokens: torch.Tensor, context: int
         return graph_of(lambda: logits.copy_(step(c, w, cos, sin, x, position, ks, vs))), logits
 
 
+WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int8-row")  # what --weights and --wide-weights take
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "smollm2-135m"])
-    formats = ["bf16", "fp8", "int8", "int8-row"]
+    formats = list(WEIGHT_FORMATS)
     ap.add_argument("--weights", nargs="+", default=formats, choices=formats)
     ap.add_argument("--int8-models", nargs="*", default=["llama-3.2-1b"],
                     help="models timed with int8 weights where --weights names int8 or int8-row (the default run "

@@ -29,7 +29,7 @@ def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **cha
 WIDE = 32  # the buckets whose default tiles differ (default_tiles)
 _CALL_NONE = {"call_min_rows": 1 << 20, "call_min_rows_8bit": 1 << 20}  # KernelConfig: every op inlined
 _CALL_ALL = {"call_min_rows": 1, "call_min_rows_8bit": 1}  # the matvecs called at every row count
-K_CHUNK = {"bf16": 256, "fp8": 512, "int8": 256}  # the narrow buckets' default k chunk
+K_CHUNK = {"bf16": 256, "fp8": 512, "int8-row": 512, "int8": 256}  # the narrow buckets' default k chunk
 
 
 def _narrow(weights: str, ops: tuple[Op, ...], below: int = WIDE, at_least: int = 1, **change: Any
@@ -138,7 +138,7 @@ def _wide_w8a8(weights: str, ops: tuple[Op, ...]) -> Callable[[int], dict[Op, Ma
     return table
 
 
-BK2X = {"bf16": 512, "fp8": 1024, "int8": 512}  # twice the default k chunk of the 16-row buckets
+BK2X = {"bf16": 512, "fp8": 1024, "int8-row": 1024, "int8": 512}  # twice the default k chunk of the 16-row buckets
 
 # Kernel variants the bench can time beside the default (--variants NAME ...): each a function of the weights' format
 # (their default tiles differ). bench/NOTES.md says what each measured. The "w-" variants change

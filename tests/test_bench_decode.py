@@ -53,3 +53,16 @@ def test_the_float32_answer_quantizes_what_the_reference_decoder_quantizes() -> 
     torch.testing.assert_close(plain, plain_own, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(w8a8, w8a8_own, rtol=1e-4, atol=1e-4)
     assert (w8a8 - plain).norm() > 1e-3 * plain.norm()
+
+
+def test_every_variant_builds_its_tiles_for_every_format_the_bench_times() -> None:
+    """`bench decode --variants NAME --weights ...` takes any variant with any of its formats: each variant's
+    configuration and tile table (every bucket, 1 to 64 rows) builds for each (bk2x once had no int8-row entry)."""
+    from bench.decode import WEIGHT_FORMATS
+
+    for name, variant in VARIANTS.items():
+        for fmt in WEIGHT_FORMATS:
+            tiles = variant(fmt).tiles
+            if callable(tiles):
+                for rows in (1, 2, 4, 8, 16, 32, 64):
+                    assert tiles(rows), (name, fmt, rows)
