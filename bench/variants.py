@@ -126,6 +126,15 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
     return table
 
 
+def _down_as_at_32(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles, with the 64-row bucket's down in the 32-row bucket's tile (FP8: weight-only)."""
+    def table(b: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(b)
+        return tiles | {Op.DOWN: _tiles(weights)(WIDE)[Op.DOWN]} if b > WIDE else tiles
+
+    return table
+
+
 def _wide_w8a8(weights: str, ops: tuple[Op, ...]) -> Callable[[int], dict[Op, MatvecTile]]:
     """FP8 from 32 rows: `ops` W8A8 in W8A8_DOWN's tiles (gate/up's 64-row swapped tiles, K over 4 tasks); other
     formats and buckets keep the default."""
@@ -337,11 +346,13 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # QKV twice as slow (48 tiles of its 3,072 rows leave most SMs without one), O 1.7 slower
     "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True)),
     "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
-    # FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles over 4 parts of K (s80d's `dn-a8-ks4`, which
-    # took it from 16 rows)
+    # FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles over 4 parts of K, as the default does at 64
+    # (s82 on the H100: 3.4% slower at 32 rows)
     "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.DOWN,))),
-    # ... and O W8A8 in the same tiles (K over 4 tasks)
+    # ... and O W8A8 in the same tiles (K over 4 tasks; s82: within 0.2% of the default at 64 rows)
     "w-o-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.OPROJ, Op.DOWN))),
+    # FP8's down weight-only in the 64-row bucket, as before s82 (the 32-row bucket's tile)
+    "dn-weight-only": lambda w: KernelConfig(tiles=_down_as_at_32(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%

@@ -97,11 +97,11 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     256-row tiles through TMA, 6 stages: in its launch of its own (KernelConfig.lm_launch) the 16-row step 1.100 ->
     1.042 ms against the LM head weight-only, as fast as 128-column chunks in 128-row tiles (64-column chunks in
     128-row tiles: 1.088). In the layers' launch a W8A8 LM head slowed their phases more than it gained (bench/NOTES.md
-    "The LM head in a launch of its own"). Down W8A8 in gate/up's 64-row swapped tiles with K over 4
-    tasks (W8A8_DOWN, bench variant `w-dn-a8-ks4`: its N = 2,048 alone makes 32 tiles) took the H100's 64-row FP8 step
-    1.745 -> 1.690 ms (-3.1%, one run) for +0.02% perplexity over gate/up's and the LM head's W8A8 on SmolLM2; at 16
-    rows (narrow tiles around it) it was 10.6% slower on the H200 (0.858 -> 0.949 ms). Not the default until the GPU
-    suite has passed on it (bench/NOTES.md "Down W8A8 in the wide buckets")."""
+    "The LM head in a launch of its own"). In the 64-row bucket down runs W8A8 too, in gate/up's 64-row
+    swapped tiles with K over 4 tasks (W8A8_DOWN: its N = 2,048 alone makes 32 tiles): on the H100 the 64-row FP8 step
+    1.765 -> 1.728 ms (-2.1%; mixed with a prompt's chunk 1.746 -> 1.703, -2.5%; context 2,048 -0.5 / -1.8%) for
+    +0.02% perplexity over gate/up's and the LM head's W8A8 on SmolLM2. At 32 rows it was 3.4% slower in the same run
+    (1.262 -> 1.305 ms), at 16 rows 10.6% on the H200 (bench/NOTES.md "Down W8A8 in the 64-row bucket")."""
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
@@ -136,6 +136,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
             for op in (Op.QKV, Op.OPROJ, Op.DOWN)}
     wide[Op.GATEUP] = W8A8_GATEUP if e4m3 or a8_int8 else \
         MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
+    if e4m3 and rows >= 64:
+        wide[Op.DOWN] = W8A8_DOWN
     return wide | {Op.LMHEAD: lm_wide}
 
 
@@ -143,7 +145,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
 GATEUP_8BIT_ONE_ROW = MatvecTile(rows=64, k_chunk=256, tma=True, stages=4)
 # e4m3 weights from 16 rows: gate/up W8A8, and from 16 sampled rows the LM head (default_tiles)
 W8A8_GATEUP = MatvecTile(rows=64, k_chunk=256, k_slices=1, stages=3, swap=True, w8a8=True)
-# down W8A8 in gate/up's tiles, K over 4 tasks (its N = 2,048 makes 32 tiles alone): bench variant w-dn-a8-ks4
+# e4m3 weights at 64 rows: down W8A8 in gate/up's tiles, K over 4 tasks (its N = 2,048 makes 32 tiles alone)
 W8A8_DOWN = W8A8_GATEUP._replace(k_splits=4)
 W8A8_LMHEAD = MatvecTile(rows=256, k_chunk=64, k_slices=1, stages=6, tma=True, swap=True, w8a8=True)
 
