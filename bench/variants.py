@@ -126,11 +126,14 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
     return table
 
 
-def _down_as_at_32(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """The default tiles, with the 64-row bucket's down in the 32-row bucket's tile (FP8: weight-only)."""
+def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """FP8 in the 64-row bucket: down weight-only in the tiles it had before W8A8_DOWN became its default there
+    (those of 8-bit weights without W8A8); other formats and buckets keep the default."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
-        return tiles | {Op.DOWN: _tiles(weights)(WIDE)[Op.DOWN]} if b > WIDE else tiles
+        if weights != "fp8" or b < 64:
+            return tiles
+        return tiles | {Op.DOWN: default_tiles(True, b)[Op.DOWN]}
 
     return table
 
@@ -351,8 +354,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.DOWN,))),
     # ... and O W8A8 in the same tiles (K over 4 tasks; s82: within 0.2% of the default at 64 rows)
     "w-o-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.OPROJ, Op.DOWN))),
-    # FP8's down weight-only in the 64-row bucket, as before s82 (the 32-row bucket's tile)
-    "dn-weight-only": lambda w: KernelConfig(tiles=_down_as_at_32(w)),
+    # FP8's down weight-only in the 64-row bucket, as before s82
+    "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%

@@ -21,13 +21,13 @@ def test_the_w8a8_products_are_those_the_launch_runs_w8a8() -> None:
     w-dn-a8-ks4 down from 32 rows."""
     config, weights, _ = load_synthetic("tiny", device="cpu", dtype=torch.float32, seed=0)
     fp8, down = ("w_gate:256", "w_up:256", "lm_head:64"), ("w_down:256",)
-    for fmt, variant, at32, at64 in (("bf16", None, (), ()), ("fp8", None, fp8, fp8 + down),
-                                     ("fp8", "w-dn-a8-ks4", fp8 + down, fp8 + down)):
+    for fmt, variant, at16, at32, at64 in (("bf16", None, (), (), ()), ("fp8", None, fp8, fp8, fp8 + down),
+                                           ("fp8", "w-dn-a8-ks4", fp8, fp8 + down, fp8 + down)):
         mk = MegakernelDecoder(config, weights, max_slots=16, max_context=256, device="cpu", dtype=torch.float32,
                                max_rows=64, max_batch=16, weight_format=fmt,
                                kernel_config=VARIANTS[variant](fmt) if variant else None)
         names = {b: set(w8a8_names(mk, b)) for b in mk.buckets}
-        assert names == {1: set(), 2: set(), 4: set(), 8: set(), 16: set(at32 and fp8), 32: set(at32),
+        assert names == {1: set(), 2: set(), 4: set(), 8: set(), 16: set(at16), 32: set(at32),
                          64: set(at64)}, (fmt, variant)
 
 

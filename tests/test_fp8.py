@@ -131,6 +131,7 @@ def test_w8a8_where_the_default_tiles_say() -> None:
     int8_row = decoder("int8-row").kernel
     for rows in (16, 64):
         assert int8_row.tiles(rows)[Op.GATEUP].w8a8 and int8_row.tiles(rows)[Op.LMHEAD].w8a8
+        assert fp8.tiles(rows)[Op.DOWN].w8a8 == (rows == 64) and not int8_row.tiles(rows)[Op.DOWN].w8a8
     assert not any(t.w8a8 for t in int8_row.tiles(8).values())
     assert not any(t.w8a8 for rows in (1, 16, 64) for t in decoder("int8").kernel.tiles(rows).values())
     a8 = MatvecTile(rows=16, k_chunk=16, k_slices=1, swap=True, w8a8=True)
