@@ -97,7 +97,7 @@ async def _drill(fleet: Fleet, drill: Drill, say: Any) -> dict[str, Any]:
     marks: dict[str, float] = {}
     async with ClientPool(target) as pool:
         client = pool.take()
-        target.model = await first_model(client)
+        target.model = await first_model(client, target)
         pool.give(client)
         t0 = time.perf_counter()
         now = lambda: time.perf_counter() - t0  # noqa: E731

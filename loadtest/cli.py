@@ -1,5 +1,5 @@
 """`parley-loadtest`: what one GPU holds under the SLA, and what a token costs. Runs against any OpenAI-compatible
-server (Parley, vLLM, ...) from a client box: it needs httpx, websockets and rich (matplotlib for --plot)."""
+server (Parley, vLLM, ...) from a client box: it needs aiohttp, websockets and rich (matplotlib for --plot)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import httpx
+import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -172,9 +172,9 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         if target.model is None:
             client = pool.take()
             try:
-                target.model = await first_model(client)
+                target.model = await first_model(client, target)
             except Exception as e:
-                if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 401:
+                if isinstance(e, aiohttp.ClientResponseError) and e.status == 401:
                     raise SystemExit(f"{args.url} refused the API key ({'a wrong one' if args.api_key else 'none'} "
                                      "was sent): pass --api-key or set OPENAI_API_KEY") from None
                 if target.endpoint != "realtime":

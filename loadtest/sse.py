@@ -1,8 +1,8 @@
 """The lines of a Server-Sent Events stream, split where the SSE specification splits them and nowhere else.
 
-httpx's `aiter_lines` splits text as `str.splitlines` does, at U+0085, U+2028 and U+2029 too; JSON leaves those raw
-inside strings, so a server that writes them unescaped (any pydantic or serde JSON) has an event cut in two and the
-reply counted as failed. The specification's line ends are CRLF, LF and CR alone.
+A line reader such as httpx's `aiter_lines` splits text as `str.splitlines` does, at U+0085, U+2028 and U+2029 too;
+JSON leaves those raw inside strings, so a server that writes them unescaped (any pydantic or serde JSON) has an
+event cut in two and the reply counted as failed. The specification's line ends are CRLF, LF and CR alone.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 async def event_lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
-    """Each line of the stream whose bytes arrive as `chunks` (a response's `aiter_bytes()`), without its end."""
+    """Each line of the stream whose bytes arrive as `chunks` (a response body as it comes), without its end."""
     pending = b""
     async for chunk in chunks:
         pending += chunk

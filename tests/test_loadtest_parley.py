@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.cli import main
 from tests.loadtest_checks import check_consistent
-from tests.server_support import Server
+from tests.server_support import Server, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,19 @@ def test_realtime_session_and_barge_in(tmp_path, shared_server: Server):
               "--cancel-after-tokens", "2")
     for x in doc["runs"][0]["requests"]:
         assert x["outcome"] == "cancelled" and 2 <= x["output_tokens"] < 64 and x["cancel_ms"] is not None
+    check_consistent(doc)
+
+
+def test_an_http_barge_in_closes_its_stream_and_the_server_frees_the_slot(tmp_path, shared_server: Server):
+    """A barge-in over HTTP (--cancel-after-tokens) stops reading and closes the connection: each reply is recorded
+    as cancelled with the tokens heard, and the server sees the client go: it counts both requests cancelled (a reply
+    read to its end, or left open, would count as completed) and every slot is free again."""
+    before = wait_idle(shared_server.base).requests("cancelled")  # an earlier test's cancels all counted
+    doc = run(tmp_path, shared_server, "--endpoint", "completions", "--num-requests", "2", "--concurrency", "2",
+              "--output-len", "64", "--cancel-after-tokens", "2", "--warmup", "0")
+    for x in doc["runs"][0]["requests"]:
+        assert x["outcome"] == "cancelled" and 2 <= x["output_tokens"] < 64, x
+    assert wait_idle(shared_server.base).requests("cancelled") - before == 2
     check_consistent(doc)
 
 

@@ -8,9 +8,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-import httpx
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from loadtest.clients import Target, http_turn
+from loadtest.clients import ClientPool, Target, http_turn
 from loadtest.record import RequestRecord
 from loadtest.sse import event_lines
 
@@ -47,22 +48,22 @@ def test_a_reply_with_unicode_line_breaks_is_read_whole() -> None:
     events.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}))
     body = "".join(f"data: {e}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
 
-    async def one_byte_at_a_time() -> AsyncIterator[bytes]:
+    async def one_byte_at_a_time(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
         for i in range(len(body)):
-            yield body[i:i + 1]
-
-    class Stream(httpx.AsyncByteStream):
-        def __aiter__(self) -> AsyncIterator[bytes]:
-            return one_byte_at_a_time()
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Stream())
+            await resp.write(body[i:i + 1])
+        await resp.write_eof()
+        return resp
 
     async def turn() -> RequestRecord:
-        target = Target(url="http://server", model="m")
-        async with httpx.AsyncClient(base_url=target.url, transport=httpx.MockTransport(handler)) as client:
-            rec = RequestRecord(session=0, turn=0, endpoint="completions", kind="turn", start_s=0.0)
-            return await http_turn(client, target, [{"role": "user", "content": "hello"}], 3, rec)
+        app = web.Application()
+        app.router.add_post("/v1/completions", one_byte_at_a_time)
+        async with TestServer(app) as server:
+            target = Target(url=str(server.make_url("")).rstrip("/"), model="m")
+            async with ClientPool(target) as pool:
+                rec = RequestRecord(session=0, turn=0, endpoint="completions", kind="turn", start_s=0.0)
+                return await http_turn(pool.take(), target, [{"role": "user", "content": "hello"}], 3, rec)
 
     rec = asyncio.run(turn())
     assert rec.outcome == "ok" and rec.error is None, rec.error
