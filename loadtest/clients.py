@@ -34,6 +34,10 @@ class Target:
     # what a router's session-sticky policy keys on (vllm-router's sticky_least_loaded, consistent_hash)
     session_prefix: str | None = None
 
+    def url_of(self, path: str) -> str:
+        """The URL of one of the server's paths (`url` may end in a slash)."""
+        return self.url.rstrip("/") + path
+
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -79,7 +83,7 @@ class ClientPool:
 
 async def first_model(client: aiohttp.ClientSession, target: Target) -> str:
     """The first model the server lists (GET /v1/models); aiohttp.ClientResponseError where it answers an error."""
-    async with client.get(target.url + "/v1/models") as resp:
+    async with client.get(target.url_of("/v1/models")) as resp:
         resp.raise_for_status()
         return (await resp.json())["data"][0]["id"]
 
@@ -123,7 +127,7 @@ async def http_turn(client: aiohttp.ClientSession, target: Target, conversation:
         headers = {} if target.session_prefix is None else {"x-session-id": f"{target.session_prefix}-{rec.session}"}
         # when it was sent, as proxies write it: a server behind a router (which may retry it) judges it from now
         headers["x-request-start"] = f"t={time.time():.6f}"
-        async with client.post(target.url + PATHS[target.endpoint], json=body, headers=headers) as resp:
+        async with client.post(target.url_of(PATHS[target.endpoint]), json=body, headers=headers) as resp:
             rec.status = resp.status
             if resp.status == 429:
                 rec.outcome, rec.retry_after_s = "rejected", retry_after(resp.headers.get("retry-after"))

@@ -60,7 +60,7 @@ def test_a_reply_with_unicode_line_breaks_is_read_whole() -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", one_byte_at_a_time)
         async with TestServer(app) as server:
-            target = Target(url=str(server.make_url("")).rstrip("/"), model="m")
+            target = Target(url=str(server.make_url("/")), model="m")  # a base URL typed with its slash
             async with ClientPool(target) as pool:
                 rec = RequestRecord(session=0, turn=0, endpoint="completions", kind="turn", start_s=0.0)
                 return await http_turn(pool.take(), target, [{"role": "user", "content": "hello"}], 3, rec)
