@@ -175,7 +175,7 @@ async def _read_sse(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float,
 
 
 def ws_url(url: str) -> str:
-    return url.replace("https://", "wss://", 1).replace("http://", "ws://", 1).rstrip("/") + PATHS["realtime"]
+    return Target(url).url_of(PATHS["realtime"]).replace("https://", "wss://", 1).replace("http://", "ws://", 1)
 
 
 class RealtimeSession:
