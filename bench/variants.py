@@ -9,7 +9,7 @@ from typing import Any
 
 from kernels.instructions import Op
 from kernels.megakernel import KernelConfig
-from kernels.tiles import MATVECS, W8A8_DOWN, W8A8_GATEUP, W8A8_LMHEAD, MatvecTile, default_tiles, int8_slices
+from kernels.tiles import MATVECS, W8A8_DOWN, MatvecTile, default_tiles, int8_slices
 
 
 def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any
@@ -146,24 +146,6 @@ def _wide_w8a8(weights: str, ops: tuple[Op, ...]) -> Callable[[int], dict[Op, Ma
         if weights != "fp8" or b < WIDE:
             return tiles
         return tiles | dict.fromkeys(ops, W8A8_DOWN)
-
-    return table
-
-
-def _narrow_w8a8(weights: str, ops: tuple[Op, ...], tma: bool = False) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 under 16 rows: `ops` W8A8 in the tiles the wider buckets run them in (gate/up in 64-row swapped tiles, down
-    in the same with K over 4 tasks, the LM head in 256-row ones through TMA), the step's rows padded to the dot's 16
-    inside the tile (matvec.SWAP_MIN_N): e4m3 x e4m3 on wgmma, no weight converted. At one row FP8's gate/up streams
-    15.0 us a layer for 11.3 of bytes, its dot issue-bound on the f16 conversions (bench/NOTES.md, ncu at one row).
-    `tma`: gate/up's weights through TMA, 4 stages, as its one-row weight-only tile. Other formats and buckets keep
-    the default."""
-    def table(b: int) -> dict[Op, MatvecTile]:
-        tiles = _tiles(weights)(b)
-        if weights != "fp8" or b >= 16:
-            return tiles
-        a8 = {Op.GATEUP: W8A8_GATEUP._replace(tma=True, stages=4) if tma else W8A8_GATEUP, Op.DOWN: W8A8_DOWN,
-              Op.LMHEAD: W8A8_LMHEAD}
-        return tiles | {op: a8[op] for op in ops}
 
     return table
 
@@ -374,14 +356,6 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "w-o-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.OPROJ, Op.DOWN))),
     # FP8's down weight-only in the 64-row bucket, as before s82
     "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
-    # FP8 under 16 rows: gate/up W8A8 (its rows padded to 16 inside the tile), through pointers or TMA; and the LM
-    # head W8A8 too (in its own launch: the layers' registers are not its)
-    "a8-narrow": lambda w: KernelConfig(tiles=_narrow_w8a8(w, (Op.GATEUP,))),
-    "a8-narrow-tma": lambda w: KernelConfig(tiles=_narrow_w8a8(w, (Op.GATEUP,), tma=True)),
-    "a8-narrow-lm": lambda w: KernelConfig(tiles=_narrow_w8a8(w, (Op.GATEUP, Op.LMHEAD))),
-    # ... and down (one row: 10.4 us a layer for 5.6 of bytes; its K over 4 tasks, which cost bf16's and weight-only
-    # FP8's one-row steps ~10 us a layer in s65, unexplained)
-    "a8-narrow-all": lambda w: KernelConfig(tiles=_narrow_w8a8(w, (Op.GATEUP, Op.DOWN, Op.LMHEAD))),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%

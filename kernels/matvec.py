@@ -40,10 +40,6 @@ INTERPRETED = tl.constexpr(INTERPRET)
 # memory; a row-wise rstd there sent every activation chunk of a swapped tile through registers and shared memory
 # again (QKV at 64 rows: 56 us a layer against bf16's 19).
 F16_SCALE = tl.constexpr(1.0 / 16)
-# Swapped tiles' least N (the step's rows as the dot's narrow side): the tensor cores' 16. A launch of fewer rows pads
-# its activations with zeros to it and keeps its own rows of the sums (_first_rows), so 64-row weight tiles run wgmma
-# (and W8A8 e4m3 x e4m3, no weight conversion) at one row too
-SWAP_MIN_N = tl.constexpr(16)
 
 
 @triton.jit
@@ -387,12 +383,11 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
                     ks, dt: tl.constexpr, MODEL: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                     TILE: tl.constexpr, BPAD: tl.constexpr, KB: tl.constexpr, DOT_T: tl.constexpr,
                     SCALE_IN: tl.constexpr, W_INT8: tl.constexpr, CG: tl.constexpr):
-    """matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, NP] =
-    W [BN, BK] @ a^T [BK, NP], so the weight tile is the dot's wide side and each activation chunk feeds all BN
-    weight rows; one k slice, the rows padded to a tensor-core side (NP: BPAD, at least SWAP_MIN_N; zeros past the
-    step's rows). With TILE.w8a8 (FP8 weights) each chunk's activations are quantized per row (_act_e4m3) and the
-    e4m3 x e4m3 dot's chunk is scaled by them as it is added up; the weights' row scales wait for the epilogue as
-    ever."""
+    """matvec's stream with the operands swapped (as Marlin and vLLM's small-batch kernels do): acc [BN, BPAD] =
+    W [BN, BK] @ a^T [BK, BPAD], so the weight tile is the dot's wide side and each activation chunk feeds all BN
+    weight rows; one k slice, the rows padded to a tensor-core side (BPAD >= 16). With TILE.w8a8 (FP8 weights) each
+    chunk's activations are quantized per row (_act_e4m3) and the e4m3 x e4m3 dot's chunk is scaled by them as it is
+    added up; the weights' row scales wait for the epilogue as ever."""
     BN: tl.constexpr = TILE.rows
     A8: tl.constexpr = TILE.w8a8
     W_T: tl.constexpr = (tl.int8 if W_INT8 else tl.float8e4nv) if A8 else DOT_T
@@ -401,10 +396,9 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
     ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
     TR: tl.constexpr = 2 * BN if OP == I.QKV else BN
     EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0)
-    NP: tl.constexpr = BPAD if BPAD >= SWAP_MIN_N else SWAP_MIN_N  # the dot's N: a launch of fewer rows pads them
-    rb = tl.arange(0, NP)
-    acc = tl.zeros([BN, NP], tl.float32)
-    acc2 = tl.zeros([BN, NP], tl.float32)
+    rb = tl.arange(0, BPAD)
+    acc = tl.zeros([BN, BPAD], tl.float32)
+    acc2 = tl.zeros([BN, BPAD], tl.float32)
     for it in tl.range(0, tiles * KB, num_stages=TILE.stages):
         sub = it // KB
         kb = it - sub * KB
@@ -437,22 +431,11 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
             else:
                 acc2 = tl.dot(w2, a, acc2)
         if kb == KB - 1:
-            sums, sums2 = _first_rows(tl.trans(acc), BPAD, NP, BN), _first_rows(tl.trans(acc2), BPAD, NP, BN)
-            best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd, best_v, best_i,
+            best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd, best_v, best_i,
                                           B, layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN, CG)
-            acc = tl.zeros([BN, NP], tl.float32)
-            acc2 = tl.zeros([BN, NP], tl.float32)
+            acc = tl.zeros([BN, BPAD], tl.float32)
+            acc2 = tl.zeros([BN, BPAD], tl.float32)
     return best_v, best_i
-
-
-@triton.jit
-def _first_rows(x, BPAD: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr):
-    """The first BPAD rows of x [NP, BN], whose rows from BPAD on are zeros (rows past the step's, whose activations
-    load as zeros): the sum over its runs of BPAD rows adds only zeros to them, so the result is exact."""
-    if NP == BPAD:
-        return x
-    else:
-        return tl.sum(tl.reshape(x, [NP // BPAD, BPAD, BN]), axis=0)
 
 
 @triton.jit

@@ -528,8 +528,10 @@ class Megakernel:
                     raise ValueError("the LM head's K is never split")
                 # parts of K must divide its chunks: the tile asks for a count, the model's K settles it
                 t = tiles[op] = t._replace(k_splits=parts_of_k(-(-ks[op] // t.k_chunk), t.k_splits))
-            if t.swap and self.w.int8_blocks:
-                raise ValueError(f"{op.name}: swapped tiles take no int8 block scales")
+            rows = self.lm_rows_of(batch) if op is Op.LMHEAD else self.rows_of(batch)
+            if t.swap and (self.w.int8_blocks or rows < 16 and not INTERPRET):
+                raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows; the LM "
+                                 "head's: max_sampled) and no int8 block scales")
             if t.w8a8 and not (t.swap and (self.w.fp8 or self.w.int8_rows)):
                 raise ValueError(f"{op.name}: W8A8 tiles need FP8 or int8-row weights and swapped operands")
             if self.w.int8_blocks and INT8_BLOCK % (t.k_chunk // t.k_slices):
