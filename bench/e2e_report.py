@@ -11,6 +11,8 @@ rate with 99% of all requests on time over the capacity sweep's: what admission 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,13 @@ from bench.publish import publish, pyplot
 
 # A target's figure: the loadtest it is read from, and which way it must hold.
 TARGETS = {"goodput_rps": ("sweep-32", ">="), "ttft_ms_p50": ("single-32", "<="),
-           "goodput_over_capacity": ("sweep-32", ">="), "admitted_on_time_min": ("sweep-32", ">=")}
+           "goodput_over_capacity": ("sweep-32", ">="), "admitted_on_time_min": ("sweep-32", ">="),
+           "gpu_idle_us_p99_at_goodput": ("sweep-32", "<=")}
 
 
-def record(label: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str, Any]:
+def record(label: str, model: str, kind: str, doc: dict[str, Any],
+           at_rate: Callable[[dict[str, Any]], dict[str, Any]] = lambda run: {}) -> dict[str, Any]:
+    """One loadtest's figures; at_rate(run): the server's engine-loop figures over one rate of a sweep."""
     runs = doc["runs"]
     best = doc["sweep"]["best"] if doc.get("sweep") else runs[0]["summary"]
     s = best or runs[-1]["summary"]
@@ -48,10 +53,18 @@ def record(label: str, model: str, kind: str, doc: dict[str, Any]) -> dict[str, 
                          "ttf64_ms_p50": r["summary"]["ttfn_ms"]["p50"], "ttf64_ms_p99": r["summary"]["ttfn_ms"]["p99"],
                          "usd_per_1m_tokens": r["summary"]["usd_per_1m_output_tokens"],
                          "client_lag_ms_p99": r["summary"].get("client_loop_lag_ms", {}).get("p99")}
+                        | {k: v for k, v in at_rate(r).items() if k in RATE_LOOP}
                         for r in sorted(runs, key=lambda r: r["rate"] or 0)]
+        best = next((p for p in rec["sweep"] if p["rate"] == rec["goodput_rps"]), {})
+        rec["gpu_idle_us_p99_at_goodput"] = best.get("gpu_idle_us_p99")
+        rec["host_us_p99_at_goodput"] = best.get("host_us_p99")
         admitted = [p["sla_attainment"] for p in rec["sweep"] if p["sla_attainment"] is not None]
         rec["min_sla_attainment_over_sweep"] = rec["admitted_on_time_min"] = min(admitted) if admitted else None
     return rec
+
+
+# the engine loop's figures a sweep's rates each carry (from the server's /metrics around the rate)
+RATE_LOOP = ("host_us_p50", "host_us_p99", "gpu_idle_us_p99", "loop_iterations")
 
 
 def pair_capacity(records: list[dict[str, Any]]) -> None:
@@ -99,7 +112,8 @@ def build(raw: Path) -> dict[str, Any]:
     for path in paths:
         label, kind = path.stem.split("-", 1)
         doc = json.loads(path.read_text())
-        records.append(record(label, doc["config"]["model"], kind, doc) | loop_metrics.figures(raw, path.stem))
+        records.append(record(label, doc["config"]["model"], kind, doc, partial(loop_metrics.at_rate, raw, path.stem))
+                       | loop_metrics.figures(raw, path.stem))
     pair_capacity(records)
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
@@ -190,13 +204,17 @@ def markdown(doc: dict[str, Any]) -> str:
                              f"{fmt(b.get('sla_attainment_all'), 3)} | {fmt(b.get('ttf64_ms_p99'))} |")
     for r in (r for r in doc["records"] if r.get("sweep")):
         lines += ["", f"Sweep, {r['backend']} {r['kind']}: rate → SLA attainment of admitted (of all), rejection "
-                      "rate, TTF64 p99, cost, the client's event-loop lag p99",
+                      "rate, TTF64 p99, cost, the client's event-loop lag p99; the server's engine loop over the rate "
+                      "alone (its /metrics before and after it; the first rate with the warm-up): the host's time "
+                      "per iteration and the GPU's idle time between steps",
                   "", "| rate /s | requests | attainment admitted | attainment all | rejected | TTF64 p99 ms | "
-                      "USD / 1M tok | client lag p99 ms |",
-                  "|---|---|---|---|---|---|---|---|"]
+                      "USD / 1M tok | client lag p99 ms | host p50 µs | host p99 µs | GPU idle p99 µs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {fmt(p['rate'])} | {p.get('requests', '–')} | {fmt(p['sla_attainment'], 3)} | "
                   f"{fmt(p['sla_attainment_all'], 3)} | {fmt(p['rejection_rate'], 3)} | {fmt(p['ttf64_ms_p99'])} | "
-                  f"{fmt(p.get('usd_per_1m_tokens'), 3)} | {fmt(p.get('client_lag_ms_p99'))} |" for p in r["sweep"]]
+                  f"{fmt(p.get('usd_per_1m_tokens'), 3)} | {fmt(p.get('client_lag_ms_p99'))} | "
+                  f"{fmt(p.get('host_us_p50'))} | {fmt(p.get('host_us_p99'))} | {fmt(p.get('gpu_idle_us_p99'))} |"
+                  for p in r["sweep"]]
     lines += admission_trace.markdown(doc.get("admission", {}))
     if doc["servers"]:
         startup = doc.get("startup_s", {})

@@ -4,7 +4,8 @@ histograms, parley_engine_host_seconds, parley_gpu_idle_seconds, parley_step_gpu
 parley_admission_verdict_seconds (and its parts, parley_engine_received_seconds and parley_admission_forecast_seconds;
 of the first, parley_request_transit_seconds: the client's own send) and parley_token_delivery_seconds, as quantiles
 (interpolated within a bucket, as Prometheus' histogram_quantile does), and the GPU's idle gaps over 100 us by the host
-phase that made them (parley_gpu_idle_gaps_total and its seconds). The loadtest's warm-up requests are in it."""
+phase that made them (parley_gpu_idle_gaps_total and its seconds). The loadtest's warm-up requests are in it.
+A sweep's rates one by one: parley-loadtest's own snapshots around each (at_rate)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ FRONT_LAG = "parley_front_end_loop_lag_seconds"
 GENERATED = "parley_generation_tokens"  # a counter: the tokens the engine's steps made
 IDLE_GAPS, IDLE_GAP_SECONDS = "parley_gpu_idle_gaps", "parley_gpu_idle_gap_seconds"  # counters, by `after`
 BEFORE, AFTER = ".metrics-before.txt", ".metrics.txt"  # after the loadtest's name
+POINTS = ".points"  # after the loadtest's name: the folder of its snapshots around each rate (--metrics-snapshots)
 
 
 def buckets(text: str, name: str) -> dict[float, float] | None:
@@ -115,6 +117,18 @@ def figures(raw: Path, loadtest: str) -> dict[str, Any]:
     if not after_file.exists():
         return {}
     return between(before_file.read_text() if before_file.exists() else None, after_file.read_text())
+
+
+def at_rate(raw: Path, loadtest: str, run: dict[str, Any]) -> dict[str, Any]:
+    """figures()'s figures over one rate of a loadtest (a run of its JSON), from the snapshots parley-loadtest took
+    around it (`--metrics-snapshots`, raw/<loadtest>.points); {} where it took none."""
+    names = run.get("metrics") or {}
+    folder = raw / f"{loadtest}{POINTS}"
+    after = folder / names["after"] if names.get("after") else None
+    if after is None or not after.exists():
+        return {}
+    before = folder / names["before"] if names.get("before") else None
+    return between(before.read_text() if before is not None and before.exists() else None, after.read_text())
 
 
 def between(before: str | None, after: str) -> dict[str, Any]:

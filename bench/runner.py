@@ -31,7 +31,8 @@ TAIL_LINES = 14
 
 def loadtest_command(bench: Benchmark, test: Loadtest, url: str, raw: Path) -> list[str]:
     return [sys.executable, "-m", "loadtest.cli", "--url", url, "--quiet", *bench.loadtest_args,
-            "--json", str(raw / f"{test.name}.json"), *test.args]
+            "--json", str(raw / f"{test.name}.json"),
+            "--metrics-snapshots", str(raw / f"{test.name}{loop_metrics.POINTS}"), *test.args]
 
 
 def plan_text(bench: Benchmark, raw: Path, out: Path, url: str | None = None) -> str:

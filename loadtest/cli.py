@@ -11,13 +11,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from loadtest.clients import ClientPool, Target, first_model
+from loadtest.clients import ClientPool, Target, first_model, server_text
 from loadtest.record import RequestRecord
 from loadtest.report import plot, print_run, sweep_table, write_json
 from loadtest.runner import Load, run_load
@@ -137,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure and one record per request to this file")
     g.add_argument("--plot", help="write latency CDFs (and latency against rate for a sweep) to this PNG")
+    g.add_argument("--metrics-snapshots", metavar="DIR",
+                   help="GET the server's /metrics (Prometheus text) before and after each rate into "
+                        "DIR/<i>-<rate>-{before,after}.txt, their names in --json's runs: what the server's own "
+                        "histograms saw at each rate of a sweep (bench e2e reads its engine loop's per rate)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -168,7 +173,22 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
+    snapshots = Path(args.metrics_snapshots) if args.metrics_snapshots else None
+    if snapshots is not None:
+        snapshots.mkdir(parents=True, exist_ok=True)
     async with ClientPool(target) as pool:
+        async def snapshot(name: str) -> str | None:
+            """The server's /metrics now, into DIR/name: the name (None where the server did not answer)."""
+            client = pool.take()
+            try:
+                text = await server_text(client, target, "/metrics")
+            finally:
+                pool.give(client)
+            if text is None or snapshots is None:
+                return None
+            (snapshots / name).write_text(text)
+            return name
+
         if target.model is None:
             client = pool.take()
             try:
@@ -195,6 +215,8 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
                 lag: list[float] = []
                 warmup = args.warmup if not runs else 0
+                stem = f"{len(runs):02d}-{'max' if rate is None else f'{rate:g}'}"
+                metrics = {"before": await snapshot(f"{stem}-before.txt")} if snapshots is not None else None
                 if args.workers > 1:  # fresh prompts for each sweep point: another seed
                     make = partial(sessions_from, argparse.Namespace(**vars(args) | {"seed": args.seed + len(runs)}))
                     recs, lag = await run_workers(args.workers, target, make, replace(load, rate=rate), warmup,
@@ -204,10 +226,13 @@ async def amain(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     recs = await run_load(pool, target, sessions, replace(load, rate=rate), warmup=warmup,
                                           on_record=on_record, loop_lag_ms=lag)
                 progress.update(task, completed=progress.tasks[task].total or len(recs), visible=False)
+                if metrics is not None:  # the server's histograms over this rate alone (the first: its warm-up too)
+                    metrics["after"] = await snapshot(f"{stem}-after.txt")
                 summary = summarize(recs, args.gpu_hourly_usd, args.gpus, lag) | {
                     "by_turn": by_turn(recs, args.sla_tokens)}
                 runs.append({"rate": rate, "concurrency": load.concurrency, "model": target.model,
-                             "endpoint": target.endpoint, "summary": summary, "requests": recs})
+                             "endpoint": target.endpoint, "summary": summary, "requests": recs}
+                            | ({"metrics": metrics} if metrics is not None else {}))
                 return summary
 
             sweep = None

@@ -88,6 +88,15 @@ async def first_model(client: aiohttp.ClientSession, target: Target) -> str:
         return (await resp.json())["data"][0]["id"]
 
 
+async def server_text(client: aiohttp.ClientSession, target: Target, path: str) -> str | None:
+    """The text the server answers at `path` (GET; its /metrics, say); None where it answers an error or none."""
+    try:
+        async with client.get(target.url_of(path)) as resp:
+            return await resp.text() if resp.status < 400 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
 def chunk_text(chunk: dict[str, Any]) -> str:
     """The generated text one SSE chunk carries ('' for a role-only, usage-only or empty chunk)."""
     choices = chunk.get("choices") or []

@@ -22,13 +22,19 @@ import time
 from typing import Any
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 STATS: dict[str, Any] = {}
+# Prometheus text at /metrics, as Parley's: one observation of the engine loop's histogram per completed HTTP stream
+# (its ttft), so that a loadtest's snapshots around each rate can be checked against the streams it ran
+REGISTRY = CollectorRegistry()
+SERVED = Histogram("parley_engine_host_seconds", "scripted: one observation per completed stream (its ttft)",
+                   buckets=(0.001, 0.01, 0.1), registry=REGISTRY)
 
 
 def reset() -> None:
@@ -113,6 +119,7 @@ async def complete(request: Request) -> Any:
             async for _ in ticks(d, n):
                 yield sse({"choices": [{"index": 0, "delta": {"content": " t"}}]} if chat else
                           {"choices": [{"index": 0, "text": " t"}]})
+            SERVED.observe(d["ttft"] / 1000.0)  # before the stream's end reaches the client
             yield sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]} if chat else
                       {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
             if body.get("stream_options", {}).get("include_usage"):
@@ -125,6 +132,10 @@ async def complete(request: Request) -> Any:
                 STATS["disconnects"] += 1
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
 async def realtime(ws: WebSocket) -> None:
@@ -211,7 +222,7 @@ async def realtime(ws: WebSocket) -> None:
 
 
 app = Starlette(routes=[
-    Route("/v1/models", models), Route("/stats", stats, methods=["GET", "POST"]),
+    Route("/v1/models", models), Route("/stats", stats, methods=["GET", "POST"]), Route("/metrics", metrics),
     Route("/v1/completions", complete, methods=["POST"]), Route("/v1/chat/completions", complete, methods=["POST"]),
     WebSocketRoute("/v1/realtime", realtime),
 ])

@@ -145,6 +145,16 @@ def test_e2e_against_the_scripted_server(tmp_path: Path, url: str) -> None:  # n
     goodput = next(t for t in doc["targets"] if t["figure"] == "goodput_rps")
     assert goodput["measured"] == 8 and goodput["met"] is False  # 8 < 40
     assert doc["servers"] == {}  # at --url the flags were the server's own, not the plan's
+    # the server's engine loop over each rate alone, from the loadtest's /metrics snapshots around it: the scripted
+    # server observes its host-time histogram once per stream it serves, so a rate's iterations are its streams
+    first, second = sweep["sweep"]
+    assert second["loop_iterations"] == second["requests"] > 0
+    assert first["loop_iterations"] > first["requests"] > 0  # the first rate: the warm-up's streams too
+    assert first["gpu_idle_us_p99"] is None  # a histogram this server does not export
+    assert sweep["host_us_p99_at_goodput"] == second["host_us_p99"] and 1000 < second["host_us_p99"] <= 10_000
+    idle = next(t for t in doc["targets"] if t["figure"] == "gpu_idle_us_p99_at_goodput")
+    assert idle["measured"] is None and idle["met"] is None  # no GPU: not judged
+    assert "| host p99 µs | GPU idle p99 µs |" in report.with_suffix(".md").read_text()
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     assert {"raw/plan.json", "raw/device.json", "raw/megakernel.bf16-sweep-32.json"} <= names

@@ -267,6 +267,31 @@ def test_sweep_json_plot_and_tables(tmp_path, url, capsys):
     check_consistent(doc)
 
 
+def served(metrics_text: str) -> float:
+    """The scripted server's streams served so far, from its /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next(s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
+                if s.name == "parley_engine_host_seconds_count")
+
+
+def test_metrics_snapshots_bracket_each_rate(tmp_path, url):
+    """--metrics-snapshots: the server's /metrics before and after each rate of a sweep, named in the JSON's runs, so
+    that its own histograms can be read rate by rate (the scripted server counts one observation a stream). With
+    worker processes too: the snapshots are the parent's, around the point's whole load."""
+    snaps = tmp_path / "points"
+    for workers in ("1", "2"):
+        doc = run_cli(tmp_path, url, "--workers", workers, "--sweep", "--sweep-rates", "20,40", "--num-requests", "5",
+                      "--dataset", dataset(tmp_path, [{"prompt": FAST}]), "--output-len", "8",
+                      "--metrics-snapshots", str(snaps))
+        for i, run in enumerate(doc["runs"]):
+            names, stem = run["metrics"], f"{i:02d}-{run['rate']:g}"
+            assert names == {"before": f"{stem}-before.txt", "after": f"{stem}-after.txt"}
+            streams = served((snaps / names["after"]).read_text()) - served((snaps / names["before"]).read_text())
+            # the point's requests, and a warm-up request a worker process where there are several
+            assert streams == len(run["requests"]) + (int(workers) if workers != "1" else 0)
+
+
 def test_single_run_plot(tmp_path, url):
     pytest.importorskip("matplotlib")
     png = tmp_path / "cdf.png"
