@@ -34,7 +34,7 @@ def test_the_list_names_every_benchmark(capsys) -> None:
     assert main(["no-such-bench"]) == 2
 
 
-def test_e2e_plan_is_issue_21s_and_36s() -> None:
+def test_e2e_plan_is_issue_21s_36s_and_37s() -> None:
     plan = e2e()
     servers = {s.label: s for s in plan.servers}
     assert list(servers) == ["megakernel.bf16", "megakernel.bf16.admissionoff", "megakernel.fp8",
@@ -53,6 +53,8 @@ def test_e2e_plan_is_issue_21s_and_36s() -> None:
         [capacity] = off.loadtests
         assert capacity.name == f"{run}-capacity-32" and capacity.args == sweep.args  # the same rates
         assert on.targets["goodput_over_capacity"] == 0.9 and on.targets["admitted_on_time_min"] == 0.99
+        # issue 37: the first token of an idle server's 32-token prompt, and the GPU's idle p99 at the goodput rate
+        assert on.targets["ttft_ms_p50"] == 3 and on.targets["gpu_idle_us_p99_at_goodput"] == 50
     assert servers["megakernel.bf16"].targets["goodput_rps"] == 40
     assert servers["megakernel.fp8"].targets["goodput_rps"] == 50
     assert "--weights fp8" in " ".join(servers["megakernel.fp8"].serve)
