@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import loop_metrics
 from bench.device import file_stem
 from bench.publish import publish, pyplot
 from loadtest.record import RequestRecord
@@ -76,10 +77,13 @@ def _swept(raw: Path, kind: str, n: int) -> list[dict[str, Any]]:
             recs = _records(run)
             figures = conversation_figures(recs, n)
             replies = [r for r in recs if r.kind != "preemptive"]
+            # the server's engine loop over this rate alone (parley-loadtest's /metrics snapshots around it)
+            loop = loop_metrics.at_rate(raw, f"{kind}-{endpoint}", run)
             rows.append({"endpoint": endpoint, "rate": run["rate"], "sessions": len({r.session for r in recs}),
                          "think_s": doc["config"]["think_s"],
                          "after_refusal": doc["config"].get("after_refusal", "hang-up"), **figures,
-                         "on_time_share": sum(r.sla_met for r in replies) / len(replies) if replies else None})
+                         "on_time_share": sum(r.sla_met for r in replies) / len(replies) if replies else None,
+                         "host_us_p99": loop.get("host_us_p99"), "gpu_idle_us_p99": loop.get("gpu_idle_us_p99")})
     return rows
 
 
@@ -210,13 +214,18 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{_f(r['ttft_ms_p99'])} | {_f(r[f'ttf{n}_ms_p50'])} | {_f(r[f'ttf{n}_ms_p99'])} | "
                      f"{_pct(r['admitted_share'])} | {_f(r['sla_attainment_admitted'], 3)} |")
     lines += ["", "## Poisson arrivals of sessions", "",
+              "The server's engine loop at each rate (its /metrics just before and after the rate; the first rate's "
+              "with the warm-up): the host's time per iteration, and the GPU's idle time between steps (– on a CPU).",
+              "",
               f"| endpoint | sessions/s | sessions | replies | admitted | SLA att. (admitted) | TTFT p99 | "
-              f"TTF{n} p99 | cached share | early (admitted) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              f"TTF{n} p99 | cached share | early (admitted) | host p99 µs | GPU idle p99 µs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["sweep"]:
         lines.append(f"| {r['endpoint']} | {_f(r['rate'], 2)} | {r['sessions']} | {r['requests']} | "
                      f"{_pct(r['admitted_share'])} | {_f(r['sla_attainment_admitted'], 3)} | "
                      f"{_f(r['ttft_ms_p99'])} | {_f(r[f'ttf{n}_ms_p99'])} | {_pct(r['cached_share'])} | "
-                     f"{r['preemptive']} ({_pct(r['preemptive_admitted_share'])}) |")
+                     f"{r['preemptive']} ({_pct(r['preemptive_admitted_share'])}) | {_f(r.get('host_us_p99'))} | "
+                     f"{_f(r.get('gpu_idle_us_p99'))} |")
     if doc.get("capacity"):
         lines += ["", "## Capacity: the same arrivals, admission off", "",
                   "The server again with `--no-admission` (it admits every turn), the sweep's sessions at some of its "

@@ -220,6 +220,11 @@ def test_benchmark_on_the_scripted_server(tmp_path, url):  # noqa: F811
     at_8 = {t["target"]: t for t in doc["targets"] if "at 8 sessions/s" in t["target"]}
     assert len(at_8) == 2 and all(t["measured"] == 1.0 and t["met"] for t in at_8.values())
     assert doc["serve"] is None  # measured at --url: the flags were not the benchmark's
+    # the server's engine loop at each rate, from its /metrics around the rate (the scripted server observes its
+    # host-time histogram once a finished HTTP stream): read rate by rate, none of the GPU's on this server
+    for p in (p for p in doc["sweep"] if p["endpoint"] == "chat"):
+        assert p["host_us_p99"] > 0 and p["gpu_idle_us_p99"] is None
+    assert (raw / "sweep-chat.points").is_dir()
     # every figure is the aggregate of the raw records
     single = json.loads((raw / "session-chat.json").read_text())["runs"][0]["requests"]
     for row in (r for r in sessions if r["endpoint"] == "chat"):
