@@ -55,9 +55,9 @@ def record(label: str, model: str, kind: str, doc: dict[str, Any],
                          "client_lag_ms_p99": r["summary"].get("client_loop_lag_ms", {}).get("p99")}
                         | {k: v for k, v in at_rate(r).items() if k in RATE_LOOP}
                         for r in sorted(runs, key=lambda r: r["rate"] or 0)]
-        best = next((p for p in rec["sweep"] if p["rate"] == rec["goodput_rps"]), {})
-        rec["gpu_idle_us_p99_at_goodput"] = best.get("gpu_idle_us_p99")
-        rec["host_us_p99_at_goodput"] = best.get("host_us_p99")
+        at_goodput = next((p for p in rec["sweep"] if p["rate"] == rec["goodput_rps"]), {})
+        rec["gpu_idle_us_p99_at_goodput"] = at_goodput.get("gpu_idle_us_p99")
+        rec["host_us_p99_at_goodput"] = at_goodput.get("host_us_p99")
         admitted = [p["sla_attainment"] for p in rec["sweep"] if p["sla_attainment"] is not None]
         rec["min_sla_attainment_over_sweep"] = rec["admitted_on_time_min"] = min(admitted) if admitted else None
     return rec

@@ -113,10 +113,7 @@ def figures(raw: Path, loadtest: str) -> dict[str, Any]:
     (a delta of tokens from the engine's publishing it to the front end's reading it) and loop_iterations
     over one loadtest; {} where it was not scraped, None
     for a figure the server did not measure (the GPU's idle time on a CPU)."""
-    after_file, before_file = raw / f"{loadtest}{AFTER}", raw / f"{loadtest}{BEFORE}"
-    if not after_file.exists():
-        return {}
-    return between(before_file.read_text() if before_file.exists() else None, after_file.read_text())
+    return _between_files(raw / f"{loadtest}{BEFORE}", raw / f"{loadtest}{AFTER}")
 
 
 def at_rate(raw: Path, loadtest: str, run: dict[str, Any]) -> dict[str, Any]:
@@ -124,10 +121,15 @@ def at_rate(raw: Path, loadtest: str, run: dict[str, Any]) -> dict[str, Any]:
     around it (`--metrics-snapshots`, raw/<loadtest>.points); {} where it took none."""
     names = run.get("metrics") or {}
     folder = raw / f"{loadtest}{POINTS}"
-    after = folder / names["after"] if names.get("after") else None
-    if after is None or not after.exists():
+    if not names.get("after"):
         return {}
-    before = folder / names["before"] if names.get("before") else None
+    return _between_files(folder / names["before"] if names.get("before") else None, folder / names["after"])
+
+
+def _between_files(before: Path | None, after: Path) -> dict[str, Any]:
+    """between() of two scrape files; {} without the later one, from nothing without the earlier one."""
+    if not after.exists():
+        return {}
     return between(before.read_text() if before is not None and before.exists() else None, after.read_text())
 
 
