@@ -5,6 +5,12 @@ time between consecutive steps and each step's time on the GPU; from the request
 tokens as the engine published them (the target: p99 within 1.1x the step's GPU time).
 
     python -m bench engine-loop [--model synthetic:llama-3.2-1b] [--weights bf16] [--rows 1 4 16] [--seconds 1.5]
+    python -m bench engine-loop --first-tokens 200 [--gap-ms 2]
+
+`--first-tokens N` measures instead an idle engine's first token (issue 37's TTFT without HTTP and the process hop):
+N 32-token prompts one at a time, each `--gap-ms` after the last one ended, in an engine built as `parley serve`
+builds it on a GPU (16 seats, 16 rows, admission on): the submit (its verdict) and the first token from the call,
+beside the prompt's step replayed alone (its bucket's CUDA graph, hot and after the same gap).
 
 Writes bench/results/engine-loop-<device>[-<tag>].{json,md}. On a CPU it runs too (small shapes, the reference
 backend), with no GPU figures."""
@@ -67,6 +73,67 @@ def window(rt: Runtime, rows: int, seconds: float, max_tokens: int) -> dict[str,
     return out
 
 
+def first_tokens(rt: Runtime, n: int, gap_s: float) -> dict[str, Any]:
+    """n 32-token prompts to an idle engine, one at a time, each gap_s after the last one's end: the submit's time
+    (the verdict: prepare and the forecast) and its first token's, from the call; and the prompt's step alone."""
+    engine = rt.engine
+    vocab = engine.decoder.config.vocab_size
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    submit_s, first_s = [], []
+    for i in range(n):
+        got: queue.SimpleQueue[tuple[float, Delta]] = queue.SimpleQueue()
+        time.sleep(gap_s)
+        prompt = [(11 * i + 3 * p) % (vocab - 1) + 1 for p in range(PROMPT_TOKENS)]
+        t0 = time.perf_counter()
+        engine.submit(prompt, params, lambda d, got=got: got.put((time.perf_counter(), d)))
+        t1 = time.perf_counter()
+        first = None
+        while True:
+            at, d = got.get(timeout=30)
+            if first is None and d.token_ids:
+                first = at
+            if d.finish_reason is not None:
+                break
+        submit_s.append(t1 - t0)
+        first_s.append((first or at) - t0)
+    out: dict[str, Any] = {"requests": n, "gap_ms": gap_s * 1e3}
+    for name, xs in (("submit", submit_s), ("first_token", first_s)):
+        xs = sorted(xs)
+        out |= {f"{name}_us_p50": round(xs[len(xs) // 2] * 1e6, 1),
+                f"{name}_us_p90": round(xs[int(0.9 * len(xs))] * 1e6, 1)}
+    out |= prompt_step(rt, gap_s)
+    return out
+
+
+def prompt_step(rt: Runtime, gap_s: float, bucket: int = PROMPT_TOKENS, replays: int = 50) -> dict[str, Any]:
+    """The prompt's step alone: its bucket's graph replayed back to back (hot), and once after `gap_s` of idling
+    (as the engine's first step of a request runs), timed by CUDA events (ms)."""
+    import torch
+
+    decoder = rt.engine.decoder
+    run = getattr(decoder, "run_step", None)
+    if run is None or not torch.cuda.is_available():
+        return {}
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    run(bucket)
+    torch.cuda.synchronize()
+    events[0].record()
+    for _ in range(replays):
+        run(bucket)
+    events[1].record()
+    torch.cuda.synchronize()
+    hot = events[0].elapsed_time(events[1]) / replays
+    cold = []
+    for _ in range(20):
+        time.sleep(gap_s)
+        events[0].record()
+        run(bucket)
+        events[1].record()
+        torch.cuda.synchronize()
+        cold.append(events[0].elapsed_time(events[1]))
+    return {"prompt_step_hot_us": round(hot * 1e3, 1), "prompt_step_after_gap_us": round(sorted(cold)[10] * 1e3, 1)}
+
+
 COLUMNS = (("rows", "rows"), ("loop_iterations", "iterations"), ("tokens_per_iteration", "tokens/iteration"),
            ("host_us_p50", "host µs p50"), ("host_us_p99", "host µs p99"), ("gpu_idle_us_p50", "GPU idle µs p50"),
            ("gpu_idle_us_p99", "GPU idle µs p99"),
@@ -99,11 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=1900, help="more than a window's steps: nobody ends early")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--first-tokens", type=int, default=0, help="instead: an idle engine's first token, N times")
+    ap.add_argument("--gap-ms", type=float, default=2.0, help="--first-tokens: idle before each request")
     a = ap.parse_args(argv)
     import torch
 
     gpu = torch.cuda.is_available()
     model = a.model or ("synthetic:llama-3.2-1b" if gpu else "synthetic:tiny")
+    if a.first_tokens:  # as `parley serve` runs on a GPU: 16 seats and rows, admission on
+        rt = build_engine(ServeConfig(model=model, backend=a.backend, weights=a.weights, max_batch=16, max_rows=16))
+        try:
+            result = first_tokens(rt, a.first_tokens, a.gap_ms / 1e3)
+        finally:
+            rt.engine.stop()
+        print(json.dumps({**describe(), "model": model, "weights": a.weights, **result}, indent=1))
+        return 0
     cfg = ServeConfig(model=model, backend=a.backend, weights=a.weights, max_batch=max(a.rows), max_rows=max(a.rows),
                       sla_ms=1e6)  # admission must not refuse: this measures the loop, not the verdict
     rt = build_engine(cfg)
