@@ -153,10 +153,11 @@ def timeline(dec: MegakernelDecoder, batch: int, context: int, layout: str = "de
     k.tokens[:batch] = 1
     k.slots[:batch], k.positions[:batch] = row_layout(batch, context, layout, min(batch, dec.max_batch))
     k.fill_blocks(batch)
+    one_lm = layout == "prompt"  # a step of prompt rows alone samples one row: as the server runs it
     for _ in range(3):
-        k.step(batch, blocked(dec, batch))
+        k.step(batch, blocked(dec, batch), one_lm)
     torch.cuda.synchronize()
-    s = k.schedule(batch)
+    s = k.schedule(batch, one_lm)
     assert k.prof is not None, "the decoder's kernel config must profile"
     prof = k.prof[: len(s.tasks)].cpu().double()
     t0 = prof[:, 0].min()
@@ -446,12 +447,16 @@ def main() -> None:
                     [lay for lay in args.layouts if batch > 1]
                 for context, layout in [(c, lay) for c in args.contexts for lay in layouts]:
                     row_slots, row_positions = row_layout(batch, context, layout, sampled)
+                    # a step of prompt rows alone samples its last row only, in the launch whose LM head takes one
+                    # row where the bucket has one (Megakernel.has_one_lm_row), as the server runs it
+                    one_lm = layout == "prompt"
+                    lm = 1 if one_lm else sampled
                     # distinct K/V
                     kv = kv_bytes(config, {"decode": batch, "mixed": sampled + 1, "half": batch // 2 + 1,
                                            "prompt": 1}[layout], context)
                     floor = (wbytes + kv) / (bw["read_GBps"] * 1e6)
                     common = {"model": f"synthetic:{model_name}", "weights": fmt, "batch": batch,
-                              "sampled_rows": sampled, "layout": layout, "context": context, "floor_ms": floor,
+                              "sampled_rows": lm, "layout": layout, "context": context, "floor_ms": floor,
                               "weight_bytes": wbytes, "kv_bytes": kv}
                     tokens = torch.randint(0, config.vocab_size, (batch,), device="cuda", dtype=torch.int32)
                     # the oracles of each set of W8A8 products the variants run at this row count; () the weight-only
@@ -469,7 +474,7 @@ def main() -> None:
                         k.positions[:batch] = row_positions
                         k.fill_blocks(batch)
                         try:  # a variant that does not compile at this shape (shared memory, registers) is no result
-                            dec.run_step(batch, blocked(dec, batch))
+                            dec.run_step(batch, blocked(dec, batch), one_lm)
                             torch.cuda.synchronize()
                         except Exception as e:  # noqa: BLE001
                             print(f"   {v} at {batch} rows failed: {repr(e)[:300]}", flush=True)
@@ -478,7 +483,7 @@ def main() -> None:
                         # before timing: as close to the float32 answer as the bf16 reference decoder is (a broken
                         # variant is no result)
                         names = w8a8_names(dec, batch)
-                        got = k.logits[:sampled]
+                        got = k.logits[:lm]
                         if not own_oracle:
                             if v == "default":
                                 default_logits = got.clone()
@@ -489,13 +494,13 @@ def main() -> None:
                         want, exact, ref_err = oracles[names]
                         checked[v] = (dec, rel_err(got, want), rel_err(got, exact), ref_err)
                     # every variant that ran, timed in turns (position and drift fall on each alike)
-                    graphs = {v: c[0].graph(batch, blocked(c[0], batch)).replay for v, c in checked.items()}
+                    graphs = {v: c[0].graph(batch, blocked(c[0], batch), one_lm).replay for v, c in checked.items()}
                     timed = time_in_turns(graphs, args.reps)
                     for v, (dec, err, err32, ref_err) in checked.items():
                         k = dec.kernel
                         dec.check_errors()
                         name = "megakernel" if v == "default" else f"megakernel[{v}]"
-                        add(records, common, name, timed[v], schedule=k.schedule(batch).describe(),
+                        add(records, common, name, timed[v], schedule=k.schedule(batch, one_lm).describe(),
                             rel_err_vs_reference=err, rel_err_vs_fp32=err32, reference_rel_err_vs_fp32=ref_err,
                             oracle_w8a8=list(w8a8_names(dec, batch)))
                         if err32 > max(0.05, 1.5 * ref_err):

@@ -251,6 +251,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # timing only, its logits WRONG by design: no task waits for its inputs, so the step costs what its tasks cost
     # streamed back to back; against the default, what the dependency waits and phase boundaries cost
     "no-wait": lambda w: KernelConfig(skip_waits=True),
+    # no launch of one LM row (KernelConfig.one_lm_row_min 0): a step of prompt rows alone (the prompt layout) runs its
+    # bucket's LM head over every seat's row, as before s85
+    "lm-all": lambda w: KernelConfig(one_lm_row_min=0),
     # each layer's matvec and attention inlined into the task loop at every row count (the default before s64);
     # attention inlined where the matvecs are called (from 1 row, both formats); both called at every row count
     "inline": lambda w: KernelConfig(**_CALL_NONE),

@@ -20,6 +20,7 @@ deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -393,6 +394,15 @@ class KernelConfig:
     call_min_rows: int = 16
     call_min_rows_8bit: int = 1
     call_attention_max_rows: int = 16
+    # Launches whose LM head has one_lm_row_min rows or more (0: none), in buckets of one_lm_max_rows rows at most,
+    # have a second LM-head launch of one row, for the steps where one row samples at most: a prompt alone (its last
+    # row), a voice turn's new tokens; the first token a user waits on. The layers' launch is the same
+    # (Megakernel.step). On the H100, prompt rows alone against the LM head of 16 rows (bench variant `lm-all`,
+    # decode-...-s85.md): 16 / 32 rows FP8 0.929 -> 0.903, 1.257 -> 1.227 ms at context 128 (its LM head 118 -> 100 us),
+    # bf16 1.182 -> 1.170, 1.407 -> 1.389 (196 -> 180 us), as much at 2,048; but 64 rows FP8 1.648 -> 1.667 and 2.542 ->
+    # 2.567 (its launches run 8 warps: KernelConfig.wide_warps_8bit), bf16 -46 us at 128 and +10 at 2,048
+    one_lm_row_min: int = 16
+    one_lm_max_rows: int = 32
 
 
 @dataclass
@@ -482,8 +492,9 @@ class Megakernel:
         self.pacc = z(nparts, qp, d.head_dim, dtype=torch.float32)
         self.err = z(1, dtype=torch.int32)
         self.prof: torch.Tensor | None = None
-        self.schedules: dict[int, I.Schedule] = {}
-        self._launches: dict[int, _Launch] = {}
+        # per (bucket, one LM row): the default launch's, and where has_one_lm_row, the one-LM-row launch's
+        self.schedules: dict[tuple[int, bool], I.Schedule] = {}
+        self._launches: dict[tuple[int, bool], _Launch] = {}
         self.compiled: dict[int, object] = {}  # each part's kernel as its last launch compiled it (its cubin: ncu-step)
         s = weights.scales
         self._scales = Scales(*(s[n] for n in PackedWeights.MATRICES)) if s is not None else None
@@ -505,9 +516,16 @@ class Megakernel:
         """Rows a launch for this bucket computes: the bucket, or the largest one where batch-invariant."""
         return self.bpad if self.cfg.batch_invariant else max(batch, self.cfg.min_rows)
 
-    def lm_rows_of(self, batch: int) -> int:
-        """Rows of the LM head's tiles in a launch for this bucket."""
-        return min(self.rows_of(batch), self.spad)
+    def lm_rows_of(self, batch: int, one_lm: bool = False) -> int:
+        """Rows of the LM head's tiles in a launch for this bucket (one_lm: its one-LM-row launch's: 1)."""
+        return 1 if one_lm else min(self.rows_of(batch), self.spad)
+
+    def has_one_lm_row(self, batch: int) -> bool:
+        """Whether this bucket has a launch whose LM head takes one row (KernelConfig.one_lm_row_min), for steps
+        where one row samples at most. Not where batch-invariant: a row's logits would depend on the launch."""
+        m = self.cfg.one_lm_row_min
+        return m > 0 and not self.cfg.batch_invariant and self.cfg.lm_launch and \
+            self.lm_rows_of(batch) >= max(m, 2) and self.rows_of(batch) <= self.cfg.one_lm_max_rows
 
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
@@ -516,10 +534,11 @@ class Megakernel:
                                  a8_int8=self.w.int8_rows)
         return t(rows) if callable(t) else t
 
-    def tiles(self, batch: int) -> TileTable:
-        """Each matvec's tile in a launch for this bucket (the LM head's chosen for its own rows). A QKV tile pairs
-        runs of rows half a head apart: a run is at most half a head."""
-        tiles = self._table(self.rows_of(batch)) | {Op.LMHEAD: self._table(self.lm_rows_of(batch))[Op.LMHEAD]}
+    def tiles(self, batch: int, one_lm: bool = False) -> TileTable:
+        """Each matvec's tile in a launch for this bucket (the LM head's chosen for its own rows; one_lm: one row).
+        A QKV tile pairs runs of rows half a head apart: a run is at most half a head."""
+        lm_rows = self.lm_rows_of(batch, one_lm)
+        tiles = self._table(self.rows_of(batch)) | {Op.LMHEAD: self._table(lm_rows)[Op.LMHEAD]}
         ks = {Op.QKV: self.dims.hidden, Op.OPROJ: self.dims.q_size, Op.GATEUP: self.dims.hidden,
               Op.DOWN: self.dims.ffn, Op.LMHEAD: self.dims.hidden}
         for op, t in list(tiles.items()):
@@ -528,7 +547,7 @@ class Megakernel:
                     raise ValueError("the LM head's K is never split")
                 # parts of K must divide its chunks: the tile asks for a count, the model's K settles it
                 t = tiles[op] = t._replace(k_splits=parts_of_k(-(-ks[op] // t.k_chunk), t.k_splits))
-            rows = self.lm_rows_of(batch) if op is Op.LMHEAD else self.rows_of(batch)
+            rows = lm_rows if op is Op.LMHEAD else self.rows_of(batch)
             if t.swap and (self.w.int8_blocks or rows < 16 and not INTERPRET):
                 raise ValueError(f"{op.name}: swapped tiles need rows padded to 16 (KernelConfig.min_rows; the LM "
                                  "head's: max_sampled) and no int8 block scales")
@@ -540,10 +559,10 @@ class Megakernel:
         qkv = tiles[Op.QKV]
         return tiles | {Op.QKV: qkv._replace(rows=min(qkv.rows, self.dims.head_dim // 2))}
 
-    def tiling(self, batch: int) -> I.Tiling:
+    def tiling(self, batch: int, one_lm: bool = False) -> I.Tiling:
         splits = self.attn_splits.get(batch) or \
             I.attention_splits(self.dims, batch, self.num_programs, self.cfg.max_splits)
-        tiles = self.tiles(batch)
+        tiles = self.tiles(batch, one_lm)
         pairs, heads = batch * self.dims.num_kv_heads, 1
         while (splits == 1 and heads * 2 <= self.cfg.attn_heads
                and self.dims.num_kv_heads % (heads * 2) == 0 and pairs / (heads * 2) >= 0.9 * self.num_programs):
@@ -552,19 +571,22 @@ class Megakernel:
                         head_counters=self.cfg.head_counters, attn_heads=heads,
                         k_splits={op: t.k_splits for op, t in tiles.items() if t.k_splits > 1})
 
-    def schedule(self, batch: int) -> I.Schedule:
-        if batch not in self.schedules:
+    def schedule(self, batch: int, one_lm: bool = False) -> I.Schedule:
+        """The bucket's schedule (one_lm: its one-LM-row launch's, where has_one_lm_row)."""
+        key = (batch, one_lm and self.has_one_lm_row(batch))
+        one_lm = key[1]
+        if key not in self.schedules:
             regions = self.w.regions() if (self.cfg.prefetch_ahead > 0 or self.cfg.prefetch_own) else None
-            s = I.build_schedule(self.dims, batch, self.num_programs, self.tiling(batch), regions,
+            s = I.build_schedule(self.dims, batch, self.num_programs, self.tiling(batch, one_lm), regions,
                                  self.cfg.prefetch_bytes)
-            self.schedules[batch] = s
-            rows, lm_rows = self.rows_of(batch), self.lm_rows_of(batch)
+            self.schedules[key] = s
+            rows, lm_rows = self.rows_of(batch), self.lm_rows_of(batch, one_lm)
 
             def partials(dtype: torch.dtype) -> torch.Tensor:
                 return torch.zeros(s.num_lm_parts, lm_rows, device=self.device, dtype=dtype)
 
-            tiles = self.tiles(batch)
-            self._launches[batch] = _Launch(
+            tiles = self.tiles(batch, one_lm)
+            self._launches[key] = _Launch(
                 rows=rows, lm_rows=lm_rows,
                 tiles={op: self._runnable(t) for op, t in tiles.items()},
                 descriptors=self._descriptors(tiles),
@@ -577,7 +599,7 @@ class Megakernel:
                 ssq=torch.zeros(s.layout.ssq_slots, self.dims.hidden // I.SSQ_COLS, rows, device=self.device,
                                 dtype=torch.float32),
             )
-        return self.schedules[batch]
+        return self.schedules[key]
 
     def _k_sums(self, tiles: TileTable, rows: int) -> int:
         """Floats of scratch the split-K matvecs need: per tile, per part, its runs' float32 [rows, tile rows]
@@ -619,19 +641,35 @@ class Megakernel:
             self.prof = torch.zeros(n, 4, device=self.device, dtype=torch.int64)
         return self.prof
 
-    def step(self, batch: int, blocks: bool = False) -> None:
+    def step(self, batch: int, blocks: bool = False, one_lm: bool = False) -> None:
         """One step for rows [0, batch) of tokens/slots/positions (batch must be a bucket size); the LM head, the
-        sampling and the argmax for the first min(batch, max_sampled) of them. blocks: the launch whose attention
-        takes rows in query blocks (block_queries; `blocks` then holds each row's)."""
+        sampling and the argmax for the first min(batch, max_sampled) of them (one_lm, where has_one_lm_row: the
+        first row only). blocks: the launch whose attention takes rows in query blocks (block_queries; `blocks`
+        then holds each row's)."""
         c = self.cfg
-        s = self.schedule(batch)
-        launch = self._launches[batch]
+        one_lm = one_lm and self.has_one_lm_row(batch)
+        s = self.schedule(batch, one_lm)
+        launch = self._launches[batch, one_lm]
         extra: dict[str, object] = {}
         if not INTERPRET and self.device.type == "cuda" and c.cooperative:
             extra["launch_cooperative_grid"] = True
         pf = not INTERPRET  # the interpreter runs no inline PTX
-        for part in (1, 2) if c.lm_launch else (0,):
-            self._launch(part, batch, s, launch, pf, extra, blocks)
+        if not c.lm_launch:
+            self._launch(0, batch, s, launch, pf, extra, blocks)
+            return
+        # The layers' launch runs none of the LM head's instructions: with one LM row it takes the default launch's LM
+        # constexprs, row counts and descriptors (the compiled kernel's specialization), so that a bucket's two launches
+        # share the layers' compiled kernel; its schedule, counters and sums are its own launch's, which the LM head's
+        # tail then reads
+        sampled = min(batch, self.max_sampled)
+        layers = launch
+        if one_lm:
+            self.schedule(batch)
+            plain = self._launches[batch, False]
+            layers = dataclasses.replace(launch, rows=plain.rows, lm_rows=plain.lm_rows, tiles=plain.tiles,
+                                         descriptors=plain.descriptors)
+        self._launch(1, batch, s, layers, pf, extra, blocks, lm_rows=sampled)
+        self._launch(2, batch, s, launch, pf, extra, blocks, lm_rows=1 if one_lm else sampled)
 
     def attn_shape(self, s: I.Schedule, blocks: bool = False) -> AttnShape:
         """Attention's constexprs for a bucket's schedule: wide launches step through more positions at a time (by the
@@ -647,15 +685,16 @@ class Megakernel:
                          blocks and self.block_queries > 0 and c.block_min_positions > 0)
 
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object],
-                blocks: bool = False) -> None:
-        """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2)."""
+                blocks: bool = False, lm_rows: int | None = None) -> None:
+        """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2); lm_rows:
+        the rows its LM head takes (default min(batch, max_sampled))."""
         d, c, w = self.dims, self.cfg, self.w
         called = launch.rows >= (c.call_min_rows if self._scales is None else c.call_min_rows_8bit)
         self.compiled[part] = megakernel[(self.num_programs,)](
             launch.sched._replace(prof=self.prof_buffer(s)),
             StepInputs(self.tokens, self.slots, self.positions, self.draw, self.masks, self.blocks,
                        self.blocks.stride(0)),
-            batch, min(batch, self.max_sampled), s.tiling.attn_splits,
+            batch, min(batch, self.max_sampled) if lm_rows is None else lm_rows, s.tiling.attn_splits,
             Weights(w.embed, w.wqkv, w.bqkv, w.wo, w.w_gate, w.w_up, w.w_down, w.attn_norm, w.mlp_norm,
                     w.final_norm, w.lm_head),
             self._scales, *launch.descriptors, self.cos, self.sin,

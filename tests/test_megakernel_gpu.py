@@ -302,9 +302,9 @@ def _prompts_step(seed: int, lens: list[int], new: dict[int, int], kernel_config
     launches: list[bool] = []
     run_step = mk.run_step
 
-    def counted(bucket: int, blocks: bool = False) -> None:
+    def counted(bucket: int, blocks: bool = False, one_lm: bool = False) -> None:
         launches.append(blocks)
-        run_step(bucket, blocks)
+        run_step(bucket, blocks, one_lm)
 
     mk.run_step = counted  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(seed)

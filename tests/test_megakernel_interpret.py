@@ -219,7 +219,8 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     reference decoder running the same rows: the 4 rows' logits, greedy tokens and drawn tokens (Gumbel-max over
     the kernel's own logits), every row's K/V, and the next step's logits, which attend over all of it. Then the
     fresh prompt again in another slot, split over two steps (a chunk boundary): the same K/V and last logits as
-    in one step."""
+    in one step; those two steps (which sample no row, then one) in their buckets' launches of one LM row, whose logits
+    are the one-step launch's."""
     r = _run(case)
     assert r["rows"] == 18 and r["sampled_rows"] == 4, r
     for step in ("mixed", "next", "chunked"):
@@ -230,6 +231,7 @@ def test_mixed_step_matches_reference_in_interpreter(case: str) -> None:
     assert r["sampled"] == r["expected_sampled"], r
     assert r["sampled"][0] == r["mixed"]["argmax"][0] and r["sampled"][1:] != r["mixed"]["argmax"][1:], r
     assert r["chunked"]["vs_one_step"] < 1e-5, r
+    assert r["one_lm_launches"] == 2, r  # the chunked steps sample 0 and 1 rows: their LM head takes one
     assert r["refused"] == ["too many rows", "too many sampled rows"], r
     stream = MIXED_STREAMS.get(case, ("", {}))[1]
     if "attn_heads" in stream:
@@ -563,7 +565,9 @@ def _check_mixed(case: str) -> dict:
 
     def decoder(**config: object) -> MegakernelDecoder:  # positions past 64 split in two
         # one chunk size in every bucket unless the case says otherwise, splits of a chunk at least
-        cfg = {"split_min_chunks": 1, "wide_split_min_chunks": 1, "wide_chunk": config.get("chunk", 64)} | config
+        # and a launch of one LM row from buckets whose LM head takes 2 rows (the GPU's: 16; these sample 4 at most)
+        cfg = {"split_min_chunks": 1, "wide_split_min_chunks": 1, "wide_chunk": config.get("chunk", 64),
+               "one_lm_row_min": 2} | config
         d = MegakernelDecoder(c, w, slots_total, context, device="cpu", dtype=torch.float32, max_batch=4, max_rows=32,
                               kernel_config=KernelConfig(**cfg))  # type: ignore[arg-type]
         # (several heads a task: one task a pair)
@@ -571,12 +575,12 @@ def _check_mixed(case: str) -> dict:
         return d
 
     mk = decoder(**stream)
-    launches = []  # whether each step of mk took the query blocks' launch
+    launches = []  # whether each step of mk took the query blocks' launch, and the one-LM-row launch
     plain_step = mk.kernel.step
 
-    def step(bucket: int, blocks: bool = False) -> None:
-        launches.append(blocks)
-        plain_step(bucket, blocks)
+    def step(bucket: int, blocks: bool = False, one_lm: bool = False) -> None:
+        launches.append((blocks, one_lm))
+        plain_step(bucket, blocks, one_lm)
 
     mk.kernel.step = step  # type: ignore[method-assign]
     # the same case's kernel with one KV head a task
@@ -641,8 +645,11 @@ def _check_mixed(case: str) -> dict:
         next_bits = torch.equal(strided.decode(sl2, nxt, ps2).logits, mk.decode(sl2, nxt, ps2).logits)
         out["same_bits_as_strided"] = {"mixed": mixed_bits, "next": next_bits}
     # the fresh prompt again in slot 4, over two steps: 5 rows that sample nothing, then 4 with the last one first
+    # (each in its bucket's launch of one LM row)
+    one_lm_before = sum(one for _, one in launches)
     mk.decode([4] * 5, fresh[:5], list(range(5)), sampled_rows=0)
     second = mk.decode([4] * 4, [fresh[8]] + fresh[5:8], [8, 5, 6, 7], sampled_rows=1)
+    out["one_lm_launches"] = sum(one for _, one in launches) - one_lm_before
     ref.decode([4] * 9, fresh, list(range(9)))
     out["chunked"] = compare(ref.decode([4], [fresh[8]], [8]), second, 1)
     out["chunked"]["vs_one_step"] = ((second.logits[0] - b.logits[3]).norm() / b.logits[3].norm()).item()
@@ -655,7 +662,7 @@ def _check_mixed(case: str) -> dict:
         except ValueError:
             refused.append(what)
     out["refused"] = refused
-    out["block_launches"] = launches.count(True)
+    out["block_launches"] = sum(blocks for blocks, _ in launches)
     out["query_block_steps"] = mk.query_block_steps  # what parley_query_block_steps_total exports
     return out
 

@@ -172,3 +172,27 @@ def test_a_split_tile_takes_the_parts_its_models_k_divides_into(asked: int, part
         assert set(per_tile.values()) == {parts}
         first = down[(down[:, I.F_LAYER] == 0) & (down[:, I.MV_ROW0] == 0)]
         assert sorted(first[:, I.MV_K_SPLIT].tolist()) == list(range(parts))
+
+
+def test_a_launch_of_one_lm_row_where_the_lm_head_takes_many() -> None:
+    """Buckets whose LM head takes KernelConfig.one_lm_row_min rows or more (16 on a GPU: the server's seats) have a
+    second launch whose LM head takes one row, for the steps where one row samples at most (a prompt alone): its
+    schedule's LM-head tiles are one row's, its layers' tiles the bucket's. Not in buckets over one_lm_max_rows (32
+    on a GPU: slower at 64 on the H100), not where batch-invariant (a row's logits would depend on the launch), nor
+    where the LM head shares the layers' launch."""
+    from kernels.megakernel import KernelConfig
+
+    mk = tiny_decoder(one_lm_row_min=4)  # 16 rows, 4 slots: every bucket from 4 samples 4 rows
+    k = mk.kernel
+    assert {b: k.has_one_lm_row(b) for b in mk.buckets} == {1: False, 2: False, 4: True, 8: True, 16: True}
+    assert (k.lm_rows_of(16), k.lm_rows_of(16, one_lm=True)) == (4, 1)
+    plain, one = k.schedule(16), k.schedule(16, one_lm=True)
+    assert one is not plain and k.schedule(2, one_lm=True) is k.schedule(2)  # (bucket 2 has none)
+    assert one.tiling.rows[Op.LMHEAD] == k.tiles(1)[Op.LMHEAD].rows
+    assert {op: r for op, r in one.tiling.rows.items() if op is not Op.LMHEAD} == \
+        {op: r for op, r in plain.tiling.rows.items() if op is not Op.LMHEAD}
+    assert not any(tiny_decoder(one_lm_row_min=4, batch_invariant=True).kernel.has_one_lm_row(b) for b in mk.buckets)
+    assert not any(tiny_decoder(one_lm_row_min=4, lm_launch=False).kernel.has_one_lm_row(b) for b in mk.buckets)
+    assert not any(tiny_decoder(one_lm_row_min=0).kernel.has_one_lm_row(b) for b in mk.buckets)
+    assert not tiny_decoder(one_lm_row_min=4, one_lm_max_rows=8).kernel.has_one_lm_row(16)
+    assert (KernelConfig().one_lm_row_min, KernelConfig().one_lm_max_rows) == (16, 32)

@@ -107,7 +107,8 @@ class MegakernelDecoder:
         self.max_rows, self.max_batch = self.kernel.max_rows, self.kernel.max_sampled
         self.buckets = tuple(b for b in Megakernel.BUCKETS if b <= self.kernel.bpad)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, query blocks' launch)
+        # (bucket, query blocks' launch, one LM row: Megakernel.has_one_lm_row)
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         # one host buffer for the int32 input rows (tokens, slots, positions, the draw's four; a Fed's rows and their
         # sources), one transfer
         n = self.kernel.bpad
@@ -259,7 +260,9 @@ class MegakernelDecoder:
             self.kernel.tokens.index_put_((self._fed_rows,), chosen.to(self.kernel.tokens.dtype))
         if self._copied is not None:
             self._copied.record()
-        self.run_step(b, blocks)
+        # one row samples at most (a prompt alone, a voice turn's new tokens): the bucket's launch whose LM head takes
+        # one row, where it has one
+        self.run_step(b, blocks, m <= 1 and self.kernel.has_one_lm_row(b))
         logits, argmax, sampled = self._outputs_of[m]
         if self.output_views:
             return DecodeOutput(logits, argmax, None if draws is None else sampled)
@@ -273,36 +276,41 @@ class MegakernelDecoder:
                     torch.tensor([d.seed for d in draws], dtype=torch.int64, device=dev),
                     torch.tensor(positions, dtype=torch.int32, device=dev))
 
-    def run_step(self, bucket: int, blocks: bool = False) -> None:
+    def run_step(self, bucket: int, blocks: bool = False, one_lm: bool = False) -> None:
         """Run (or replay) the step of a bucket on whatever the input buffers hold; blocks: the query blocks' launch
-        (the inputs' blocks rows then say each row's block)."""
+        (the inputs' blocks rows then say each row's block); one_lm: the launch whose LM head takes the first row
+        only (where the bucket has one: Megakernel.has_one_lm_row)."""
+        one_lm = one_lm and self.kernel.has_one_lm_row(bucket)
         if not self.use_graphs:
-            self.kernel.step(bucket, blocks)
+            self.kernel.step(bucket, blocks, one_lm)
             return
-        self.graph(bucket, blocks).replay()
+        self.graph(bucket, blocks, one_lm).replay()
 
-    def graph(self, bucket: int, blocks: bool = False) -> torch.cuda.CUDAGraph:
-        """The bucket's captured step (captured now if it is not yet; a bucket's blocks' launch with its plain one,
-        so that the warm-up that runs every bucket compiles both)."""
-        if (bucket, blocks) not in self._graphs:
+    def graph(self, bucket: int, blocks: bool = False, one_lm: bool = False) -> torch.cuda.CUDAGraph:
+        """The bucket's captured step (captured now if it is not yet; every launch of a bucket with its plain one,
+        the blocks' and the one LM row's, so that the warm-up that runs every bucket compiles them all)."""
+        one_lm = one_lm and self.kernel.has_one_lm_row(bucket)
+        if (bucket, blocks, one_lm) not in self._graphs:
+            ones = (False, True) if self.kernel.has_one_lm_row(bucket) else (False,)
             for b in (False, True) if bucket in self._block_buckets else (blocks,):
-                if b and not blocks:  # the capture runs the step once: its rows' blocks, not a past step's
-                    self.kernel.fill_blocks(bucket)
-                self.capture(bucket, b)
-        return self._graphs[bucket, blocks]
+                for one in ones:
+                    if b and not blocks:  # the capture runs the step once: its rows' blocks, not a past step's
+                        self.kernel.fill_blocks(bucket)
+                    self.capture(bucket, b, one)
+        return self._graphs[bucket, blocks, one_lm]
 
-    def capture(self, bucket: int, blocks: bool = False) -> torch.cuda.CUDAGraph:
+    def capture(self, bucket: int, blocks: bool = False, one_lm: bool = False) -> torch.cuda.CUDAGraph:
         # compile and warm up outside the graph (this also writes K/V rows, at the positions the inputs hold:
         # those of the step about to run, which it then rewrites identically)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.kernel.step(bucket, blocks)
+            self.kernel.step(bucket, blocks, one_lm)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.kernel.step(bucket, blocks)
+                self.kernel.step(bucket, blocks, one_lm)
         except RuntimeError:
             if not self.kernel.cfg.cooperative:
                 raise
@@ -311,8 +319,8 @@ class MegakernelDecoder:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.kernel.step(bucket, blocks)
-        self._graphs[bucket, blocks] = graph
+                self.kernel.step(bucket, blocks, one_lm)
+        self._graphs[bucket, blocks, one_lm] = graph
         self.check_errors()
         return graph
 
