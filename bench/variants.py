@@ -254,6 +254,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # no launch of one LM row (KernelConfig.one_lm_row_min 0): a step of prompt rows alone (the prompt layout) runs its
     # bucket's LM head over every seat's row, as before s85
     "lm-all": lambda w: KernelConfig(one_lm_row_min=0),
+    # the one-LM-row launch up to 32 rows (s85's first default), and its tail at the 8-bit 64-row bucket's 8 warps
+    "one-lm-32": lambda w: KernelConfig(one_lm_max_rows=32),
+    "one-lm-64-w8": lambda w: KernelConfig(one_lm_warps=8),
     # each layer's matvec and attention inlined into the task loop at every row count (the default before s64);
     # attention inlined where the matvecs are called (from 1 row, both formats); both called at every row count
     "inline": lambda w: KernelConfig(**_CALL_NONE),

@@ -399,10 +399,13 @@ class KernelConfig:
     # row), a voice turn's new tokens; the first token a user waits on. The layers' launch is the same
     # (Megakernel.step). On the H100, prompt rows alone against the LM head of 16 rows (bench variant `lm-all`,
     # decode-...-s85.md): 16 / 32 rows FP8 0.929 -> 0.903, 1.257 -> 1.227 ms at context 128 (its LM head 118 -> 100 us),
-    # bf16 1.182 -> 1.170, 1.407 -> 1.389 (196 -> 180 us), as much at 2,048; but 64 rows FP8 1.648 -> 1.667 and 2.542 ->
-    # 2.567 (its launches run 8 warps: KernelConfig.wide_warps_8bit), bf16 -46 us at 128 and +10 at 2,048
+    # bf16 1.182 -> 1.170, 1.407 -> 1.389 (196 -> 180 us), as much at 2,048. Its tail runs one_lm_warps warps a program
+    # whatever the bucket's (one row's LM tiles were tuned at 4): 64 rows (decode-...-s85b.md, against the plain launch)
+    # FP8 1.654 -> 1.631 and 2.556 -> 2.534 ms at 128 / 2,048 rows, bf16 1.810 -> 1.792, 2.757 -> 2.728; the tail at the
+    # 8-bit bucket's 8 warps (variant `one-lm-64-w8`) was 25-28 us slower than the plain launch
     one_lm_row_min: int = 16
-    one_lm_max_rows: int = 32
+    one_lm_max_rows: int = 64
+    one_lm_warps: int = 4
 
 
 @dataclass
@@ -669,7 +672,8 @@ class Megakernel:
             layers = dataclasses.replace(launch, rows=plain.rows, lm_rows=plain.lm_rows, tiles=plain.tiles,
                                          descriptors=plain.descriptors)
         self._launch(1, batch, s, layers, pf, extra, blocks, lm_rows=sampled)
-        self._launch(2, batch, s, launch, pf, extra, blocks, lm_rows=1 if one_lm else sampled)
+        self._launch(2, batch, s, launch, pf, extra, blocks, lm_rows=1 if one_lm else sampled,
+                     warps=c.one_lm_warps if one_lm else None)
 
     def attn_shape(self, s: I.Schedule, blocks: bool = False) -> AttnShape:
         """Attention's constexprs for a bucket's schedule: wide launches step through more positions at a time (by the
@@ -685,9 +689,9 @@ class Megakernel:
                          blocks and self.block_queries > 0 and c.block_min_positions > 0)
 
     def _launch(self, part: int, batch: int, s: I.Schedule, launch: _Launch, pf: bool, extra: dict[str, object],
-                blocks: bool = False, lm_rows: int | None = None) -> None:
+                blocks: bool = False, lm_rows: int | None = None, warps: int | None = None) -> None:
         """One launch of the step's kernel: its tasks (part 0), its layers' (1) or the LM head's tail (2); lm_rows:
-        the rows its LM head takes (default min(batch, max_sampled))."""
+        the rows its LM head takes (default min(batch, max_sampled)); warps: a program's (default: warps(rows))."""
         d, c, w = self.dims, self.cfg, self.w
         called = launch.rows >= (c.call_min_rows if self._scales is None else c.call_min_rows_8bit)
         self.compiled[part] = megakernel[(self.num_programs,)](
@@ -713,7 +717,7 @@ class Megakernel:
             SKIP_WAITS=c.skip_waits, PART=part,
             MATVEC=matvec_call if called else matvec,
             ATTENTION=attention_call if called and launch.rows <= c.call_attention_max_rows else attention,
-            num_warps=self.warps(launch.rows), num_stages=c.num_stages, **extra,
+            num_warps=self.warps(launch.rows) if warps is None else warps, num_stages=c.num_stages, **extra,
         )
 
     def warps(self, rows: int) -> int:

@@ -177,8 +177,8 @@ def test_a_split_tile_takes_the_parts_its_models_k_divides_into(asked: int, part
 def test_a_launch_of_one_lm_row_where_the_lm_head_takes_many() -> None:
     """Buckets whose LM head takes KernelConfig.one_lm_row_min rows or more (16 on a GPU: the server's seats) have a
     second launch whose LM head takes one row, for the steps where one row samples at most (a prompt alone): its
-    schedule's LM-head tiles are one row's, its layers' tiles the bucket's. Not in buckets over one_lm_max_rows (32
-    on a GPU: slower at 64 on the H100), not where batch-invariant (a row's logits would depend on the launch), nor
+    schedule's LM-head tiles are one row's, its layers' tiles the bucket's. Not in buckets over one_lm_max_rows (64 on
+    a GPU: every bucket), not where batch-invariant (a row's logits would depend on the launch), nor
     where the LM head shares the layers' launch."""
     from kernels.megakernel import KernelConfig
 
@@ -195,4 +195,4 @@ def test_a_launch_of_one_lm_row_where_the_lm_head_takes_many() -> None:
     assert not any(tiny_decoder(one_lm_row_min=4, lm_launch=False).kernel.has_one_lm_row(b) for b in mk.buckets)
     assert not any(tiny_decoder(one_lm_row_min=0).kernel.has_one_lm_row(b) for b in mk.buckets)
     assert not tiny_decoder(one_lm_row_min=4, one_lm_max_rows=8).kernel.has_one_lm_row(16)
-    assert (KernelConfig().one_lm_row_min, KernelConfig().one_lm_max_rows) == (16, 32)
+    assert (KernelConfig().one_lm_row_min, KernelConfig().one_lm_max_rows) == (16, 64)
