@@ -106,8 +106,9 @@ def first_tokens(rt: Runtime, n: int, gap_s: float) -> dict[str, Any]:
 
 
 def prompt_step(rt: Runtime, gap_s: float, bucket: int = PROMPT_TOKENS, replays: int = 50) -> dict[str, Any]:
-    """The prompt's step alone: its bucket's graph replayed back to back (hot), and once after `gap_s` of idling
-    (as the engine's first step of a request runs), timed by CUDA events (ms)."""
+    """The prompt's step alone, as the engine runs it (one row sampled: the bucket's one-LM-row launch where it has
+    one): its graph replayed back to back (hot), and once after `gap_s` of idling (as the engine's first step of a
+    request runs), timed by CUDA events (µs)."""
     import torch
 
     decoder = rt.engine.decoder
@@ -115,11 +116,11 @@ def prompt_step(rt: Runtime, gap_s: float, bucket: int = PROMPT_TOKENS, replays:
     if run is None or not torch.cuda.is_available():
         return {}
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    run(bucket)
+    run(bucket, False, True)
     torch.cuda.synchronize()
     events[0].record()
     for _ in range(replays):
-        run(bucket)
+        run(bucket, False, True)
     events[1].record()
     torch.cuda.synchronize()
     hot = events[0].elapsed_time(events[1]) / replays
@@ -127,7 +128,7 @@ def prompt_step(rt: Runtime, gap_s: float, bucket: int = PROMPT_TOKENS, replays:
     for _ in range(20):
         time.sleep(gap_s)
         events[0].record()
-        run(bucket)
+        run(bucket, False, True)
         events[1].record()
         torch.cuda.synchronize()
         cold.append(events[0].elapsed_time(events[1]))
