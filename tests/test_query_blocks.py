@@ -60,7 +60,7 @@ def test_the_megakernel_decoder_works_out_blocks_only_for_steps_that_may_take_th
                                     kernel_config=KernelConfig(query_blocks=True, block_min_positions=4096))
     worked_out, launches = [], []
     monkeypatch.setattr(backend, "query_blocks", lambda *a: worked_out.append(a[0]) or query_blocks(*a))
-    monkeypatch.setattr(dec.kernel, "step", lambda bucket, blocks=False: launches.append(blocks))
+    monkeypatch.setattr(dec.kernel, "step", lambda bucket, blocks=False, one_lm=False: launches.append(blocks))
 
     def step(slots: list[int], positions: list[int]) -> None:
         dec.decode(slots, [1] * len(slots), positions, sampled_rows=1)
