@@ -129,6 +129,9 @@ class MegakernelDecoder:
         self._block_buckets = {b for b in self.buckets if b > 1 and b * self.max_context >= self._block_min} \
             if self._block_rows else set()
         self.query_block_steps = 0  # steps that took it: parley_query_block_steps_total
+        # the buckets with a launch whose LM head takes one row (Megakernel.has_one_lm_row): worked out once, not on
+        # each step's host path
+        self._one_lm_buckets = {b for b in self.buckets if self.kernel.has_one_lm_row(b)}
         # a Fed's rows and sources, padded with its first pair: fed rows are decode rows, at most the sampled rows of a
         # step, so as wide as those (not as the widest step: 2 x 64 list entries a step cost host time for nothing)
         fed = self.kernel.spad
@@ -262,7 +265,7 @@ class MegakernelDecoder:
             self._copied.record()
         # one row samples at most (a prompt alone, a voice turn's new tokens): the bucket's launch whose LM head takes
         # one row, where it has one
-        self.run_step(b, blocks, m <= 1 and self.kernel.has_one_lm_row(b))
+        self.run_step(b, blocks, m <= 1 and b in self._one_lm_buckets)
         logits, argmax, sampled = self._outputs_of[m]
         if self.output_views:
             return DecodeOutput(logits, argmax, None if draws is None else sampled)
@@ -280,7 +283,7 @@ class MegakernelDecoder:
         """Run (or replay) the step of a bucket on whatever the input buffers hold; blocks: the query blocks' launch
         (the inputs' blocks rows then say each row's block); one_lm: the launch whose LM head takes the first row
         only (where the bucket has one: Megakernel.has_one_lm_row)."""
-        one_lm = one_lm and self.kernel.has_one_lm_row(bucket)
+        one_lm = one_lm and bucket in self._one_lm_buckets
         if not self.use_graphs:
             self.kernel.step(bucket, blocks, one_lm)
             return
@@ -289,9 +292,9 @@ class MegakernelDecoder:
     def graph(self, bucket: int, blocks: bool = False, one_lm: bool = False) -> torch.cuda.CUDAGraph:
         """The bucket's captured step (captured now if it is not yet; every launch of a bucket with its plain one,
         the blocks' and the one LM row's, so that the warm-up that runs every bucket compiles them all)."""
-        one_lm = one_lm and self.kernel.has_one_lm_row(bucket)
+        one_lm = one_lm and bucket in self._one_lm_buckets
         if (bucket, blocks, one_lm) not in self._graphs:
-            ones = (False, True) if self.kernel.has_one_lm_row(bucket) else (False,)
+            ones = (False, True) if bucket in self._one_lm_buckets else (False,)
             for b in (False, True) if bucket in self._block_buckets else (blocks,):
                 for one in ones:
                     if b and not blocks:  # the capture runs the step once: its rows' blocks, not a past step's
