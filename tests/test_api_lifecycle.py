@@ -64,6 +64,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path) -> None:
         stop_server(server)
     log = server.log.read_text()
     assert "Parley listening on http://127.0.0.1" in log and "draining" in log and "drained" in log
+    # the dependencies that take a request's way into the front end faster (pyproject.toml) are what uvicorn runs
+    assert "event loop uvloop, HTTP parser HttpToolsProtocol" in log
 
 
 def test_refusal_is_a_429_that_clients_do_not_retry(tmp_path) -> None:

@@ -129,9 +129,9 @@ class ParleyServer(uvicorn.Server):
                      i.max_context, i.pid)
         if self.started:
             self._lag_watch = asyncio.get_running_loop().create_task(watch_loop_lag(self.state.metrics.loop_lag))
-            # uvicorn's "auto" takes uvloop and httptools where installed: 0.3 ms off an idle CPU server's first
-            # token, none on the H100 (6.7 ms against 6.5), where its single streams ran a worse tail; not a
-            # dependency (bench/NOTES.md). The log says which ran.
+            # uvicorn's "auto" takes uvloop and httptools (dependencies): with the engine in a process of its own,
+            # httptools took the H100 host's way from a request's arrival to the engine from 1.15-1.23 ms to 0.90-0.92
+            # and its first token from 3.2 to 3.0-3.1 ms (bench/NOTES.md, s86). The log says which ran.
             log.info("event loop %s, HTTP parser %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
                      getattr(c.http_protocol_class, "__name__", c.http))
 
