@@ -103,6 +103,19 @@ class _Judging:
         return self.now - wall + past + (t - self.now) * pace / self.stretch - r.deadline
 
 
+@dataclass(frozen=True)
+class Moment:
+    """What a verdict judges from, taken before the verdict runs (AdmissionController.moment): the admitted requests,
+    when, their states and the newcomer's (last), the steps the engine had launched, and how many verdicts had admitted
+    by then (one admitted since, on another thread, and the moment is stale: the verdict judges from now instead)."""
+
+    active: list[Request]
+    now: float
+    states: list[ForecastState]
+    ahead: int
+    decided: int
+
+
 class AdmissionController:
     def __init__(self, latency: LatencyModel, sla_s: float, sla_tokens: int, max_batch: int,
                  strict: bool = False, target: float = 0.995, clock: Callable[[], float] = time.monotonic,
@@ -174,11 +187,20 @@ class AdmissionController:
         for _ in self.verdict(req):
             pass
 
-    def verdict(self, req: Request) -> Iterator[None]:
+    def moment(self, req: Request) -> Moment:
+        """What a verdict on `req` would judge from now, for one run a little later as if now (Engine.launch_first:
+        an idle server's prompt step launched before its verdict, which then runs beside the step)."""
+        with self._lock:
+            active = self._in_flight()
+        return Moment(active, time.perf_counter(), self.planner.snapshot([*active, req]), self.planner.steps_ahead,
+                      self._decided)
+
+    def verdict(self, req: Request, moment: object = None) -> Iterator[None]:
         """check() in parts, for a caller that runs each apart (the engine process, each beside a GPU step where it
         fits): it yields once, where the `delays` rule needs its second forecast (the newcomer left out) after the
         first (it joined), which then starts from the same moment and states. A verdict decided in between (a
-        grammar's, on another thread) changes what the first part saw: the second then judges again, whole."""
+        grammar's, on another thread) changes what the first part saw: the second then judges again, whole.
+        `moment`: a Moment taken earlier, which the first part judges from (unless a verdict admitted since)."""
         # room for the hop from the engine to the front end, where the client's clock reads it (api/delivery.py); at
         # most a share of the SLA, so that a front end that stalled once cannot make an idle server refuse
         req.deadline = req.arrival + self.sla_s - min(req.delivery_s, DELIVERY_SHARE * self.sla_s)
@@ -186,7 +208,8 @@ class AdmissionController:
             self._admit_unjudged(req)
             return
         with self._deciding:
-            judging = self._first(req)
+            judging = self._first(req, moment if isinstance(moment, Moment) and moment.decided == self._decided
+                                  else None)
             if not judging.late:
                 self._admit(judging)
                 return
@@ -200,19 +223,17 @@ class AdmissionController:
                 self._second(judging, time.perf_counter() - judging.now)
             self._admit(judging)
 
-    def _first(self, req: Request) -> _Judging:
+    def _first(self, req: Request, moment: Moment | None = None) -> _Judging:
         """A verdict's first forecast, the newcomer joined, and the rules it decides alone (late, probe); what the
-        `delays` rule needs of it."""
-        with self._lock:
-            active = self._in_flight()
-        now = time.perf_counter()
+        `delays` rule needs of it. From `moment` where given, else from now."""
+        if moment is None:
+            moment = self.moment(req)
+        active, now, states = moment.active, moment.now, moment.states
         self._reconsider_best_effort()
-        states = self.planner.snapshot([*active, req])
         level = self._level(states)
         # A best-effort server admits everything, but forecasts all the same: the guard learns from it.
         stretch = 1.0 if self.best_effort else self.guard.stretch(level)
-        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s, states,
-                     self.planner.steps_ahead)
+        j = _Judging(req, active, now, stretch, level, self._probe_within() * self.sla_s, states, moment.ahead)
         try:
             self._joined(j)
         except Rejected as refusal:

@@ -7,7 +7,8 @@ engine loop needs. Its threads:
 - the input thread (EngineService.serve): takes the front end's messages in order. A Submit is handed to the engine
   thread (Engine.run_soon), which admits or refuses it and sends its Verdict right after launching its next step,
   while the GPU runs it, in parts where they do not fit beside one step (Engine.prepare, then Engine.admit_in_parts:
-  the forecast, and the `delays` rule's second forecast where it needs one):
+  the forecast, and the `delays` rule's second forecast where it needs one; on an idle GPU engine a prompt that fits
+  one step is seated and launched first, its verdict run beside its step: service/engine/launch_first.py):
   on the input thread the verdicts' Python took the GIL from the engine thread between its torch calls
   (service/engine/handoff.py). A session's truncate and close, and a drain, follow the same
   way, in order. One with a grammar is compiled and admitted on the side pool instead, so that no other verdict
@@ -212,7 +213,17 @@ class EngineService:
         if isinstance(prepared, Verdict):
             self._decided(m, prepared, None)
             return None
+        if self.engine.launch_first(prepared, received, functools.partial(self._judged_after_launch, m, prepared)):
+            return None  # an idle engine: its step launched first, its verdict beside it (engine/launch_first.py)
         return Then(functools.partial(self._verdict, m, prepared, received), self.engine.verdict_s, "verdict")
+
+    def _judged_after_launch(self, m: Submit, req: Request, refusal: Rejected | None) -> None:
+        """The verdict on a request whose step was launched first (None: admitted), sent before any of its tokens."""
+        if refusal is None:
+            self._decided(m, Verdict(m.rid, cached_tokens=req.cached_tokens), req)
+        else:
+            self._decided(m, Verdict(m.rid, refusal.status, refusal.reason, refusal.message, refusal.retry_after_s),
+                          None)
 
     def _submit_now(self, m: Submit, session: Session | None, received: float) -> None:
         """Every part at once (the side pool: a request with a grammar)."""

@@ -31,9 +31,15 @@ class Admission(Protocol):
         for it now; its choice says whether it lags (a grammar)."""
         ...
 
-    def verdict(self, req: Request) -> Iterator[None]:
+    def moment(self, req: Request) -> object:
+        """What a verdict on `req` judges from, taken now (the requests admitted, their states and `req`'s, the steps
+        launched), for a verdict run later as if now: the engine launches an idle server's prompt step first and
+        judges it beside the step (Engine.launch_first)."""
+        ...
+
+    def verdict(self, req: Request, moment: object = None) -> Iterator[None]:
         """check() in parts, each run by next() (a part may wait between them: the engine process runs each beside a
-        GPU step where it fits); the end admits, Rejected refuses."""
+        GPU step where it fits); the end admits, Rejected refuses. `moment`: one taken by moment(), judged from."""
         ...
 
     def consume(self, event: Event) -> None:
@@ -56,7 +62,10 @@ class AdmitAll:
     def check(self, req: Request) -> None:
         req.deadline = req.arrival + self.sla_s
 
-    def verdict(self, req: Request) -> Iterator[None]:
+    def moment(self, req: Request) -> object:
+        return None
+
+    def verdict(self, req: Request, moment: object = None) -> Iterator[None]:
         """One part: check()."""
         self.check(req)
         yield from ()

@@ -27,6 +27,7 @@ from service.engine.commit import Event, Finished, StepDone, Token, commit
 from service.engine.handoff import HANDOFF_BUDGET_S, Handoff, Then
 from service.engine.host_path import READ, IdleGaps
 from service.engine.kv_slots import KVSlots, Session
+from service.engine.launch_first import LaunchedFirst, fits_one_step, nowhere
 from service.engine.loop_clock import LoopClock
 from service.engine.masks import StepMasks
 from service.engine.output import TextOutput
@@ -109,6 +110,8 @@ class Engine:
         self._busy_since: float | None = None
         self.overlap = decoder.device.type == "cuda"  # run a step ahead
         self._inflight: Launched | None = None
+        self._launched_first: list[LaunchedFirst] = []  # seated before their verdicts, judged after the launch
+        self._before_plan = False  # the engine thread runs handed-over work before planning, nothing in flight
         self._feed_host = torch.zeros(FEED_BUFFERS, 3 * self.planner.prefill_rows, dtype=torch.int64,
                                       pin_memory=self.overlap and torch.cuda.is_available())
         self._feed_rows = self._feed_host.numpy()  # the same memory, filled from lists by numpy (3x faster than torch)
@@ -227,11 +230,29 @@ class Engine:
             full = self.stats.waiting >= self.max_waiting
         if full:
             raise self._refused(Rejected("queue_full", "too many requests are waiting", retry_after_s=1.0))
+        yield from self._judged(req, received)
+        self._enqueue(req)
+
+    def launch_first(self, req: Request, received: float, on_verdict: Callable[[Rejected | None], None]) -> bool:
+        """On an idle GPU engine (this thread, nothing seated, waiting or in flight), a prepared request whose prompt
+        fits one step and has no grammar: seated now, its verdict run right after its step is launched, as if run now
+        (engine/launch_first.py); `on_verdict` hears it there (None: admitted). False, and nothing done, elsewhere."""
+        if not (self.overlap and self._before_plan and threading.current_thread() is self._thread
+                and not self._launched_first and self.planner.idle() and self._inbox.empty()
+                and req.constraint is None and fits_one_step(req, self.planner.prefill_rows)):
+            return False
+        self._launched_first.append(LaunchedFirst(req, self.admission.moment(req), received, on_verdict))
+        self._enqueue(req, counted=False)
+        return True
+
+    def _judged(self, req: Request, received: float, moment: object = None) -> Iterator[None]:
+        """Admission's verdict on `req` in its parts (Rejected refuses), its time and what it left of the SLA budget
+        into the metrics. `moment`: what it judges from (launch_first), else now."""
         # Not under self._lock: a verdict forecasts for up to a millisecond, and the engine thread takes that lock
         # every iteration (admission has its own, which the engine thread never waits on for a verdict).
         took: list[float] = []  # each part's own time (not the wait between them)
         try:
-            parts = self.admission.verdict(req)
+            parts = self.admission.verdict(req) if moment is None else self.admission.verdict(req, moment)
             while True:
                 started = time.perf_counter()
                 try:
@@ -254,13 +275,51 @@ class Engine:
             self.metrics.received_after.observe(max(0.0, received - req.arrival))
             self.metrics.forecast_time.observe(sum(took))
         self.metrics.sla_headroom.set(self.admission.headroom(time.perf_counter()))
+
+    def _enqueue(self, req: Request, counted: bool = True) -> None:
+        """Into the engine's inbox (the planner takes it at its next iteration); `counted`: its prompt tokens into
+        the metrics now (else once admitted: launch_first)."""
         with self._lock:
             self._live.add(req)
             self.stats.waiting += 1
             self.metrics.waiting.set(self.stats.waiting)
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        if counted:
+            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._inbox.put(req)
         self._wake.set()
+
+    def _judge_launched_first(self, handed: list[tuple[str, float]]) -> float:
+        """The verdicts of the requests seated before them (launch_first), right after their step's launch: each
+        admitted, or withdrawn and refused; their seconds (the step's handed-over work, in `handed` as a verdict)."""
+        started = time.perf_counter()
+        judging, self._launched_first = self._launched_first, []
+        for lf in judging:
+            refusal: Rejected | None = None
+            try:
+                for _ in self._judged(lf.req, lf.received, lf.moment):
+                    pass  # a second part (the `delays` rule) needs others admitted: none beside an idle engine
+                self.metrics.prompt_tokens.inc(len(lf.req.prompt_ids))
+            except Rejected as r:
+                refusal = r
+            except Exception as e:  # a bug: the request is withdrawn and its front end still gets an answer
+                log.exception("judging %s after its launch failed", lf.req.id)
+                refusal = Rejected("engine_error", f"the engine could not take the request: {e}", 1.0, status=503)
+            if refusal is not None:
+                self._withdraw(lf.req)
+            try:
+                lf.on_verdict(refusal)
+            except Exception:
+                log.exception("answering the verdict on %s failed", lf.req.id)
+        took = time.perf_counter() - started
+        handed.append(("verdict", took))
+        return took
+
+    def _withdraw(self, req: Request) -> None:
+        """A request seated before its verdict and refused: nothing more of it goes out (its sink is nowhere, its events
+        reach neither metrics nor admission), and it is dropped before the next step, its slot freed."""
+        req.withdrawn = True
+        req.sink = nowhere
+        req.cancelled = True
 
     def run_soon(self, task: Callable[[], Then | None], cost_s: float = 0.0, kind: str = "task") -> None:
         """Run `task` on the engine thread as soon as it can: at once where it is idle, else right after it has
@@ -326,7 +385,12 @@ class Engine:
         # nothing on the GPU: handed-over work (verdicts) first, so that its requests plan now; it is within the
         # cadence of the step this iteration launches, and the host's time (no step ran beside it)
         handed_before: list[tuple[str, float]] = []
-        before = self.handoff.run_all(ran=handed_before) if self._inflight is None else 0.0
+        # (a request seated before its verdict stops them: the tasks after it are judged beside its step, after it)
+        before = 0.0
+        if self._inflight is None:
+            self._before_plan = True
+            before = self.handoff.run_all(ran=handed_before, stop=self._has_launched_first)
+            self._before_plan = False
         self._take_inbox()
         now = time.perf_counter()
         self._publish([Finished(r, "cancelled", now) for r in self.planner.take_cancelled()])
@@ -362,9 +426,9 @@ class Engine:
         self.planner.steps_ahead = (inflight is not None) + (launched is not None and self.overlap)
         # while the GPU runs the step; as much as fits in it, so that the GPU does not wait for the next
         handed = []
-        overlapped = 0.0
+        overlapped = self._judge_launched_first(handed) if self._launched_first else 0.0
         if launched is not None:
-            overlapped = self.handoff.run_all(self.handoff_budget_s, handed)
+            overlapped += self.handoff.run_all(self.handoff_budget_s, handed)
             overlapped += self._collect_beside(overlapped, handed)
         self._clock.mark("handed over")
         t_launch = time.perf_counter()
@@ -388,6 +452,9 @@ class Engine:
                                        "complete": t_complete - t_launch, "gauges": end - t_complete}, thread)
         # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
         self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
+
+    def _has_launched_first(self) -> bool:
+        return bool(self._launched_first)
 
     def _collect_beside(self, overlapped: float, handed: list[tuple[str, float]]) -> float:
         """A due garbage collection beside the step on the GPU, in what the handed-over work left of its slack; its
@@ -547,6 +614,10 @@ class Engine:
         """Stream each event's delta to its request, end the requests that ended, and hand the events to metrics and
         admission. A request whose sink raises fails alone."""
         for ev in events:
+            if not isinstance(ev, StepDone) and ev.req.withdrawn:  # refused after its launch: it ends unheard
+                if isinstance(ev, Finished):
+                    self._end(ev)
+                continue
             if isinstance(ev, Token):
                 try:
                     ev.req.sink(Delta(ev.text, [ev.token]))

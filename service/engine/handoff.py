@@ -71,12 +71,14 @@ class Handoff:
     def pending(self) -> bool:
         return bool(self._tasks)
 
-    def run_all(self, budget_s: float = math.inf, ran: list[tuple[str, float]] | None = None) -> float:
+    def run_all(self, budget_s: float = math.inf, ran: list[tuple[str, float]] | None = None,
+                stop: Callable[[], bool] | None = None) -> float:
         """The tasks put so far (the engine thread): the first, then each that fits in what `budget_s` leaves (the
-        rest wait for the next call, or for run_stale); the seconds they took (0 where another thread is running
-        them). `ran` gets each task's (kind, seconds)."""
+        rest wait for the next call, or for run_stale), none once `stop()` says so; the seconds they took (0 where
+        another thread is running them). `ran` gets each task's (kind, seconds)."""
         started = self._clock()
-        return self._run(lambda q, ran: not ran or self._clock() - started + q.cost_s < budget_s, ran)
+        return self._run(lambda q, ran: (not ran or self._clock() - started + q.cost_s < budget_s)
+                         and (stop is None or not stop()), ran)
 
     def run_stale(self) -> float:
         """The tasks that have waited longer than patience_s, oldest first, up to the first that has not (another

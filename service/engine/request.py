@@ -108,6 +108,7 @@ class Request:
     prefilled: int = 0  # prompt positions planned into steps (or a launch) so far
     visible: int = 0  # of those, the ones its slot says it holds, for later requests to copy
     cancelled: bool = False
+    withdrawn: bool = False  # seated before its verdict, then refused (engine/launch_first.py): nothing of it goes out
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # masks the logits before each choice (a grammar)
     choice: Choice = Choice.STEP
