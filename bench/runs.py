@@ -94,9 +94,10 @@ class E2ERun:
     label: str
     serve: tuple[str, ...]
     sweep: bool  # also the goodput sweep (Poisson arrivals, 32-token prompts)
-    # one stream at a time: 32-token prompts (and half as many of 1,000 tokens). 200: on one H100 host 40 streams'
-    # TTFT p50 read 3.29 ms where two runs of 200 read 3.03 and 3.07 (bench/NOTES.md, s86): the target is 3 ms
-    single_requests: int = 200
+    # one stream at a time: 32-token prompts (and half as many of 1,000 tokens). 100: on one H100 host 40 streams'
+    # TTFT p50 read 3.29 ms where two runs of 200 read 3.03 and 3.07 (bench/NOTES.md, s86), and the target is 3 ms;
+    # more would not leave bf16 and FP8 with their capacity runs in one GPU call
+    single_requests: int = 100
     targets: Mapping[str, float] = field(default_factory=dict)
     by_default: bool = True  # in the plan when `only` names no run (else only when named)
 
