@@ -66,11 +66,18 @@ def last_user(messages: list[dict[str, str]]) -> str:
 
 
 async def ticks(d: dict[str, float], n: int):
-    """Yield i at ttft + i × itl ms after now (absolute schedule: no drift)."""
+    """Yield i at ttft + i × itl ms after now (absolute schedule: no drift), never before."""
     t0 = time.perf_counter()
     for i in range(n):
-        await asyncio.sleep(max(0.0, t0 + (d["ttft"] + i * d["itl"]) / 1000.0 - time.perf_counter()))
+        await sleep_until(t0 + (d["ttft"] + i * d["itl"]) / 1000.0)
         yield i
+
+
+async def sleep_until(deadline: float) -> None:
+    """Until time.perf_counter() reaches `deadline`: uvloop's timers (libuv's, in whole milliseconds from a clock read
+    once a loop turn) may fire a fraction of a millisecond early, and the tests check no token comes before its time."""
+    while (left := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(left)
 
 
 def sse(obj: Any) -> str:
