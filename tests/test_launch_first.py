@@ -19,6 +19,7 @@ from service.engine.request import Delta, Request, SamplingParams
 from service.latency_model import LatencyModel
 from service.metrics import Metrics
 from service.model.loader import load_model
+from tests.test_engine import collect
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -79,12 +80,7 @@ def submit_first(eng: Engine, prompt: list[int], params: SamplingParams = GREEDY
 
 
 def tokens(deltas: queue.SimpleQueue[Delta]) -> list[int]:
-    out: list[int] = []
-    while True:
-        d = deltas.get(timeout=30)
-        out += d.token_ids
-        if d.finish_reason is not None:
-            return out
+    return [t for d in collect(deltas) for t in d.token_ids]
 
 
 def metric(eng: Engine, name: str, **labels: str) -> float:

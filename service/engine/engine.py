@@ -614,16 +614,17 @@ class Engine:
         """Stream each event's delta to its request, end the requests that ended, and hand the events to metrics and
         admission. A request whose sink raises fails alone."""
         for ev in events:
-            if not isinstance(ev, StepDone) and ev.req.withdrawn:  # refused after its launch: it ends unheard
-                if isinstance(ev, Finished):
-                    self._end(ev)
-                continue
-            if isinstance(ev, Token):
+            if isinstance(ev, Token):  # most events: nothing else checked first (a withdrawn request has none: it is
+                # finished before the step it was launched in commits)
                 try:
                     ev.req.sink(Delta(ev.text, [ev.token]))
                 except Exception as e:
                     log.exception("streaming a token failed for %s", ev.req.id)
                     ev = Finished(ev.req, "error", ev.at, error=f"output failed: {e}")
+            elif not isinstance(ev, StepDone) and ev.req.withdrawn:  # refused after its launch: it ends unheard
+                if isinstance(ev, Finished):
+                    self._end(ev)
+                continue
             if isinstance(ev, Finished):
                 self._end(ev)
             elif isinstance(ev, StepDone):
