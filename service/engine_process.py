@@ -92,7 +92,8 @@ class EngineService:
         self._sessions: dict[str, Session] = {}
         self._stopping = threading.Event()
         self._status_thread = threading.Thread(target=self._heartbeat, name="parley-status", daemon=True)
-        self.engine.on_iteration = self._flush
+        self.engine.on_published = self._flush  # a step's deltas, as soon as they are streamed
+        self.engine.on_iteration = self._flush  # and what an iteration streamed otherwise (a failure's last deltas)
         self.info = engine_info(rt)
 
     # -- sending ------------------------------------------------------------------------------------------------
@@ -123,7 +124,8 @@ class EngineService:
             None if t is None else (t.queue_ms, t.prefill_ms, t.ttft_ms, t.ttfn_ms, t.e2e_ms, t.n)))
 
     def _flush(self) -> None:
-        """After an iteration (engine thread): its deltas, in one message to each front end that has some."""
+        """The deltas streamed since the last flush (engine thread: a step's, once they are streamed, and after each
+        iteration), in one message to each front end that has some."""
         for fe, box in enumerate(self._outboxes):
             if box:
                 self._outboxes[fe] = []

@@ -4,8 +4,8 @@ prompts — runs it on the decoder, and commits the step before it (commit.py): 
 streams as deltas to each request's sink and hands to metrics and admission. On a GPU it runs a step ahead: the next
 step is launched before the last one's tokens are read back, fed the tokens chosen on the device, so that the host's
 work per token hides behind the kernel. Its interface (submit, cancel, sessions, truncate, drain) is all the API layer
-sees, in this process or, with `--engine-process`, through service/engine_process.py (which sends an iteration's
-deltas in one message from `on_iteration`).
+sees, in this process or, with `--engine-process`, through service/engine_process.py (which sends a step's deltas
+in one message from `on_published`, before metrics and admission hear the step's events).
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ class Engine:
         self.admission.bind(self.planner)
         # called on the engine thread after every iteration: the engine process sends the iteration's deltas then
         self.on_iteration: Callable[[], None] | None = None
+        # ...and as soon as a batch of events has been streamed to the sinks, before their bookkeeping (_publish)
+        self.on_published: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.handoff = Handoff()  # work for this thread while the GPU runs a step (run_soon)
         self.handoff_budget_s = handoff_budget_s  # how much of it starts beside one step (the first task always does)
@@ -611,8 +613,13 @@ class Engine:
                              seconds, launched.handed_s + handed_over, (*launched.handed, *(handed or ()))))
 
     def _publish(self, events: list[Event]) -> None:
-        """Stream each event's delta to its request, end the requests that ended, and hand the events to metrics and
-        admission. A request whose sink raises fails alone."""
+        """Stream each event's delta to its request and end the requests that ended; then, the deltas on their way
+        (`on_published`: the engine process sends them), hand the events to metrics and admission. Their bookkeeping
+        (the latency model, the guard, the headroom's forecast after an end) is not on the tokens' way: on the H100 a
+        stream's last token came 0.13 ms later than the others, behind its end's (bench/NOTES.md, s87). A request
+        whose sink raises fails alone."""
+        heard: list[Event] = []
+        ended_at = None
         for ev in events:
             if isinstance(ev, Token):  # most events: nothing else checked first (a withdrawn request has none: it is
                 # finished before the step it was launched in commits)
@@ -627,10 +634,22 @@ class Engine:
                 continue
             if isinstance(ev, Finished):
                 self._end(ev)
-            elif isinstance(ev, StepDone):
+                ended_at = ev.at
+            heard.append(ev)
+        if self.on_published is not None and heard:
+            try:
+                self.on_published()
+            except Exception:
+                log.exception("sending a step's output failed")
+        for ev in heard:
+            if isinstance(ev, StepDone):
                 self._slow_steps.observe(ev.rows, ev.seconds)
             self.metrics.consume(ev)
             self.admission.consume(ev)
+        if ended_at is not None:
+            # the headroom changes as requests come and go (submit sets it too): not every step, whose admission
+            # lock an admission check holds for a forecast
+            self.metrics.sla_headroom.set(self.admission.headroom(ended_at))
         slow = self.decoder.slow_prefills
         if slow > self._slow_prefills:
             self.metrics.prefill_slow_path.inc(slow - self._slow_prefills)
@@ -653,9 +672,6 @@ class Engine:
                 log.exception("flushing the output of %s failed", req.id)
         with self._lock:
             self._live.discard(req)
-        # the headroom changes as requests come and go (submit sets it too): not every step, whose admission lock
-        # an admission check holds for a forecast
-        self.metrics.sla_headroom.set(self.admission.headroom(ev.at))
         try:
             req.sink(Delta(text, [] if ev.token is None else [ev.token], finish_reason=ev.reason, error=ev.error,
                            usage=req.usage(), timings=req.timings(ev.at)))
