@@ -23,7 +23,7 @@ from bench.publish import publish, pyplot
 # A target's figure: the loadtest it is read from, and which way it must hold.
 TARGETS = {"goodput_rps": ("sweep-32", ">="), "ttft_ms_p50": ("single-32", "<="),
            "goodput_over_capacity": ("sweep-32", ">="), "admitted_on_time_min": ("sweep-32", ">="),
-           "gpu_idle_us_p99_at_goodput": ("sweep-32", "<=")}
+           "gpu_idle_us_p99_at_goodput": ("sweep-32", "<="), "itl_over_step_p99": ("single-32", "<=")}
 
 
 def record(label: str, model: str, kind: str, doc: dict[str, Any],
@@ -65,6 +65,15 @@ def record(label: str, model: str, kind: str, doc: dict[str, Any],
 
 # the engine loop's figures a sweep's rates each carry (from the server's /metrics around the rate)
 RATE_LOOP = ("host_us_p50", "host_us_p99", "gpu_idle_us_p99", "loop_iterations")
+
+
+def itl_over_step(rec: dict[str, Any]) -> float | None:
+    """The client's inter-token p99 over the step's median time on the GPU (#37: <= 1.1): how much the way from a
+    step to the client adds to a stream's cadence. None without a GPU's step times."""
+    step_us = rec.get("step_gpu_us_p50")
+    if not step_us or rec.get("itl_ms_p99") is None:
+        return None
+    return round(rec["itl_ms_p99"] * 1000.0 / step_us, 3)
 
 
 def pair_capacity(records: list[dict[str, Any]]) -> None:
@@ -115,6 +124,8 @@ def build(raw: Path) -> dict[str, Any]:
         records.append(record(label, doc["config"]["model"], kind, doc, partial(loop_metrics.at_rate, raw, path.stem))
                        | loop_metrics.figures(raw, path.stem))
     pair_capacity(records)
+    for rec in records:
+        rec["itl_over_step_p99"] = itl_over_step(rec)
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
     return {**info, "servers": serve, "startup_s": json.loads(startup.read_text()) if startup.exists() else {},

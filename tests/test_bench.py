@@ -274,6 +274,28 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert figures["front_lag_ms_max"] is None  # a server before the watch
 
 
+def test_the_inter_token_target_reads_the_client_s_p99_against_the_gpu_s_step() -> None:
+    """#37's inter-token target: the client's p99 over the step's own median on the GPU. The server's step histogram
+    is fine enough to tell FP8's 0.76 ms step from 0.8 ms (quarter milliseconds read both as 0.876)."""
+    from bench import loop_metrics
+    from bench.e2e_report import itl_over_step
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.track_gpu_idle()
+    assert metrics.step_gpu is not None
+    before = metrics.render().decode()
+    for _ in range(95):
+        metrics.step_gpu.observe(0.00076)
+    for _ in range(5):
+        metrics.step_gpu.observe(0.00125)  # a prompt's step now and then
+    step = loop_metrics.between(before, metrics.render().decode())["step_gpu_us_p50"]
+    assert 750 <= step <= 800
+    assert itl_over_step({"itl_ms_p99": 0.84, "step_gpu_us_p50": step}) <= 1.1
+    assert itl_over_step({"itl_ms_p99": 0.90, "step_gpu_us_p50": step}) > 1.1
+    assert itl_over_step({"itl_ms_p99": 0.9, "step_gpu_us_p50": None}) is None  # no GPU: nothing to read
+
+
 def test_loop_metrics_reads_the_gpu_s_idle_gaps_by_the_host_phase_that_made_them() -> None:
     """The report's table of long idle gaps: each phase's gaps and seconds between two scrapes of the server's own
     counters, the most idle time first; a phase with none since the first scrape is left out."""
