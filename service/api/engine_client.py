@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -53,7 +54,11 @@ from service.model.tokenizer import Tokenizer
 log = logging.getLogger("parley.api")
 
 HEARTBEAT_TIMEOUT_S = 10.0  # no Status for this long: the engine process is gone (or frozen), whatever its pid says
-WATCH_EVERY_S = 0.1
+WATCH_EVERY_S = 0.1  # how often the engine's end is looked for where no pidfd says it (its heartbeat's silence too)
+# With a pidfd the engine's exit wakes the front end at once, and only the heartbeat is looked at, this often: a look
+# reads /proc (front_ends.engine_gone), and on the H100 host a stream's tokens came ~0.15 ms late every 100 ms in the
+# hop to the front end (bench/NOTES.md, s87)
+HEARTBEAT_WATCH_S = 1.0
 MAX_TOP_K = 2**62  # a top_k past the vocabulary keeps every token, and a message carries 64-bit integers
 
 
@@ -159,10 +164,21 @@ class RemoteStream(QueuedDeltas):
             on_close()
 
 
+def pidfd(pid: int | None) -> int | None:
+    """A file descriptor that becomes readable once process `pid` exits (Linux 5.3+), or None where there is none."""
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone already, or a kernel without pidfds: the watch looks instead
+        return None
+
+
 class EngineClient:
     def __init__(self, info: EngineInfo, addresses: ipc.Addresses, ctx: zmq.Context,
                  inbox: zmq.asyncio.Socket, exit_code: Callable[[], int | str | None] | None = None,
-                 front_end: int = 0, front_ends: int = 1, out: zmq.Socket | None = None) -> None:
+                 front_end: int = 0, front_ends: int = 1, out: zmq.Socket | None = None,
+                 exit_fd: int | None = None) -> None:
         self.info = info
         self.tokenizer = tokenizer_of(info)
         self.eos = frozenset(info.eos_token_ids)
@@ -171,6 +187,7 @@ class EngineClient:
         self._out = out if out is not None else ipc.push(ctx, addresses.engine)
         self._send_lock = threading.Lock()  # the drain thread sends too
         self._exit_code = exit_code  # the engine process's exit status, or why it is gone (None while it runs)
+        self._exit_fd = exit_fd  # readable once the engine process has exited (a pidfd, owned here), or None
         # this front end's ids (messages.front_end_of names it in each), from a start of its own: a front end
         # restarted after a crash never reuses an id its predecessor's requests may still hold in the engine
         start = first_id(front_end) + front_ends * (time.time_ns() // 1_000_000 if front_ends > 1 else 0)
@@ -186,9 +203,10 @@ class EngineClient:
 
     @classmethod
     async def connect(cls, addresses: ipc.Addresses, exit_code: Callable[[], int | str | None] | None = None,
-                      front_end: int = 0, front_ends: int = 1) -> EngineClient:
+                      front_end: int = 0, front_ends: int = 1, engine_pid: int | None = None) -> EngineClient:
         """Bind front end `front_end`'s socket (of `front_ends`), say Hello and wait for the engine's Ready (sent once
-        it is loaded, warm and calibrated); a RuntimeError if its process exits first."""
+        it is loaded, warm and calibrated); a RuntimeError if its process exits first. `engine_pid`: the engine
+        process, whose exit a pidfd then tells at once."""
         ctx = zmq.Context()
         inbox = zmq.asyncio.Socket.from_socket(ipc.pull(ctx, addresses.front_end(front_end)))
         out = ipc.push(ctx, addresses.engine)  # queued until the engine binds (it may still be loading)
@@ -203,7 +221,7 @@ class EngineClient:
                 message = ipc.TO_FRONT_END.decode(await inbox.recv())
                 if isinstance(message, Ready):
                     break
-        client = cls(message.info, addresses, ctx, inbox, exit_code, front_end, front_ends, out)
+        client = cls(message.info, addresses, ctx, inbox, exit_code, front_end, front_ends, out, pidfd(engine_pid))
         client._tasks = [asyncio.create_task(client._read()), asyncio.create_task(client._watch())]
         return client
 
@@ -342,16 +360,30 @@ class EngineClient:
                 future.set_result(m.body)
 
     async def _watch(self) -> None:
-        while self.dead is None:
-            await asyncio.sleep(WATCH_EVERY_S)
-            why = self._why_gone()
-            if why is not None:
-                self._gone(why)
+        """The engine process's end: at once where a pidfd tells it, else by a look every WATCH_EVERY_S; and its
+        heartbeat's silence."""
+        loop = asyncio.get_running_loop()
+        if self._exit_fd is not None:
+            loop.add_reader(self._exit_fd, self._exited)
+        try:
+            while self.dead is None:
+                await asyncio.sleep(WATCH_EVERY_S if self._exit_fd is None else HEARTBEAT_WATCH_S)
+                why = self._why_gone(look=self._exit_fd is None)
+                if why is not None:
+                    self._gone(why)
+        finally:
+            if self._exit_fd is not None:
+                loop.remove_reader(self._exit_fd)
 
-    def _why_gone(self) -> str | None:
-        """Why the engine process is gone, by a look now (its exit status, or a heartbeat silent too long); None while
-        it runs. Reads only: any thread may ask."""
-        code = self._exit_code() if self._exit_code is not None else None
+    def _exited(self) -> None:
+        """The pidfd is readable: the engine process has exited (its status, where this process can read it)."""
+        asyncio.get_running_loop().remove_reader(self._exit_fd)  # type: ignore[arg-type]
+        self._gone(self._why_gone() or "it exited")
+
+    def _why_gone(self, look: bool = True) -> str | None:
+        """Why the engine process is gone, by a look now (`look`: its exit status, or /proc) or by its heartbeat's
+        silence; None while it runs. Reads only: any thread may ask."""
+        code = self._exit_code() if look and self._exit_code is not None else None
         if isinstance(code, str):
             return code
         if code is not None:
@@ -386,3 +418,6 @@ class EngineClient:
         self._inbox.close(linger=0)
         self._out.close(linger=0)
         self._ctx.term()
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)
+            self._exit_fd = None

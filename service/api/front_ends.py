@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
         return 2
     reload_on_sighup(keys)
     sock = socket.socket(fileno=fd)
-    return run_front_end(cfg, keys, ipc.Addresses(root), lambda: engine_gone(engine), front_end, [sock])
+    return run_front_end(cfg, keys, ipc.Addresses(root), lambda: engine_gone(engine), front_end, [sock], engine)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def serve_with_engine_process(cfg: ServeConfig, keys: ApiKeys) -> int:
     addresses = ipc.Addresses.fresh()
     proc = engine_process.spawn(cfg, addresses)
     try:
-        return run_front_end(cfg, keys, addresses, lambda: exit_status(proc))
+        return run_front_end(cfg, keys, addresses, lambda: exit_status(proc), engine_pid=proc.pid)
     finally:
         engine_process.stop(proc)
         addresses.remove()
@@ -184,15 +184,16 @@ def serve_with_engine_process(cfg: ServeConfig, keys: ApiKeys) -> int:
 
 def run_front_end(cfg: ServeConfig, keys: ApiKeys, addresses: ipc.Addresses,
                   engine_exit: Callable[[], int | str | None], front_end: int = 0,
-                  sockets: list[socket.socket] | None = None) -> int:
+                  sockets: list[socket.socket] | None = None, engine_pid: int | None = None) -> int:
     """Serve HTTP and the realtime WebSocket as front end `front_end` of `cfg.api_workers`, on `sockets` (already
     listening; None: bind --host/--port), with the engine process at `addresses` (`engine_exit`: its exit status, or
-    why it is gone, None while it runs) until SIGTERM drains it or the engine dies; the exit status."""
+    why it is gone, None while it runs; `engine_pid`: its process, whose exit a pidfd tells at once) until SIGTERM
+    drains it or the engine dies; the exit status."""
     server: ParleyServer | None = None
 
     async def connect() -> EngineClient:
         client = await EngineClient.connect(addresses, exit_code=engine_exit, front_end=front_end,
-                                            front_ends=front_end_count(cfg))
+                                            front_ends=front_end_count(cfg), engine_pid=engine_pid)
         assert server is not None
         client.on_dead.append(server.on_engine_gone)
         return client
