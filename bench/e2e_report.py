@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import admission_trace, loop_metrics
+from bench import admission_trace, loop_metrics, token_gaps
 from bench.device import describe, file_stem
 from bench.publish import publish, pyplot
 
@@ -44,6 +44,8 @@ def record(label: str, model: str, kind: str, doc: dict[str, Any],
         "reject_ms_p99": s["reject_ms"]["p99"],
         "client_lag_ms_p99": s.get("client_loop_lag_ms", {}).get("p99"),
     }
+    if kind.startswith("single"):  # one stream at a time: its gaps taken apart (bench/token_gaps.py)
+        rec["gaps"] = token_gaps.of_requests([q for run in runs for q in run.get("requests", [])])
     if doc.get("sweep"):
         rec["goodput_rps"] = doc["sweep"]["best_rate"]
         rec["sweep"] = [{"rate": r["rate"], "requests": r["summary"]["requests"],
@@ -151,6 +153,20 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{fmt(r['ttf64_ms_p99'])} | {fmt(r['ttft_ms_p50'])} | {fmt(r['itl_ms_p50'], 2)} | "
             f"{fmt(r['sla_attainment'], 3)} | {fmt(r['rejection_rate'], 3)} | {fmt(r.get('goodput_rps'))} | "
             f"{fmt(r['output_tokens_per_s'], 0)} | {fmt(r['usd_per_1m_tokens'], 3)} |")
+    gapped = [r for r in doc["records"] if r.get("gaps", {}).get("gaps")]
+    if gapped:
+        lines += ["", "One stream at a time, its inter-token gaps taken apart (bench/token_gaps.py): each stream's "
+                      "last gap apart; a long gap (over 1.1x the median) is transient where the next is short (the "
+                      "way to the client), held back where its stream's chunk carried two tokens (text not yet "
+                      "whole), else a late step", "",
+                  "| backend | run | streams | gap p50 ms | p99 | p99 without the last | last gap p50 "
+                  "| long: transient | held back | late step | streams with a held-back token |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['backend']} | {r['kind']} | {g['streams']} | {fmt(g['gap_ms_p50'], 3)} | "
+                  f"{fmt(g['gap_ms_p99'], 3)} | {fmt(g['gap_ms_p99_without_last'], 3)} | "
+                  f"{fmt(g['last_gap_ms_p50'], 3)} | {g['long_transient']} | {g['long_held_back']} | "
+                  f"{g['long_late_step']} | {g['streams_with_held_back_tokens']} |"
+                  for r in gapped for g in (r["gaps"],)]
     looped = [r for r in doc["records"] if r.get("loop_iterations")]
     if looped:
         lines += ["", "The engine loop, from each server's /metrics over each loadtest (its warm-up included): the "

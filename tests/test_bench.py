@@ -224,6 +224,10 @@ def test_e2e_starts_parley(tmp_path: Path) -> None:
     assert loop["transit_us_p50"] is not None and 0 < loop["transit_us_p50"] <= loop["received_us_p50"]
     assert "host time per iteration p50 µs" in report.with_suffix(".md").read_text()
     assert "of it the client's send p50 µs" in report.with_suffix(".md").read_text()
+    gaps = loop["gaps"]  # one stream's gaps, taken apart (the tiny model's byte tokens: some chunks carry two)
+    assert gaps["streams"] == 3 and gaps["gaps"] == sum(len(r["token_times_s"]) - 1 for r in single)
+    assert gaps["streams_with_held_back_tokens"] == sum(len(r["token_times_s"]) < 64 for r in single)
+    assert "its inter-token gaps taken apart" in report.with_suffix(".md").read_text()
     assert 0 < doc["startup_s"]["reference.bf16"] < 300  # the start-up, as issue 21 bounds it
 
 
@@ -294,6 +298,32 @@ def test_the_inter_token_target_reads_the_client_s_p99_against_the_gpu_s_step() 
     assert itl_over_step({"itl_ms_p99": 0.84, "step_gpu_us_p50": step}) <= 1.1
     assert itl_over_step({"itl_ms_p99": 0.90, "step_gpu_us_p50": step}) > 1.1
     assert itl_over_step({"itl_ms_p99": 0.9, "step_gpu_us_p50": None}) is None  # no GPU: nothing to read
+
+
+def test_a_stream_s_gaps_are_taken_apart_by_what_made_them_long() -> None:
+    """The single streams' inter-token gaps (bench/token_gaps.py): the last gap apart, and a long gap told apart as a
+    late token (the next comes early), a token held back for its text (its chunk carries two), or a late step."""
+    from bench.token_gaps import of_requests
+
+    def stream(gaps: list[float], output_tokens: int | None = None) -> dict:
+        times = [0.002]
+        for g in gaps:
+            times.append(times[-1] + g / 1000.0)
+        return {"outcome": "ok", "token_times_s": times, "output_tokens": output_tokens or len(times)}
+
+    steady = [1.0] * 20 + [1.2]  # every stream's last gap 1.2 ms
+    streams = [stream(steady) for _ in range(6)]
+    streams.append(stream([1.0] * 5 + [1.3, 0.7] + [1.0] * 13 + [1.2]))  # a token late, the next on time
+    streams.append(stream([1.0] * 5 + [2.0] + [1.0] * 14 + [1.2], output_tokens=23))  # two tokens in one chunk
+    streams.append(stream([1.0] * 5 + [1.3, 1.0] + [1.0] * 13 + [1.2]))  # a step late: the stream fell behind
+    streams.append({"outcome": "rejected", "token_times_s": [], "output_tokens": 0})
+    g = of_requests(streams)
+    assert (g["streams"], g["gaps"]) == (9, 9 * 21)
+    assert g["gap_ms_p50"] == pytest.approx(1.0) and g["last_gap_ms_p50"] == pytest.approx(1.2)
+    assert (g["long_transient"], g["long_held_back"], g["long_late_step"]) == (1, 1, 1)
+    assert g["streams_with_held_back_tokens"] == 1
+    assert g["gap_ms_p99_without_last"] == pytest.approx(1.3)  # the long gaps, not the last ones (1.2)
+    assert of_requests([])["gap_ms_p50"] is None
 
 
 def test_loop_metrics_reads_the_gpu_s_idle_gaps_by_the_host_phase_that_made_them() -> None:
