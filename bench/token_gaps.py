@@ -15,15 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadtest.stats import describe
+
 LONG = 1.1  # a gap over this x the median is long (#37's bound)
 SHORT = 0.9  # ...and the next one under this x the median makes it transient
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def of_requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -46,10 +41,12 @@ def of_requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
         inner += g[:-1]
         last.append(g[-1])
         per_stream.append((g, whole))
-    median = quantile(gaps, 0.5)
+    # the loadtest's own percentiles: this table's p50 / p99 are the report's inter-token ones
+    all_, without_last = describe(gaps), describe(inner)
+    median = all_["p50"]
     out: dict[str, Any] = {
-        "streams": streams, "gaps": len(gaps), "gap_ms_p50": median, "gap_ms_p99": quantile(gaps, 0.99),
-        "gap_ms_p99_without_last": quantile(inner, 0.99), "last_gap_ms_p50": quantile(last, 0.5),
+        "streams": streams, "gaps": len(gaps), "gap_ms_p50": median, "gap_ms_p99": all_["p99"],
+        "gap_ms_p99_without_last": without_last["p99"], "last_gap_ms_p50": describe(last)["p50"],
         "streams_with_held_back_tokens": held_back, "long_transient": 0, "long_held_back": 0, "long_late_step": 0}
     if median is None:
         return out

@@ -364,7 +364,7 @@ class EngineClient:
         heartbeat's silence."""
         loop = asyncio.get_running_loop()
         if self._exit_fd is not None:
-            loop.add_reader(self._exit_fd, self._exited)
+            loop.add_reader(self._exit_fd, self._exited, self._exit_fd)
         try:
             while self.dead is None:
                 await asyncio.sleep(WATCH_EVERY_S if self._exit_fd is None else HEARTBEAT_WATCH_S)
@@ -375,9 +375,9 @@ class EngineClient:
             if self._exit_fd is not None:
                 loop.remove_reader(self._exit_fd)
 
-    def _exited(self) -> None:
-        """The pidfd is readable: the engine process has exited (its status, where this process can read it)."""
-        asyncio.get_running_loop().remove_reader(self._exit_fd)  # type: ignore[arg-type]
+    def _exited(self, fd: int) -> None:
+        """The pidfd `fd` is readable: the engine process has exited (its status, where this process can read it)."""
+        asyncio.get_running_loop().remove_reader(fd)
         self._gone(self._why_gone() or "it exited")
 
     def _why_gone(self, look: bool = True) -> str | None:
