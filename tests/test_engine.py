@@ -997,8 +997,8 @@ def test_a_refused_request_leaves_no_reference_cycle_behind():
 
 def test_a_steps_deltas_are_sent_before_metrics_and_admission_hear_it(tiny, overlap):
     """The engine process sends a step's deltas from `on_published`: every token, the last one with its end included,
-    leaves before the step's bookkeeping (the latency model, the guard, the headroom's forecast after an end), which
-    on the H100 held a stream's last token back by 0.13 ms."""
+    leaves before the step's bookkeeping (the ended request's slot given back, the latency model, the guard, the
+    headroom's forecast after an end), which on the H100 held a stream's last token back by 0.1-0.2 ms."""
     eng = make_overlap_engine(tiny, overlap, start=False)
     order: list[str] = []
     streamed: list[Delta] = []
@@ -1019,8 +1019,15 @@ def test_a_steps_deltas_are_sent_before_metrics_and_admission_hear_it(tiny, over
         order.append(f"heard {type(ev).__name__}")
         consume(ev)
 
+    finish = eng.planner.finish
+
+    def released(req) -> None:
+        order.append("slot back")
+        finish(req)
+
     eng.on_published = published
     eng.admission.consume = heard  # type: ignore[method-assign]
+    eng.planner.finish = released  # type: ignore[method-assign]
     eng.start()
     try:
         q: queue.SimpleQueue[Delta] = queue.SimpleQueue()
@@ -1037,5 +1044,7 @@ def test_a_steps_deltas_are_sent_before_metrics_and_admission_hear_it(tiny, over
         if what.startswith("heard"):
             last_streamed = max(j for j in range(i) if order[j].endswith("streamed"))
             assert "sent" in order[last_streamed:i], order
+    # the end: sent before its slot goes back (the slot's cached prefix kept) and before it is heard
     end = order.index("end streamed")
-    assert order[end + 1] == "sent" and "heard Finished" in order[end + 2:]
+    assert order[end + 1:end + 3] == ["sent", "slot back"] and "heard Finished" in order[end + 3:], order
+    assert eng.planner.slots.num_free == eng.planner.slots.num_slots  # the slot is free again

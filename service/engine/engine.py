@@ -614,11 +614,12 @@ class Engine:
 
     def _publish(self, events: list[Event]) -> None:
         """Stream each event's delta to its request and end the requests that ended; then, the deltas on their way
-        (`on_published`: the engine process sends them), hand the events to metrics and admission. Their bookkeeping
-        (the latency model, the guard, the headroom's forecast after an end) is not on the tokens' way: on the H100 a
-        stream's last token came 0.13 ms later than the others, behind its end's (bench/NOTES.md, s87). A request
-        whose sink raises fails alone."""
+        (`on_published`: the engine process sends them), give the ended requests' slots back and hand the events to
+        metrics and admission. None of that bookkeeping (the slot's cached prefix, the latency model, the guard, the
+        headroom's forecast after an end) is on the tokens' way: on the H100 a stream's last token came 0.13 ms later
+        than the others, behind its end's (bench/NOTES.md, s87 and s88). A request whose sink raises fails alone."""
         heard: list[Event] = []
+        ended: list[Request] = []
         ended_at = None
         for ev in events:
             if isinstance(ev, Token):  # most events: nothing else checked first (a withdrawn request has none: it is
@@ -629,11 +630,12 @@ class Engine:
                     log.exception("streaming a token failed for %s", ev.req.id)
                     ev = Finished(ev.req, "error", ev.at, error=f"output failed: {e}")
             elif not isinstance(ev, StepDone) and ev.req.withdrawn:  # refused after its launch: it ends unheard
-                if isinstance(ev, Finished):
-                    self._end(ev)
+                if isinstance(ev, Finished) and self._send_end(ev):
+                    self.planner.finish(ev.req)
                 continue
             if isinstance(ev, Finished):
-                self._end(ev)
+                if self._send_end(ev):
+                    ended.append(ev.req)
                 ended_at = ev.at
             heard.append(ev)
         if self.on_published is not None and heard:
@@ -641,6 +643,8 @@ class Engine:
                 self.on_published()
             except Exception:
                 log.exception("sending a step's output failed")
+        for req in ended:
+            self.planner.finish(req)
         for ev in heard:
             if isinstance(ev, StepDone):
                 self._slow_steps.observe(ev.rows, ev.seconds)
@@ -659,11 +663,13 @@ class Engine:
             self.metrics.query_block_steps.inc(blocked - self._query_block_steps)
             self._query_block_steps = blocked
 
-    def _end(self, ev: Finished) -> None:
+    def _send_end(self, ev: Finished) -> bool:
+        """A request's last delta (its last token and text, usage, timings) streamed; False where it had ended already
+        (an error while its final delta went out). The caller gives its slot back (planner.finish) after the send:
+        nothing in the delta depends on it, and a session's next turn waits for it on this thread."""
         req = ev.req
         if req not in self._live:
-            return  # ended already (an error while its final delta went out)
-        self.planner.finish(req)
+            return False
         text = ev.text
         if ev.reason in ("stop", "length") and req.output is not None:
             try:
@@ -677,6 +683,7 @@ class Engine:
                            usage=req.usage(), timings=req.timings(ev.at)))
         except Exception:
             log.exception("the final delta of %s could not be sent", req.id)
+        return True
 
     def _update_gauges(self) -> None:
         p, s, m = self.planner, self.stats, self.metrics
