@@ -77,6 +77,27 @@ def test_session_and_one_turn(shared_server: Server) -> None:
     run(go())
 
 
+def test_openai_s_names_for_the_token_limit_are_heard(shared_server: Server) -> None:
+    """The openai SDK and voice frameworks send the Realtime API's max_output_tokens (max_response_output_tokens before
+    GA, "inf" for none): the reply is cut there, as with max_tokens."""
+    async def go() -> None:
+        async with connect(shared_server.ws) as ws:
+            await recv_event(ws)  # session.created
+            await send(ws, {"type": "response.create", "response": {"input": "Once upon a time",
+                                                                    "max_output_tokens": 4, "ignore_eos": True}})
+            _, done = await until_done(ws)
+            assert done["status"] == "incomplete" and done["usage"]["completion_tokens"] == 4
+            await send(ws, {"type": "session.update", "session": {"max_response_output_tokens": 5}})
+            assert (await recv_event(ws))["session"]["max_tokens"] == 5
+            await send(ws, {"type": "response.create", "response": {"input": "Once upon a time", "ignore_eos": True}})
+            _, done = await until_done(ws)
+            assert done["usage"]["completion_tokens"] == 5
+            await send(ws, {"type": "session.update", "session": {"max_output_tokens": "inf"}})
+            assert (await recv_event(ws))["session"]["max_tokens"] is None
+
+    run(go())
+
+
 def test_cancel_is_quick_and_frees_the_slot(shared_server: Server) -> None:
     async def go() -> tuple[float, dict[str, Any]]:
         async with connect(shared_server.ws) as ws:

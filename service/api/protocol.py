@@ -397,6 +397,7 @@ class RealtimeSessionConfig(ToolFields, SamplingFields):
     def _null_leaves_as_is(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        data = _openai_token_limit(data)
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
@@ -407,6 +408,21 @@ class RealtimeSessionConfig(ToolFields, SamplingFields):
 
 
 SESSION_SETTINGS = set(RealtimeSessionConfig.model_fields) - {"model"}
+# OpenAI's Realtime API names the reply's token limit max_output_tokens (max_response_output_tokens before GA), an
+# integer or "inf"; the openai SDK and the voice frameworks send those, and an unknown field is ignored: a limit they
+# set was dropped and the reply ran to the context
+OPENAI_TOKEN_LIMITS = ("max_output_tokens", "max_response_output_tokens")
+
+
+def _openai_token_limit(data: dict[str, Any]) -> dict[str, Any]:
+    """A realtime config with OpenAI's token limit as max_tokens ("inf": none, up to the context); max_tokens wins."""
+    named = [k for k in OPENAI_TOKEN_LIMITS if k in data]
+    if not named:
+        return data
+    limit = data[named[0]]
+    out = {k: v for k, v in data.items() if k not in OPENAI_TOKEN_LIMITS}
+    out.setdefault("max_tokens", None if limit == "inf" else limit)
+    return out
 
 
 class RealtimeResponseConfig(RealtimeSessionConfig):
