@@ -160,6 +160,14 @@ _ATT_CH128 = {"wide_chunk_rows": 1, "wide_split_min_chunks": 2}  # one-row atten
 
 VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "default": lambda w: KernelConfig(),
+    # default_tiles as they are, not fitted to the model's matrices and the programs (tiles.fit_to_programs): the
+    # default before s89
+    "unfitted": lambda w: KernelConfig(tiles=_tiles(w)),
+    # the 16-row bucket's 8-bit gate/up weight-only in 16-row pointer tiles (SmolLM2's 1,536 rows: 96 tiles, where
+    # the W8A8 ones of 64 rows are 24)
+    "gu16-r16": lambda w: KernelConfig(tiles=_narrow(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), 17,
+                                                     at_least=16, rows=16, k_chunk=512, k_slices=4, stages=3,
+                                                     tma=False, swap=False, w8a8=False)),
     # weights through the tensor-memory accelerator in every matvec (boxes of at most 256 columns)
     "tma": lambda w: KernelConfig(tiles=_tiles(w, tma=True, k_chunk=256, stages=6 if w != "bf16" else 4)),
     "lm-pointers": lambda w: KernelConfig(tiles=_tiles(w, (Op.LMHEAD,), tma=False)),

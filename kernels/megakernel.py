@@ -56,7 +56,7 @@ from kernels.lm_head import argmax, lm_partials
 from kernels.matvec import matvec, norm_operand
 from kernels.query_blocks import BLOCK_FIELDS, query_blocks
 from kernels.sync import prefetch, prefetch_record, prefetch_regions, wait_counter
-from kernels.tiles import MatvecTile, TileTable, default_tiles, parts_of_k
+from kernels.tiles import MatvecTile, TileTable, default_tiles, fit_to_programs, parts_of_k
 
 # ---------------------------------------------------------------------------------------------------------------
 # the kernel
@@ -533,8 +533,11 @@ class Megakernel:
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
         if t is None:
-            return default_tiles(self.w.fp8 or self.w.int8, rows, self.w.int8_blocks, e4m3=self.w.fp8,
-                                 a8_int8=self.w.int8_rows)
+            eight_bit = self.w.fp8 or self.w.int8
+            tiles = default_tiles(eight_bit, rows, self.w.int8_blocks, e4m3=self.w.fp8, a8_int8=self.w.int8_rows)
+            if self.w.int8_blocks:  # (its k slices follow int8's blocks: not measured)
+                return tiles
+            return fit_to_programs(tiles, rows, eight_bit, self.dims.qkv_rows, self.dims.ffn, self.num_programs)
         return t(rows) if callable(t) else t
 
     def tiles(self, batch: int, one_lm: bool = False) -> TileTable:

@@ -127,7 +127,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
         else:
             tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=stages)
         if fp8 and rows < 16:  # 8-bit gate/up: twice the bytes a stage; at one row, one TMA-fed 64-row tile a program
-            tiles[Op.GATEUP] = GATEUP_8BIT_ONE_ROW if rows == 1 else tiles[Op.GATEUP]._replace(rows=32)
+            tiles[Op.GATEUP] = GATEUP_8BIT_ONE_ROW if rows == 1 else GATEUP_8BIT_NARROW
         if e4m3 and rows == 1:  # e4m3 at one row: gate/up's and the LM head's TMA streams over 3 stages, not 4
             tiles = tiles | {op: tiles[op]._replace(stages=3) for op in (Op.GATEUP, Op.LMHEAD)}
         return tiles
@@ -143,6 +143,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
 
 # 8-bit weights at one row: gate/up's weights through TMA, 64-row boxes of 256 columns over 4 stages (default_tiles)
 GATEUP_8BIT_ONE_ROW = MatvecTile(rows=64, k_chunk=256, tma=True, stages=4)
+# 8-bit weights under 16 rows: gate/up's pointer-loaded tiles (32 rows from 2 rows; fit_to_programs may take 16)
+GATEUP_8BIT_NARROW = MatvecTile(rows=32, k_chunk=512, stages=3)
 # e4m3 weights from 16 rows: gate/up W8A8, and from 16 sampled rows the LM head (default_tiles)
 W8A8_GATEUP = MatvecTile(rows=64, k_chunk=256, k_slices=1, stages=3, swap=True, w8a8=True)
 # e4m3 weights at 64 rows: down W8A8 in gate/up's tiles, K over 4 tasks (its N = 2,048 makes 32 tiles alone)
@@ -160,3 +162,41 @@ def parts_of_k(chunks: int, wanted: int) -> int:
 def int8_slices(t: MatvecTile) -> MatvecTile:
     """The tile with one k slice per int8 block of its k chunk (a slice must lie within one block)."""
     return t._replace(k_slices=max(1, t.k_chunk // INT8_BLOCK))
+
+
+# A tile's fixed cost (its epilogue, its turn of the pipeline) in weight rows streamed, fitted to the H100's sweeps of
+# 8-bit gate/up in 64-, 32- and 16-row tiles on three models (bench/NOTES.md "Tiles that fit the programs"): any value
+# from 9 to 31 picks what was fastest in each of them
+TILE_COST_ROWS = 16
+
+
+def busiest_cost(n: int, rows: int, programs: int) -> int:
+    """The busiest program's share of a matvec of n weight rows in tiles of `rows`, dealt to `programs` in contiguous
+    runs (instructions.split_rows): its tiles' rows plus TILE_COST_ROWS a tile."""
+    tiles = -(-n // rows)
+    return -(-tiles // programs) * (rows + TILE_COST_ROWS)
+
+
+def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int, ffn: int, programs: int) -> TileTable:
+    """default_tiles, where a model's matrices cut into them fit the GPU's programs badly (a launch of `rows` rows).
+
+    8-bit gate/up under 16 rows: of its default tile and the narrow 32- and 16-row ones, the one whose busiest
+    program costs least (busiest_cost; the default where even). A matrix a few tiles wider than the programs leaves
+    those few to stream a second tile while the rest wait (Qwen2.5-1.5B's 8,960 rows are 140 64-row tiles for 132
+    programs), and one of a few wide tiles leaves most programs idle while each streams at what one SM can (SmolLM2's
+    1,536 rows: 24). On the H100 (one call, in turns): Qwen2.5-1.5B FP8 at one row 1.272 -> 1.219 ms in 32-row tiles
+    (16-row: 1.265), SmolLM2-135M 0.702 -> 0.637 in 16-row tiles at one row, 0.698 -> 0.673 at 4 rows and 0.886 ->
+    0.821 at 8; Llama-3.2-1B keeps its tiles (16-row ones: 2-5% slower at 4 and 8 rows).
+
+    QKV's runs of 8 rows (tiles of 16) where its tiles of 32 would fill under a third of the programs: SmolLM2's 960
+    rows are 30 of them. On the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8); Qwen2.5-1.5B's 64
+    tiles measured within 1.3% either way (kept), Llama-3.2-1B's 96 become 192, two a program: 17% slower."""
+    out = dict(tiles)
+    gate_up = tiles[Op.GATEUP]
+    if eight_bit and rows < 16 and not gate_up.swap:
+        options = [gate_up] + [GATEUP_8BIT_NARROW._replace(rows=r) for r in (32, 16)]
+        out[Op.GATEUP] = min(options, key=lambda t: busiest_cost(ffn, t.rows, programs))
+    qkv = tiles[Op.QKV]
+    if not qkv.swap and qkv.rows >= 16 and 3 * -(-qkv_rows // (2 * qkv.rows)) < programs:
+        out[Op.QKV] = qkv._replace(rows=qkv.rows // 2)
+    return out

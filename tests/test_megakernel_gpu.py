@@ -119,10 +119,12 @@ def _as_good_as_the_reference(r: dict) -> bool:
 # (shape, rows, weights): Llama at 8 rows in both formats (the invariance test below reuses their compiles), Qwen
 # (QKV bias, 6 query heads a KV head, head_dim 128) at 8, SmolLM2 (hidden 576: ragged k chunks) at 1 row; int8
 # (Q8_0 blocks) on Llama at 8 rows and on SmolLM2 at 1 (its ragged chunks: blocks past K masked), int8 with row
-# scales on Llama at 8
+# scales on Llama at 8; the tiles fitted to a model's matrices and the GPU's programs (tiles.fit_to_programs):
+# SmolLM2's QKV in runs of 8 rows (its bf16 and FP8 cases) and its FP8 gate/up in 16-row tiles (4 rows), Qwen's FP8
+# gate/up in 32-row tiles at one row
 CASES = [("llama-3.2-1b", 8, "bf16"), ("llama-3.2-1b", 8, "fp8"), ("qwen2.5-1.5b", 8, "bf16"),
          ("smollm2-135m", 1, "bf16"), ("llama-3.2-1b", 8, "int8"), ("smollm2-135m", 1, "int8"),
-         ("llama-3.2-1b", 8, "int8-row")]
+         ("llama-3.2-1b", 8, "int8-row"), ("smollm2-135m", 4, "fp8"), ("qwen2.5-1.5b", 1, "fp8")]
 
 
 @pytest.mark.parametrize(("shape", "batch", "weight_format"), CASES)

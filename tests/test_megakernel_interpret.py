@@ -65,6 +65,9 @@ CASES = {
     # through TMA at one row and 32-row tiles at four, the LM head's 128-row boxes
     "llama-fp8-default-tiles": (False, True, 256, 3, 64, 1, "fp8"),
     "qwen-int8-row-default-tiles": (True, False, 200, 2, 32, 4, "int8-row"),
+    # the default tiles as a GPU of 132 programs fits them to this model (tiles.fit_to_programs): 8-bit gate/up in
+    # 16-row pointer tiles of 512 columns, ragged over K = 64, at one row and at four
+    "llama-fp8-fitted-tiles": (False, True, 256, 3, 64, 1, "fp8"),
 }
 
 
@@ -403,7 +406,7 @@ def _check(case: str) -> dict:
     from bench.fp8_quality import w8a8_of, w8a8_products
     from kernels.instructions import Op
     from kernels.megakernel import KernelConfig
-    from kernels.tiles import MATVECS, MatvecTile, int8_slices
+    from kernels.tiles import MATVECS, MatvecTile, default_tiles, fit_to_programs, int8_slices
     from service.backends.megakernel import MegakernelDecoder
     from service.backends.reference import ReferenceDecoder
     from service.model import fp8, int8
@@ -463,6 +466,12 @@ def _check(case: str) -> dict:
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
     if case.endswith("-default-tiles"):
         tiles = None
+    if case.endswith("-fitted-tiles"):
+        def tiles(rows: int) -> dict:
+            table = default_tiles(True, rows, e4m3=weight_format == "fp8")
+            return fit_to_programs(table, rows, True, q + 2 * kv, f, programs=132)
+
+        assert tiles(1)[Op.GATEUP].rows == 16 and tiles(4)[Op.GATEUP].rows == 16
 
     def decoder(tiles: dict | None) -> MegakernelDecoder:
         mk = MegakernelDecoder(c, w, max_slots, max_context, device="cpu", dtype=torch.float32,

@@ -196,3 +196,62 @@ def test_a_launch_of_one_lm_row_where_the_lm_head_takes_many() -> None:
     assert not any(tiny_decoder(one_lm_row_min=0).kernel.has_one_lm_row(b) for b in mk.buckets)
     assert not tiny_decoder(one_lm_row_min=4, one_lm_max_rows=8).kernel.has_one_lm_row(16)
     assert (KernelConfig().one_lm_row_min, KernelConfig().one_lm_max_rows) == (16, 64)
+
+
+def _busiest(model: str, weights: str, rows: int, op: Op, programs: int, fitted: bool) -> tuple[int, int]:
+    """(tasks, weight rows of the busiest task) of one layer's `op` in a launch of `rows` rows of the real shapes."""
+    from kernels.tiles import default_tiles, fit_to_programs
+
+    dims = MODELS[model]
+    eight_bit = weights == "fp8"
+    tiles = default_tiles(eight_bit, rows, e4m3=eight_bit)
+    if fitted:
+        tiles = fit_to_programs(tiles, rows, eight_bit, dims.qkv_rows, dims.ffn, programs)
+    tiling = I.Tiling(rows={o: t.rows for o, t in tiles.items()})
+    height = 2 * tiles[op].rows if op is Op.QKV else tiles[op].rows
+    mine = [t for t in tasks_of(I.build_schedule(dims, rows, programs, tiling))
+            if t["op"] == op and t["layer"] == 0]
+    return len(mine), max(t["tiles"] for t in mine) * height
+
+
+@pytest.mark.parametrize(("model", "weights", "rows", "op", "before", "after"), [
+    # Qwen's 8,960 gate/up rows: 140 64-row tiles on 132 programs, 8 of them streaming 128 rows; 32-row tiles: 96
+    ("qwen2.5-1.5b", "fp8", 1, Op.GATEUP, (132, 128), (132, 96)),
+    # SmolLM2's 1,536: 24 64-row tiles (108 programs idle), 48 32-row ones at 4 rows; 96 16-row tiles
+    ("smollm2-135m", "fp8", 1, Op.GATEUP, (24, 64), (96, 16)),
+    ("smollm2-135m", "fp8", 4, Op.GATEUP, (48, 32), (96, 16)),
+    # SmolLM2's 960 QKV rows: 30 tiles of two runs of 16, 60 of two runs of 8
+    ("smollm2-135m", "bf16", 1, Op.QKV, (30, 32), (60, 16)),
+    ("smollm2-135m", "fp8", 16, Op.QKV, (30, 32), (60, 16)),
+    # what already fits stays: Llama's 128 64-row gate/up tiles, its 96 QKV tiles (halved: 192, two a program),
+    # Qwen's 64 QKV tiles, bf16's 16-row gate/up, the W8A8 tiles from 16 rows
+    ("llama-3.2-1b", "fp8", 1, Op.GATEUP, (128, 64), (128, 64)),
+    ("llama-3.2-1b", "fp8", 4, Op.GATEUP, (132, 64), (132, 64)),
+    ("llama-3.2-1b", "bf16", 1, Op.QKV, (96, 32), (96, 32)),
+    ("qwen2.5-1.5b", "bf16", 1, Op.QKV, (64, 32), (64, 32)),
+    ("qwen2.5-1.5b", "bf16", 1, Op.GATEUP, (132, 80), (132, 80)),
+    ("qwen2.5-1.5b", "fp8", 16, Op.GATEUP, (132, 128), (132, 128)),
+])
+def test_tiles_fit_the_programs_where_a_models_matrices_cut_badly(model: str, weights: str, rows: int, op: Op,
+                                                                  before: tuple[int, int],
+                                                                  after: tuple[int, int]) -> None:
+    """kernels.tiles.fit_to_programs on the H100's 132 programs: the busiest task of a phase streams fewer weight rows
+    (or more programs share the phase) where the default tiles cut a model's matrix badly, and nothing changes where
+    they fit. With one program (the interpreter) every tile stays as default_tiles made it."""
+    assert _busiest(model, weights, rows, op, 132, fitted=False) == before
+    assert _busiest(model, weights, rows, op, 132, fitted=True) == after
+    assert _busiest(model, weights, rows, op, 1, fitted=True) == _busiest(model, weights, rows, op, 1, fitted=False)
+
+
+def test_the_gpu_default_is_the_fitted_table() -> None:
+    """A Megakernel with no tiles of its own config runs default_tiles fitted to its model and programs; a table
+    given in its config runs as given (bench variant `unfitted`: the default before the fit)."""
+    from kernels.tiles import default_tiles, fit_to_programs
+
+    mk = tiny_decoder()
+    k = mk.kernel
+    k.num_programs = 132
+    dims = k.dims
+    want = fit_to_programs(default_tiles(False, 1), 1, False, dims.qkv_rows, dims.ffn, 132)
+    assert want[Op.QKV].rows == 8 and k._table(1) == want  # (the tiny model's 128 QKV rows: 4 tiles of 32)
+    assert tiny_decoder(tiles=default_tiles(False, 1)).kernel._table(1) == default_tiles(False, 1)
