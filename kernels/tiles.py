@@ -184,13 +184,18 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
     program costs least (busiest_cost; the default where even). A matrix a few tiles wider than the programs leaves
     those few to stream a second tile while the rest wait (Qwen2.5-1.5B's 8,960 rows are 140 64-row tiles for 132
     programs), and one of a few wide tiles leaves most programs idle while each streams at what one SM can (SmolLM2's
-    1,536 rows: 24). On the H100 (one call, in turns): Qwen2.5-1.5B FP8 at one row 1.272 -> 1.219 ms in 32-row tiles
-    (16-row: 1.265), SmolLM2-135M 0.702 -> 0.637 in 16-row tiles at one row, 0.698 -> 0.673 at 4 rows and 0.886 ->
-    0.821 at 8; Llama-3.2-1B keeps its tiles (16-row ones: 2-5% slower at 4 and 8 rows).
+    1,536 rows: 24). Timed alone on the H100: Qwen2.5-1.5B FP8 at one row 1.272 -> 1.219 ms in 32-row tiles (16-row:
+    1.265), SmolLM2-135M 0.702 -> 0.637 in 16-row tiles at one row, 0.698 -> 0.673 at 4 rows and 0.886 -> 0.821 at 8;
+    Llama-3.2-1B keeps its tiles (16-row ones: 2-5% slower at 4 and 8 rows).
 
     QKV's runs of 8 rows (tiles of 16) where its tiles of 32 would fill under a third of the programs: SmolLM2's 960
-    rows are 30 of them. On the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8); Qwen2.5-1.5B's 64
-    tiles measured within 1.3% either way (kept), Llama-3.2-1B's 96 become 192, two a program: 17% slower."""
+    rows are 30 of them. Timed alone on the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8);
+    Qwen2.5-1.5B's 64 tiles measured within 1.3% either way (kept), Llama-3.2-1B's 96 become 192, two a program: 17%
+    slower.
+
+    Both, against the unfitted tiles in one H100 call (bench variant `unfitted`; ms a step at 1 / 4 / 16 rows):
+    SmolLM2 FP8 0.700 / 0.696 / 0.983 -> 0.613 / 0.652 / 0.950, bf16 0.618 / 0.637 / 0.878 -> 0.604 / 0.622 / 0.851;
+    Qwen2.5-1.5B FP8 at one row 1.262 -> 1.208, the rest even (bench/NOTES.md "Tiles that fit the programs")."""
     out = dict(tiles)
     gate_up = tiles[Op.GATEUP]
     if eight_bit and rows < 16 and not gate_up.swap:
