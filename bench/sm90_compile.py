@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 
-def capture_launch(model: str, batch: int, weights: str, variant: str) -> list[tuple]:
+def capture_launch(model: str, batch: int, weights: str, variant: str, kernel_config: object = None) -> list[tuple]:
     """The (kernel, args, kwargs) of each launch Megakernel.step would make for this model and batch bucket (two where
-    the LM head has a launch of its own)."""
+    the LM head has a launch of its own), under the bench variant's KernelConfig or the one given."""
     from bench.variants import VARIANTS
     from kernels import megakernel as mk
     from service.backends.megakernel import MegakernelDecoder
     from service.model.synthetic import load_synthetic
 
     config, w, _ = load_synthetic(model, dtype=torch.bfloat16, num_layers=2)
-    cfg = VARIANTS[variant](weights)
+    cfg = VARIANTS[variant](weights) if kernel_config is None else kernel_config
     captured: list[tuple] = []
 
     class Launcher:
@@ -98,6 +98,14 @@ def spills_by_line(bin_dir: Path, cubin: Path, top: int = 6) -> dict[str, int]:
     return dict(counts.most_common(top))
 
 
+def split_streams(ttgir: str) -> list[int]:
+    """The asynchronous copies (cp.async: Triton's pipelined loads) of each called matvec whose tiles split K (a
+    function of its own that arrives on a tile's counter, acq_rel): none where its stream's loop is not pipelined."""
+    funcs = re.split(r"\n(?=\s*tt\.func )", ttgir)
+    return [f.count("async_copy_global_to_local") for f in funcs
+            if "matvec_call" in f.split("(", 1)[0] and "atomic_rmw add, acq_rel" in f]
+
+
 def report(compiled, dump: Path | None) -> dict:  # noqa: ANN001
     import triton
 
@@ -121,6 +129,7 @@ def report(compiled, dump: Path | None) -> dict:  # noqa: ANN001
                       ("int8 pairs (add.s16x2)", r"add\.s16x2"),
                       ("cvt to f16 from s8/s16", r"cvt\.rn\.f16\.s(?:8|16)")):
         out[what] = len(re.findall(pat, ptx))
+    out["split streams' async copies"] = split_streams(compiled.asm["ttgir"])
     out["spills by line"] = spills_by_line(bin_dir, cubin)
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ NAME ...`), and that `python -m bench sm90-compile` compiles: each a function of
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kernels.instructions import Op
@@ -381,3 +382,26 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # noise, 16 rows +1.2-1.3% bf16: K3's verdict stands
     "o-halves": lambda w: KernelConfig(tiles=_narrow(w, (Op.OPROJ,), k_halves=True)),
 }
+
+
+def _merge_after(variant: Callable[[str], KernelConfig]) -> Callable[[str], KernelConfig]:
+    """The variant with every split tile's merge after its stream's loop (MatvecTile.merge_after), so that Triton
+    pipelines a split task's loads; on the default (no tiles of its own) the unfitted default tiles, which are
+    Llama-3.2-1B's fitted ones."""
+    def config(w: str) -> KernelConfig:
+        base = variant(w)
+        table = base.tiles if base.tiles is not None else _tiles(w)
+
+        def tiles(rows: int) -> dict[Op, MatvecTile]:
+            t = table(rows) if callable(table) else table
+            return {op: tile._replace(merge_after=True) for op, tile in t.items()}
+
+        return replace(base, tiles=tiles)
+
+    return config
+
+
+# every variant whose tiles split K (and the default: FP8's 64-row down), with the merge after the loop
+SPLIT_VARIANTS = ("default", "dn-r64-ks4", "dn-r32-ks2", "od-r64-ks4", "w-od-r64-ks4", "w-qkvod-r64-ks4",
+                  "w-d-r64-ks4", "w-d-r64-ks8", "w-dn-a8-ks4", "w-o-a8-ks4", "qkv-k2", "qkv-k4", "down2")
+VARIANTS |= {f"{name}-pipe": _merge_after(VARIANTS[name]) for name in SPLIT_VARIANTS}

@@ -396,6 +396,7 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
     ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
     TR: tl.constexpr = 2 * BN if OP == I.QKV else BN
     EVEN: tl.constexpr = (K % BK == 0) and (N % BN == 0)
+    MERGE_AFTER: tl.constexpr = TILE.k_splits > 1 and TILE.merge_after
     rb = tl.arange(0, BPAD)
     acc = tl.zeros([BN, BPAD], tl.float32)
     acc2 = tl.zeros([BN, BPAD], tl.float32)
@@ -430,11 +431,17 @@ def _matvec_swapped(OP: tl.constexpr, row0, tiles, kc0, B, layer, ws, a_ptr, ssq
                 acc2 += _a8_dot(w2, a, W_INT8) * a_scale[None, :]
             else:
                 acc2 = tl.dot(w2, a, acc2)
-        if kb == KB - 1:
-            best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd, best_v, best_i,
-                                          B, layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN, CG)
-            acc = tl.zeros([BN, BPAD], tl.float32)
-            acc2 = tl.zeros([BN, BPAD], tl.float32)
+        if not MERGE_AFTER:
+            if kb == KB - 1:
+                best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd, best_v, best_i,
+                                              B, layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN,
+                                              CG)
+                acc = tl.zeros([BN, BPAD], tl.float32)
+                acc2 = tl.zeros([BN, BPAD], tl.float32)
+    if MERGE_AFTER:  # one tile a task: its merge after the loop (MatvecTile.merge_after)
+        rows, rows2 = _tile_rows(OP, row0, MODEL, BN)
+        best_v, best_i = _finish_tile(OP, rows, rows2, tl.trans(acc), tl.trans(acc2), rstd, best_v, best_i, B,
+                                      layer, ws, out, ssq_ptr, ks, TILE.k_splits, dt, MODEL, N, BPAD, BN, CG)
     return best_v, best_i
 
 
@@ -456,6 +463,7 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
     KS: tl.constexpr = TILE.k_slices
     ROWS2: tl.constexpr = (OP == I.GATEUP) or (OP == I.QKV)
     PARTS: tl.constexpr = TILE.k_splits
+    MERGE_AFTER: tl.constexpr = PARTS > 1 and TILE.merge_after
     K_HALVES: tl.constexpr = TILE.k_halves and not ROWS2 and PARTS == 1
     TR: tl.constexpr = 2 * BN if OP == I.QKV else BN  # rows per tile
     NORM: tl.constexpr = (OP == I.QKV) or (OP == I.GATEUP) or (OP == I.LMHEAD)
@@ -519,13 +527,18 @@ def matvec(OP: tl.constexpr, row0, tiles, B, layer, ws, a_ptr, ssq_ptr, out, eps
             w2 = _load_tile(ws.w, ws.desc, ws.drow, rows, (kb + KB1) * BK, N, K, BN, BK, KS, EVEN, TILE.tma)
             acc2 = _weight_dot(a2, w2, acc2, ws.scale, rows, (kb + KB1) * BK, N, K, BK, KS, SB, EVEN, DOT_T, W_INT8,
                                PRMT)
-        if kb == KB1 - 1:
-            if K_HALVES:
-                sums, sums2 = tl.sum(acc, axis=0) + tl.sum(acc2, axis=0), tl.zeros([BPAD, BN], tl.float32)
-            else:
-                sums, sums2 = tl.sum(acc, axis=0), tl.sum(acc2, axis=0)
-            best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out,
-                                          ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG)
-            acc = tl.zeros([KS, BPAD, BN], tl.float32)
-            acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
+        if not MERGE_AFTER:
+            if kb == KB1 - 1:
+                if K_HALVES:
+                    sums, sums2 = tl.sum(acc, axis=0) + tl.sum(acc2, axis=0), tl.zeros([BPAD, BN], tl.float32)
+                else:
+                    sums, sums2 = tl.sum(acc, axis=0), tl.sum(acc2, axis=0)
+                best_v, best_i = _finish_tile(OP, rows, rows2, sums, sums2, rstd, best_v, best_i, B, layer, ws, out,
+                                              ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG)
+                acc = tl.zeros([KS, BPAD, BN], tl.float32)
+                acc2 = tl.zeros([KS, BPAD, BN], tl.float32)
+    if MERGE_AFTER:  # one tile a task: its merge after the loop (MatvecTile.merge_after)
+        rows, rows2 = _tile_rows(OP, row0, MODEL, BN)
+        best_v, best_i = _finish_tile(OP, rows, rows2, tl.sum(acc, axis=0), tl.sum(acc2, axis=0), rstd, best_v,
+                                      best_i, B, layer, ws, out, ssq_ptr, ks, PARTS, dt, MODEL, N, BPAD, BN, CG)
     return best_v, best_i

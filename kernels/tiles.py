@@ -34,6 +34,12 @@ class MatvecTile(NamedTuple):
     # int8 weights converted to float16 by byte permutes in inline PTX (matvec._int8_f16), else by Triton's integer
     # ops (what the interpreter runs)
     int8_prmt: bool = True
+    # K split: the part's merge (_k_merge: its sums stored, a barrier, the acq_rel arrival) after the stream's loop
+    # instead of inside it at the tile's last chunk. Inside, Triton does not pipeline the loop: sm90-compile finds no
+    # cp.async in the split tasks' streams (FP8's 64-row down, every `-ks` variant), which may be why every split
+    # measured slower ("O and down with K split measured": ~10 us a layer). After the loop, they are pipelined. Off
+    # until the GPU has timed it (bench variants `*-pipe`; bench/NOTES.md "Split tasks' streams not pipelined")
+    merge_after: bool = False
 
 
 MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
