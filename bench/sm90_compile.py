@@ -17,11 +17,16 @@ import re
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from kernels.megakernel import KernelConfig
 
-def capture_launch(model: str, batch: int, weights: str, variant: str, kernel_config: object = None) -> list[tuple]:
+
+def capture_launch(model: str, batch: int, weights: str, variant: str,
+                   kernel_config: KernelConfig | None = None) -> list[tuple]:
     """The (kernel, args, kwargs) of each launch Megakernel.step would make for this model and batch bucket (two where
     the LM head has a launch of its own), under the bench variant's KernelConfig or the one given."""
     from bench.variants import VARIANTS

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kernels.instructions import Op
+from kernels.instructions import Op, split_rows
 from kernels.kernel_args import INT8_BLOCK
 
 
@@ -177,10 +177,9 @@ TILE_COST_ROWS = 16
 
 
 def busiest_cost(n: int, rows: int, programs: int) -> int:
-    """The busiest program's share of a matvec of n weight rows in tiles of `rows`, dealt to `programs` in contiguous
-    runs (instructions.split_rows): its tiles' rows plus TILE_COST_ROWS a tile."""
-    tiles = -(-n // rows)
-    return -(-tiles // programs) * (rows + TILE_COST_ROWS)
+    """The busiest program's share of a matvec of n weight rows in tiles of `rows`, dealt to `programs` as the schedule
+    deals them (instructions.split_rows): its tiles' rows plus TILE_COST_ROWS a tile."""
+    return max(tiles for _, tiles in split_rows(n, rows, programs)) * (rows + TILE_COST_ROWS)
 
 
 def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int, ffn: int, programs: int) -> TileTable:
