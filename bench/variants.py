@@ -10,7 +10,15 @@ from typing import Any
 
 from kernels.instructions import Op
 from kernels.megakernel import KernelConfig
-from kernels.tiles import MATVECS, W8A8_DOWN, MatvecTile, default_tiles, int8_slices
+from kernels.tiles import (
+    DOWN_E4M3_16_SPLIT,
+    DOWN_WIDE_SPLIT,
+    MATVECS,
+    W8A8_DOWN,
+    MatvecTile,
+    default_tiles,
+    int8_slices,
+)
 
 
 def _tiles(weights: str, ops: tuple[Op, ...] = MATVECS, min_rows: int = 1, **change: Any
@@ -139,6 +147,19 @@ def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
     return table
 
 
+def _down_unsplit(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
+    """The default tiles with down unsplit where s90 split it: e4m3 at 16 rows in 16-row tiles over K's two halves,
+    bf16 from 32 rows in 16-row swapped tiles."""
+    unsplit = {DOWN_E4M3_16_SPLIT: MatvecTile(k_chunk=512, k_halves=True, stages=3),
+               DOWN_WIDE_SPLIT: MatvecTile(k_chunk=256, k_slices=1, stages=3, swap=True)}
+
+    def table(b: int) -> dict[Op, MatvecTile]:
+        tiles = _tiles(weights)(b)
+        return tiles | {Op.DOWN: unsplit.get(tiles[Op.DOWN], tiles[Op.DOWN])}
+
+    return table
+
+
 def _wide_w8a8(weights: str, ops: tuple[Op, ...]) -> Callable[[int], dict[Op, MatvecTile]]:
     """FP8 from 32 rows: `ops` W8A8 in W8A8_DOWN's tiles (gate/up's 64-row swapped tiles, K over 4 tasks); other
     formats and buckets keep the default."""
@@ -164,6 +185,8 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # default_tiles as they are, not fitted to the model's matrices and the programs (tiles.fit_to_programs): the
     # default before s89
     "unfitted": lambda w: KernelConfig(tiles=_tiles(w)),
+    # e4m3's 16-row down and bf16's wide down unsplit, in the tiles they had before s90 (fitted, as the default)
+    "down-unsplit": lambda w: KernelConfig(tiles=_down_unsplit(w), fit_tiles=True),
     # the 16-row bucket's 8-bit gate/up weight-only in 16-row pointer tiles (SmolLM2's 1,536 rows: 96 tiles, where
     # the W8A8 ones of 64 rows are 24)
     "gu16-r16": lambda w: KernelConfig(tiles=_narrow(w, (Op.GATEUP,) if w in ("fp8", "int8-row") else (), 17,
@@ -384,24 +407,37 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
 }
 
 
-def _merge_after(variant: Callable[[str], KernelConfig]) -> Callable[[str], KernelConfig]:
-    """The variant with every split tile's merge after its stream's loop (MatvecTile.merge_after), so that Triton
-    pipelines a split task's loads; on the default (no tiles of its own) the unfitted default tiles, which are
-    Llama-3.2-1B's fitted ones."""
+def _merge_inside(variant: Callable[[str], KernelConfig]) -> Callable[[str], KernelConfig]:
+    """The variant with every split tile's merge inside its stream's loop (MatvecTile.merge_after=False), as before
+    s90: Triton then leaves a split task's loads unpipelined. On the default (no tiles of its own) the unfitted
+    default tiles, which are Llama-3.2-1B's fitted ones."""
     def config(w: str) -> KernelConfig:
         base = variant(w)
         table = base.tiles if base.tiles is not None else _tiles(w)
 
         def tiles(rows: int) -> dict[Op, MatvecTile]:
             t = table(rows) if callable(table) else table
-            return {op: tile._replace(merge_after=True) for op, tile in t.items()}
+            return {op: tile._replace(merge_after=False) for op, tile in t.items()}
 
-        return replace(base, tiles=tiles)
+        return replace(base, tiles=tiles, fit_tiles=base.fit_tiles or base.tiles is None)
 
     return config
 
 
-# every variant whose tiles split K (and the default: FP8's 64-row down), with the merge after the loop
+def _fitted(variant: Callable[[str], KernelConfig]) -> Callable[[str], KernelConfig]:
+    """The variant's tiles fitted to the programs as the default's are (KernelConfig.fit_tiles): one that changes O or
+    down alone then differs from the default in O or down alone on every model (SmolLM2's QKV and 8-bit gate/up
+    otherwise fall back to the unfitted tiles: up to 12% a step at one row)."""
+    return lambda w: replace(variant(w), fit_tiles=True)
+
+
+# O and down variants, fitted (s90: their SmolLM2 and Qwen2.5 timings before this were of the unfitted tiles)
+for _name in ("dn-r64-ks4", "dn-r32-ks2", "od-r64-ks4", "w-od-r64-ks4", "w-d-r64-ks4", "w-d-r64-ks8", "down2",
+              "o-halves"):
+    VARIANTS[_name] = _fitted(VARIANTS[_name])
+
+# every variant whose tiles split K (and the default: e4m3's 16- and 64-row down, bf16's wide down), with the merge
+# inside the loop
 SPLIT_VARIANTS = ("default", "dn-r64-ks4", "dn-r32-ks2", "od-r64-ks4", "w-od-r64-ks4", "w-qkvod-r64-ks4",
                   "w-d-r64-ks4", "w-d-r64-ks8", "w-dn-a8-ks4", "w-o-a8-ks4", "qkv-k2", "qkv-k4", "down2")
-VARIANTS |= {f"{name}-pipe": _merge_after(VARIANTS[name]) for name in SPLIT_VARIANTS}
+VARIANTS |= {f"{name}-inside": _merge_inside(VARIANTS[name]) for name in SPLIT_VARIANTS}

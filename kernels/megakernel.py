@@ -308,6 +308,9 @@ class KernelConfig:
     num_stages: int = 4  # the launch's default, for loops that set none of their own
     programs_per_sm: int = 1
     tiles: TileChoice | None = None  # None: default_tiles for each launch's rows and the weights' format
+    # a given table fitted to the programs as the default is (tiles.fit_to_programs): bench variants that change one
+    # matvec of the default, timed on a model whose default is fitted (SmolLM2, Qwen2.5), change only that matvec
+    fit_tiles: bool = False
     chunk: int = 64  # attention positions per inner step (buckets under wide_chunk_rows)
     max_splits: int = 16  # attention splits per (row, kv head) at most
     split_min_chunks: int = 4  # a split reads at least this many chunks (shorter contexts use fewer splits)
@@ -532,13 +535,16 @@ class Megakernel:
 
     def _table(self, rows: int) -> TileTable:
         t = self.cfg.tiles
+        eight_bit = self.w.fp8 or self.w.int8
         if t is None:
-            eight_bit = self.w.fp8 or self.w.int8
             tiles = default_tiles(eight_bit, rows, self.w.int8_blocks, e4m3=self.w.fp8, a8_int8=self.w.int8_rows)
-            if self.w.int8_blocks:  # (its k slices follow int8's blocks: not measured)
+        else:
+            tiles = t(rows) if callable(t) else t
+            if not self.cfg.fit_tiles:
                 return tiles
-            return fit_to_programs(tiles, rows, eight_bit, self.dims.qkv_rows, self.dims.ffn, self.num_programs)
-        return t(rows) if callable(t) else t
+        if self.w.int8_blocks:  # (its k slices follow int8's blocks: not measured)
+            return tiles
+        return fit_to_programs(tiles, rows, eight_bit, self.dims.qkv_rows, self.dims.ffn, self.num_programs)
 
     def tiles(self, batch: int, one_lm: bool = False) -> TileTable:
         """Each matvec's tile in a launch for this bucket (the LM head's chosen for its own rows; one_lm: one row).

@@ -36,10 +36,10 @@ class MatvecTile(NamedTuple):
     int8_prmt: bool = True
     # K split: the part's merge (_k_merge: its sums stored, a barrier, the acq_rel arrival) after the stream's loop
     # instead of inside it at the tile's last chunk. Inside, Triton does not pipeline the loop: sm90-compile finds no
-    # cp.async in the split tasks' streams (FP8's 64-row down, every `-ks` variant), which may be why every split
-    # measured slower ("O and down with K split measured": ~10 us a layer). After the loop, they are pipelined. Off
-    # until the GPU has timed it (bench variants `*-pipe`; bench/NOTES.md "Split tasks' streams not pipelined")
-    merge_after: bool = False
+    # cp.async in the split tasks' streams. After the loop they are pipelined, and on the H100 every split variant
+    # got faster (Llama bf16 64 rows, down in 64-row tiles over 4 parts of K: 3.362 -> 3.118 ms at context 2,048), the
+    # unsplit tiles unchanged (bench/NOTES.md "Split tasks pipelined"). False: the merge inside the loop, as before
+    merge_after: bool = True
 
 
 MATVECS = (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)
@@ -107,7 +107,17 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     swapped tiles with K over 4 tasks (W8A8_DOWN: its N = 2,048 alone makes 32 tiles): on the H100 the 64-row FP8 step
     1.765 -> 1.728 ms (-2.1%; mixed with a prompt's chunk 1.746 -> 1.703, -2.5%; context 2,048 -0.5 / -1.8%) for
     +0.02% perplexity over gate/up's and the LM head's W8A8 on SmolLM2. At 32 rows it was 3.4% slower in the same run
-    (1.262 -> 1.305 ms), at 16 rows 10.6% on the H200 (bench/NOTES.md "Down W8A8 in the 64-row bucket")."""
+    (1.262 -> 1.305 ms), at 16 rows 10.6% on the H200 (bench/NOTES.md "Down W8A8 in the 64-row bucket").
+
+    Split K, pipelined (MatvecTile.merge_after; bench/NOTES.md "Split tasks pipelined"), on the H100 against the
+    unsplit tiles in the same calls: e4m3's 16-row down in 32-row tiles, K over 2 tasks (bench variant dn-r32-ks2)
+    took Llama-3.2-1B's step 0.929 -> 0.880 ms at context 128 (1.349 -> 1.316 at 2,048) and Qwen2.5-1.5B's 1.600 ->
+    1.530 (2.138 -> 2.069); Llama even at 8 rows, 0.4% slower at 4, 1.3% faster at 1 (not taken: Qwen's and SmolLM2's
+    one-row steps read slower, against their unfitted tiles). bf16's down from 32 rows in 64-row swapped tiles, K
+    over 4 tasks (w-d-r64-ks4): Llama 32 / 64 rows 1.458 / 1.859 -> 1.387 / 1.727 ms at context 128, 2.230 / 3.245
+    -> 2.172 / 3.118 at 2,048; the same tiles with the merge inside the loop were slower than the default (3.362 ms).
+    SmolLM2's 16-row FP8 down and Qwen's and SmolLM2's wide bf16 ones take the same splits, not yet timed against
+    the unsplit tiles (bench variant down-unsplit)."""
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
@@ -134,6 +144,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
             tiles[Op.LMHEAD] = MatvecTile(rows=64, k_chunk=256, tma=True, stages=stages)
         if fp8 and rows < 16:  # 8-bit gate/up: twice the bytes a stage; at one row, one TMA-fed 64-row tile a program
             tiles[Op.GATEUP] = GATEUP_8BIT_ONE_ROW if rows == 1 else GATEUP_8BIT_NARROW
+        if e4m3 and rows == 16:  # e4m3 at 16 rows: down in 32-row tiles, K over 2 tasks (docstring)
+            tiles[Op.DOWN] = DOWN_E4M3_16_SPLIT
         if e4m3 and rows == 1:  # e4m3 at one row: gate/up's and the LM head's TMA streams over 3 stages, not 4
             tiles = tiles | {op: tiles[op]._replace(stages=3) for op in (Op.GATEUP, Op.LMHEAD)}
         return tiles
@@ -144,6 +156,8 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
         MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
     if e4m3 and rows >= 64:
         wide[Op.DOWN] = W8A8_DOWN
+    elif not fp8:  # bf16: down's K over 4 tasks of 64-row tiles (docstring)
+        wide[Op.DOWN] = DOWN_WIDE_SPLIT
     return wide | {Op.LMHEAD: lm_wide}
 
 
@@ -151,11 +165,19 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
 GATEUP_8BIT_ONE_ROW = MatvecTile(rows=64, k_chunk=256, tma=True, stages=4)
 # 8-bit weights under 16 rows: gate/up's pointer-loaded tiles (32 rows from 2 rows; fit_to_programs may take 16)
 GATEUP_8BIT_NARROW = MatvecTile(rows=32, k_chunk=512, stages=3)
+# 8-bit weights at 16 rows where W8A8's 64-row gate/up tiles leave most programs idle: 16-row weight-only ones
+# (fit_to_programs)
+GATEUP_8BIT_16_ROWS = MatvecTile(rows=16, k_chunk=512, stages=3)
 # e4m3 weights from 16 rows: gate/up W8A8, and from 16 sampled rows the LM head (default_tiles)
 W8A8_GATEUP = MatvecTile(rows=64, k_chunk=256, k_slices=1, stages=3, swap=True, w8a8=True)
 # e4m3 weights at 64 rows: down W8A8 in gate/up's tiles, K over 4 tasks (its N = 2,048 makes 32 tiles alone)
 W8A8_DOWN = W8A8_GATEUP._replace(k_splits=4)
 W8A8_LMHEAD = MatvecTile(rows=256, k_chunk=64, k_slices=1, stages=6, tma=True, swap=True, w8a8=True)
+# e4m3 weights at 16 rows: down in 32-row tiles of 512 columns, K over 2 tasks, pipelined (merge_after): each task
+# rereads half the rows' activations of the default's 16-row tiles over K's two halves, for the same task count
+DOWN_E4M3_16_SPLIT = MatvecTile(rows=32, k_chunk=512, stages=3, k_splits=2)
+# bf16 from 32 rows: down's swapped tiles 64 rows wide, K over 4 tasks of 128-column chunks, pipelined (merge_after)
+DOWN_WIDE_SPLIT = MatvecTile(rows=64, k_chunk=128, k_slices=1, stages=3, swap=True, k_splits=4)
 
 
 def parts_of_k(chunks: int, wanted: int) -> int:
@@ -193,6 +215,11 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
     1.265), SmolLM2-135M 0.702 -> 0.637 in 16-row tiles at one row, 0.698 -> 0.673 at 4 rows and 0.886 -> 0.821 at 8;
     Llama-3.2-1B keeps its tiles (16-row ones: 2-5% slower at 4 and 8 rows).
 
+    The same at 16 rows where gate/up runs W8A8 in 64-row tiles: those or 16-row weight-only pointer tiles
+    (GATEUP_8BIT_16_ROWS, bench variant gu16-r16). On the H100 (s90b) SmolLM2 FP8 0.952 -> 0.933 ms at context 128,
+    1.688 -> 1.615 at 2,048 (and its logits nearer the weight-only reference: no activations quantized); Qwen2.5-1.5B
+    +2.4% (its busiest costs tie: kept), Llama-3.2-1B +8% (kept). int8-row not timed.
+
     QKV's runs of 8 rows (tiles of 16) where its tiles of 32 would fill under a third of the programs: SmolLM2's 960
     rows are 30 of them. Timed alone on the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8);
     Qwen2.5-1.5B's 64 tiles measured within 1.3% either way (kept), Llama-3.2-1B's 96 become 192, two a program: 17%
@@ -206,6 +233,8 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
     if eight_bit and rows < 16 and not gate_up.swap:
         options = [gate_up] + [GATEUP_8BIT_NARROW._replace(rows=r) for r in (32, 16)]
         out[Op.GATEUP] = min(options, key=lambda t: busiest_cost(ffn, t.rows, programs))
+    if rows == 16 and gate_up.w8a8:
+        out[Op.GATEUP] = min((gate_up, GATEUP_8BIT_16_ROWS), key=lambda t: busiest_cost(ffn, t.rows, programs))
     qkv = tiles[Op.QKV]
     if not qkv.swap and qkv.rows >= 16 and 3 * -(-qkv_rows // (2 * qkv.rows)) < programs:
         out[Op.QKV] = qkv._replace(rows=qkv.rows // 2)

@@ -65,12 +65,13 @@ CASES = {
     # through TMA at one row and 32-row tiles at four, the LM head's 128-row boxes
     "llama-fp8-default-tiles": (False, True, 256, 3, 64, 1, "fp8"),
     "qwen-int8-row-default-tiles": (True, False, 200, 2, 32, 4, "int8-row"),
-    # the split cases with every split tile's merge after its stream's loop (MatvecTile.merge_after: the loop then
-    # holds no atomic and no barrier, and the GPU pipelines its loads)
-    "llama-pipe-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
-    "llama-fp8-pipe-ksplit": (False, True, 256, 3, 64, 1, "fp8"),
-    "llama-pipe-swap-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
-    "llama-fp8-pipe-dnks-w8a8": (False, True, 256, 3, 64, 1, "fp8"),
+    # the split cases with every split tile's merge inside its stream's loop, at the tile's last chunk
+    # (MatvecTile.merge_after=False, the default before s90; the others merge after the loop, which then holds no
+    # atomic and no barrier, and the GPU pipelines its loads)
+    "llama-inside-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
+    "llama-fp8-inside-ksplit": (False, True, 256, 3, 64, 1, "fp8"),
+    "llama-inside-swap-ksplit": (False, True, 256, 3, 64, 1, "bf16"),
+    "llama-fp8-inside-dnks-w8a8": (False, True, 256, 3, 64, 1, "fp8"),
     # the default tiles as a GPU of 132 programs fits them to this model (tiles.fit_to_programs): 8-bit gate/up in
     # 16-row pointer tiles of 512 columns, ragged over K = 64, at one row and at four
     "llama-fp8-fitted-tiles": (False, True, 256, 3, 64, 1, "fp8"),
@@ -471,8 +472,8 @@ def _check(case: str) -> dict:
         tiles |= {op: tiles[op]._replace(k_splits=n, k_halves=False) for op, n in parts.items()}
     if weight_format == "int8" and k_chunk // 4 > 32:  # a k slice within one int8 block
         tiles = {op: int8_slices(t) for op, t in tiles.items()}
-    if "-pipe-" in case:
-        tiles = {op: t._replace(merge_after=True) for op, t in tiles.items()}
+    if "-inside-" in case:
+        tiles = {op: t._replace(merge_after=False) for op, t in tiles.items()}
     if case.endswith("-default-tiles"):
         tiles = None
     if case.endswith("-fitted-tiles"):

@@ -1,8 +1,8 @@
 """A split tile's merge after its stream's loop (MatvecTile.merge_after), compiled for the H100 (sm_90) on the CPU:
 with the merge (its stores, a barrier, the acq_rel arrival) inside the loop at the tile's last chunk, Triton does not
-pipeline the loop, and a split task's weights stream with no asynchronous copy at all; after it, they do. FP8's
-64-row launch splits down's K over 4 tasks (kernels/tiles.py, W8A8_DOWN); the numerics either way are the
-interpreter's cases `*-pipe-*` (tests/test_megakernel_interpret.py)."""
+pipeline the loop, and a split task's weights stream with no asynchronous copy at all; after it (the default since
+s90), they do. FP8's 64-row launch splits down's K over 4 tasks (kernels/tiles.py, W8A8_DOWN); the numerics either
+way are the interpreter's cases (`*-inside-*` with the merge inside, tests/test_megakernel_interpret.py)."""
 
 from __future__ import annotations
 
