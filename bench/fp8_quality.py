@@ -71,6 +71,7 @@ W8A8: dict[str, tuple[str, ...]] = {
     "a8-gateup-lm": ("w_gate", "w_up", "lm_head"),
     "a8-gateup-lm128": ("w_gate", "w_up", "lm_head:128"),  # the LM head's over 128 columns, or 64:
     "a8-gateup-lm64": ("w_gate", "w_up", "lm_head:64"),  # the megakernel's default at 16 rows (kernels/tiles.py)
+    "a8-lm64": ("lm_head:64",),  # ... where fit_to_programs takes gate/up weight-only (SmolLM2-135M)
     "a8-gateup-down": ("w_gate", "w_up", "w_down"),  # the default's 64-row bucket, every row sampled (bench decode)
     "a8-gateup-down-lm64": ("w_gate", "w_up", "w_down", "lm_head:64"),  # ... with 16 sampled rows (the server's)
     "a8-gateup-down-lm": ("w_gate", "w_up", "w_down", "lm_head"),

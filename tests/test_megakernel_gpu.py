@@ -121,10 +121,12 @@ def _as_good_as_the_reference(r: dict) -> bool:
 # (Q8_0 blocks) on Llama at 8 rows and on SmolLM2 at 1 (its ragged chunks: blocks past K masked), int8 with row
 # scales on Llama at 8; the tiles fitted to a model's matrices and the GPU's programs (tiles.fit_to_programs):
 # SmolLM2's QKV in runs of 8 rows (its bf16 and FP8 cases) and its FP8 gate/up in 16-row tiles (4 rows), Qwen's FP8
-# gate/up in 32-row tiles at one row
+# gate/up in 32-row tiles at one row; bf16's wide down with K split over 4 tasks, pipelined: Qwen's 70 chunks in 5
+# parts, SmolLM2's 12 in 4
 CASES = [("llama-3.2-1b", 8, "bf16"), ("llama-3.2-1b", 8, "fp8"), ("qwen2.5-1.5b", 8, "bf16"),
          ("smollm2-135m", 1, "bf16"), ("llama-3.2-1b", 8, "int8"), ("smollm2-135m", 1, "int8"),
-         ("llama-3.2-1b", 8, "int8-row"), ("smollm2-135m", 4, "fp8"), ("qwen2.5-1.5b", 1, "fp8")]
+         ("llama-3.2-1b", 8, "int8-row"), ("smollm2-135m", 4, "fp8"), ("qwen2.5-1.5b", 1, "fp8"),
+         ("qwen2.5-1.5b", 32, "bf16"), ("smollm2-135m", 32, "bf16")]
 
 
 @pytest.mark.parametrize(("shape", "batch", "weight_format"), CASES)
@@ -136,24 +138,31 @@ def test_megakernel_matches_reference_on_gpu(shape: str, batch: int, weight_form
     assert r["argmax_agree_fp32_mk"] >= r["argmax_agree_fp32_ref"] - 0.1, r
 
 
-@pytest.mark.parametrize(("weight_format", "variant", "products", "rows"),
-                         [("fp8", "default", "a8-gateup-lm64", 16), ("fp8", "a8", "a8-gateup-lm", 16),
-                          ("int8-row", "default", "a8-gateup-lm64", 16),
-                          ("int8-row", "lm-weight-only", "a8-gateup", 16),
-                          ("fp8", "default", "a8-gateup-down", 64), ("fp8", "dn-weight-only", "a8-gateup", 64),
-                          ("int8-row", "default", "a8-gateup", 64)])
-def test_w8a8_step_matches_its_oracle_on_gpu(weight_format: str, variant: str, products: str, rows: int) -> None:
+@pytest.mark.parametrize(("weight_format", "variant", "products", "rows", "shape"),
+                         [("fp8", "default", "a8-gateup-lm64", 16, "llama-3.2-1b"),
+                          ("fp8", "a8", "a8-gateup-lm", 16, "llama-3.2-1b"),
+                          ("int8-row", "default", "a8-gateup-lm64", 16, "llama-3.2-1b"),
+                          ("int8-row", "lm-weight-only", "a8-gateup", 16, "llama-3.2-1b"),
+                          ("fp8", "default", "a8-gateup-down", 64, "llama-3.2-1b"),
+                          ("fp8", "dn-weight-only", "a8-gateup", 64, "llama-3.2-1b"),
+                          ("int8-row", "default", "a8-gateup", 64, "llama-3.2-1b"),
+                          ("fp8", "default", "a8-gateup-lm64", 16, "qwen2.5-1.5b"),
+                          ("fp8", "default", "a8-lm64", 16, "smollm2-135m")])
+def test_w8a8_step_matches_its_oracle_on_gpu(weight_format: str, variant: str, products: str, rows: int,
+                                             shape: str) -> None:
     """W8A8 against the reference decoders quantizing the same products' activations alike. At 16 rows FP8 (the
     default: gate/up in swapped tiles with e4m3 activations, wgmma e4m3 x e4m3, and the LM head alike over 64-column
     chunks; bench variant `a8`: the LM head's over 256); int8-row alike with int8 activations, wgmma int8 x int8
     summed in int32 (the default; `lm-weight-only`: gate/up alone). At 64 rows (every row sampled, the LM head
     weight-only) the 8-bit launches run 8 warps a program (KernelConfig.wide_warps_8bit), FP8's down W8A8 too, its K
-    over 4 tasks (bench variant `dn-weight-only`: down weight-only, as before s82). On these random-weight models two
-    W8A8 computations stray far apart (the bf16 and float32 oracles ~0.18), so the kernel is held to be as close to
-    the float32 oracle as the bf16 one is."""
+    over 4 tasks (bench variant `dn-weight-only`: down weight-only, as before s82). FP8 at 16 rows splits down's K
+    over 2 tasks (Qwen's 18 chunks, the last ragged: 2; SmolLM2's 3: 3), and SmolLM2's gate/up runs weight-only in
+    16-row tiles there (tiles.fit_to_programs), its LM head W8A8. On these random-weight models two W8A8 computations
+    stray far apart (the bf16 and float32 oracles ~0.18), so the kernel is held to be as close to the float32 oracle
+    as the bf16 one is."""
     from bench.fp8_quality import W8A8
 
-    r = _check("llama-3.2-1b", rows, weight_format, steps=8, variant=variant, w8a8=W8A8[products])
+    r = _check(shape, rows, weight_format, steps=8, variant=variant, w8a8=W8A8[products])
     print("w8a8", r)
     assert _as_good_as_the_reference(r), r
     assert r["argmax_consistent"], r
