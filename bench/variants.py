@@ -180,6 +180,11 @@ BK2X = {"bf16": 512, "fp8": 1024, "int8-row": 1024, "int8": 512}  # twice the de
 _ATT_CH128 = {"wide_chunk_rows": 1, "wide_split_min_chunks": 2}  # one-row attention in 128-position chunks
 
 
+def _no_wait(op: Op) -> Callable[[str], KernelConfig]:
+    """Timing only: `op`'s tasks start without waiting for their inputs (KernelConfig.skip_waits)."""
+    return lambda w: KernelConfig(skip_waits=(op,))
+
+
 VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "default": lambda w: KernelConfig(),
     # default_tiles as they are, not fitted to the model's matrices and the programs (tiles.fit_to_programs): the
@@ -283,6 +288,9 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # timing only, its logits WRONG by design: no task waits for its inputs, so the step costs what its tasks cost
     # streamed back to back; against the default, what the dependency waits and phase boundaries cost
     "no-wait": lambda w: KernelConfig(skip_waits=True),
+    # ... only one op's tasks (the others wait as usual): what that one boundary costs the step, which says where finer
+    # dependencies (a consumer streaming the part of its K whose producers are done) would pay
+    **{f"no-wait-{op.name.lower()}": _no_wait(op) for op in (Op.QKV, Op.ATTN, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)},
     # no launch of one LM row (KernelConfig.one_lm_row_min 0): a step of prompt rows alone (the prompt layout) runs its
     # bucket's LM head over every seat's row, as before s85
     "lm-all": lambda w: KernelConfig(one_lm_row_min=0),

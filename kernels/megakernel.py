@@ -158,7 +158,7 @@ def megakernel(
     REC_AHEAD: tl.constexpr,  # KernelConfig.record_ahead: the next task's record loaded as this one releases
     DSTRIDE: tl.constexpr, CG: tl.constexpr, MAX_SPIN: tl.constexpr, POLL_ACQUIRE: tl.constexpr,
     PROFILE: tl.constexpr,
-    SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): no task waits for its inputs
+    SKIP_WAITS: tl.constexpr,  # timing only (KernelConfig.skip_waits): a mask of the ops whose tasks never wait
     MATVEC: tl.constexpr,  # a layer's matvec: matvec inlined, or matvec_call (KernelConfig.call_min_rows)
     ATTENTION: tl.constexpr,  # attention inlined, or attention_call
     PART: tl.constexpr = 0,  # which tasks this launch runs: 0 the whole step, 1 the layers, 2 the LM head's tail
@@ -213,7 +213,9 @@ def megakernel(
         if PF_KV and LAYERS:
             if op == I.ATTN:
                 prefetch_kv(r, inputs, cache, MODEL, ATT)
-        if not SKIP_WAITS:
+        if SKIP_WAITS == 0:
+            wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
+        elif ((SKIP_WAITS >> op) & 1) == 0:
             wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
         if PROFILE:
             tl.store(sched.prof + t * 4 + 1, tl.extra.cuda.globaltimer())
@@ -295,6 +297,13 @@ def _pow2(n: int) -> int:
 TileChoice = TileTable | Callable[[int], TileTable]
 
 
+def skip_mask(skip_waits: bool | tuple[Op, ...]) -> int:
+    """KernelConfig.skip_waits as the kernel's mask: bit `op` set where that op's tasks never wait (True: all)."""
+    if skip_waits is True:
+        return (1 << len(Op)) - 1
+    return sum(1 << int(op) for op in skip_waits or ())
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     num_warps: int = 4
@@ -373,8 +382,9 @@ class KernelConfig:
     poll_acquire: bool = True  # waits poll with acquire loads (one L2 round trip less a task; sync.py)
     profile: bool = False  # record (start, ready, end, SM) per task in Megakernel.prof
     # Timing only: every task starts without waiting for its inputs (the results are wrong). The step's cost less its
-    # dependency latency: what the same tasks cost streamed back to back (bench variant `no-wait`).
-    skip_waits: bool = False
+    # dependency latency: what the same tasks cost streamed back to back (bench variant `no-wait`). Ops named: only
+    # their tasks skip their waits (bench variants `no-wait-<op>`): what each boundary costs the step on its own
+    skip_waits: bool | tuple[Op, ...] = False
     # 8-bit weights: the norms' operand stored as float16 (times F16_SCALE: matvec.norm_operand), so QKV and gate/up
     # convert nothing either, and the final norm's operand, the LM head's input, in the activations' type apart (stored
     # as float16 the LM head of 16 sampled rows ran 35 us slower). Timed (bench variant `xn16`): 64 rows -3.3%, 1 row
@@ -723,7 +733,7 @@ class Megakernel:
             PF_AHEAD=c.prefetch_ahead if pf else 0, PF_OWN=c.prefetch_own and pf, PF_KV=c.prefetch_kv and pf,
             REC_AHEAD=c.record_ahead, DSTRIDE=self.draw.stride(0), CG=not INTERPRET, MAX_SPIN=c.max_spin,
             POLL_ACQUIRE=c.poll_acquire and not INTERPRET, PROFILE=c.profile and not INTERPRET,
-            SKIP_WAITS=c.skip_waits, PART=part,
+            SKIP_WAITS=skip_mask(c.skip_waits), PART=part,
             MATVEC=matvec_call if called else matvec,
             ATTENTION=attention_call if called and launch.rows <= c.call_attention_max_rows else attention,
             num_warps=self.warps(launch.rows) if warps is None else warps, num_stages=c.num_stages, **extra,
