@@ -284,7 +284,7 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     "k512": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.DOWN), k_chunk=2 * K_CHUNK[w])),
     "st3": lambda w: KernelConfig(tiles=_narrow(w, MATVECS, stages=3)),
     "ks2": lambda w: KernelConfig(tiles=_narrow(w, (Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN), k_slices=2)),
-    "down2": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), rows=32, k_splits=2, k_halves=False)),
+    "down2": lambda w: KernelConfig(tiles=_narrow(w, (Op.DOWN,), rows=32, k_splits=2, k_halves=False), fit_tiles=True),
     # timing only, its logits WRONG by design: no task waits for its inputs, so the step costs what its tasks cost
     # streamed back to back; against the default, what the dependency waits and phase boundaries cost
     "no-wait": lambda w: KernelConfig(skip_waits=True),
@@ -382,19 +382,21 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # 8-bit weights' 64-row buckets in 4 warps a program, as before KernelConfig.wide_warps_8bit (default 8)
     "warps4": lambda w: KernelConfig(wide_warps_8bit=4),
     # O and down in wide tiles with K split, so that fewer tasks reread each activation (_k_split): each slower than
-    # the default at every row count on the H200 (bench/NOTES.md "A verdict in two halves; O and down with K split")
-    "dn-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4)),
-    "dn-r32-ks2": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 32, 2)),
-    "od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4)),
-    "w-od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
+    # the default at every row count on the H200 while the merge sat inside the loop (bench/NOTES.md "A verdict in two
+    # halves; O and down with K split"); pipelined, dn-r32-ks2 at 16 rows (e4m3) and w-d-r64-ks4 (bf16) became the
+    # default (s90). The O and down variants are fitted to the programs as the default is (KernelConfig.fit_tiles)
+    "dn-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4), fit_tiles=True),
+    "dn-r32-ks2": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 32, 2), fit_tiles=True),
+    "od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4), fit_tiles=True),
+    "w-od-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.OPROJ, Op.DOWN), 64, 4, wide=True), fit_tiles=True),
     # ... QKV too: in the 64-row bucket (8 warps with 8-bit weights) each task rereads a quarter of the rows'
     # activations from L2 and each warp converts only its own 16 weight rows (16-row tiles: every warp converts the
     # whole tile; bench/NOTES.md "Eight warps")
     "w-qkvod-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.QKV, Op.OPROJ, Op.DOWN), 64, 4, wide=True)),
     # ... down alone, K over 4 or 8 tasks: s79's FP8 64-row timeline had down 3.7 us a layer faster in those tiles and
     # QKV twice as slow (48 tiles of its 3,072 rows leave most SMs without one), O 1.7 slower
-    "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True)),
-    "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True)),
+    "w-d-r64-ks4": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 4, wide=True), fit_tiles=True),
+    "w-d-r64-ks8": lambda w: KernelConfig(tiles=_k_split(w, (Op.DOWN,), 64, 8, wide=True), fit_tiles=True),
     # FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles over 4 parts of K, as the default does at 64
     # (s82 on the H100: 3.4% slower at 32 rows)
     "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.DOWN,))),
@@ -411,14 +413,14 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # one row FP8's O task took 3.29 us for 32 KB already in L2 (s67): four chunks each waited on in turn. K3 measured
     # O +0.8 us with two streams on the H100's bf16 kernel of then (bench/NOTES.md K4). s71 (H200): one row within
     # noise, 16 rows +1.2-1.3% bf16: K3's verdict stands
-    "o-halves": lambda w: KernelConfig(tiles=_narrow(w, (Op.OPROJ,), k_halves=True)),
+    "o-halves": lambda w: KernelConfig(tiles=_narrow(w, (Op.OPROJ,), k_halves=True), fit_tiles=True),
 }
 
 
 def _merge_inside(variant: Callable[[str], KernelConfig]) -> Callable[[str], KernelConfig]:
     """The variant with every split tile's merge inside its stream's loop (MatvecTile.merge_after=False), as before
-    s90: Triton then leaves a split task's loads unpipelined. On the default (no tiles of its own) the unfitted
-    default tiles, which are Llama-3.2-1B's fitted ones."""
+    s90: Triton then leaves a split task's loads unpipelined. Fitted to the programs where the variant is (the default
+    is)."""
     def config(w: str) -> KernelConfig:
         base = variant(w)
         table = base.tiles if base.tiles is not None else _tiles(w)
@@ -431,18 +433,6 @@ def _merge_inside(variant: Callable[[str], KernelConfig]) -> Callable[[str], Ker
 
     return config
 
-
-def _fitted(variant: Callable[[str], KernelConfig]) -> Callable[[str], KernelConfig]:
-    """The variant's tiles fitted to the programs as the default's are (KernelConfig.fit_tiles): one that changes O or
-    down alone then differs from the default in O or down alone on every model (SmolLM2's QKV and 8-bit gate/up
-    otherwise fall back to the unfitted tiles: up to 12% a step at one row)."""
-    return lambda w: replace(variant(w), fit_tiles=True)
-
-
-# O and down variants, fitted (s90: their SmolLM2 and Qwen2.5 timings before this were of the unfitted tiles)
-for _name in ("dn-r64-ks4", "dn-r32-ks2", "od-r64-ks4", "w-od-r64-ks4", "w-d-r64-ks4", "w-d-r64-ks8", "down2",
-              "o-halves"):
-    VARIANTS[_name] = _fitted(VARIANTS[_name])
 
 # every variant whose tiles split K (and the default: e4m3's 16- and 64-row down, bf16's wide down), with the merge
 # inside the loop

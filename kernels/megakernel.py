@@ -213,7 +213,7 @@ def megakernel(
         if PF_KV and LAYERS:
             if op == I.ATTN:
                 prefetch_kv(r, inputs, cache, MODEL, ATT)
-        if SKIP_WAITS == 0:
+        if SKIP_WAITS == 0:  # (the default's code as it was: no per-op test)
             wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
         elif ((SKIP_WAITS >> op) & 1) == 0:
             wait_counter(sched.counters, r[I.F_WAIT], r[I.F_TARGET], sched.err, MAX_SPIN, POLL_ACQUIRE)
