@@ -18,11 +18,17 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/sweep.log"
 # warm: each variant (and the default, with the timelines' profiled builds) in its own process, short timings;
 # at most PARLEY_WARM_JOBS (4) at once: each holds the model's weights and their float32 copy on the GPU
+# PARLEY_WARM_MODELS="m1 m2 ...": one warm-up process per variant and model (a later --models overrides the first), so
+# a sweep over several models compiles them side by side rather than one after another in the variant's process.
 JOBS=${PARLEY_WARM_JOBS:-4}
 for v in default $VARIANTS; do
-  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
   if [ "$v" = default ]; then extra=(); else extra=(--variants "$v" --timeline); fi
-  python3 -m bench decode "$@" "${extra[@]}" --reps 3 --out /tmp/warm --tag "warm-$v" >"/tmp/warm-$v.log" 2>&1 &
+  for m in ${PARLEY_WARM_MODELS:-all}; do
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
+    if [ "$m" = all ]; then only=(); else only=(--models "$m"); fi
+    python3 -m bench decode "$@" "${extra[@]}" "${only[@]}" --reps 3 --out /tmp/warm --tag "warm-$v-$m" \
+      >"/tmp/warm-$v-$m.log" 2>&1 &
+  done
 done
 BASE=${PARLEY_BASE:-}
 if [ -n "$BASE" ]; then
