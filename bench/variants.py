@@ -12,6 +12,7 @@ from kernels.instructions import Op
 from kernels.megakernel import KernelConfig
 from kernels.tiles import (
     DOWN_E4M3_16_SPLIT,
+    DOWN_WIDE,
     DOWN_WIDE_SPLIT,
     MATVECS,
     W8A8_DOWN,
@@ -149,9 +150,9 @@ def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
 
 def _down_unsplit(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
     """The default tiles with down unsplit where s90 split it: e4m3 at 16 rows in 16-row tiles over K's two halves,
-    bf16 from 32 rows in 16-row swapped tiles."""
+    bf16 from 32 rows in 16-row swapped tiles (DOWN_WIDE, as fit_to_programs leaves it where K is short)."""
     unsplit = {DOWN_E4M3_16_SPLIT: MatvecTile(k_chunk=512, k_halves=True, stages=3),
-               DOWN_WIDE_SPLIT: MatvecTile(k_chunk=256, k_slices=1, stages=3, swap=True)}
+               DOWN_WIDE_SPLIT: DOWN_WIDE}
 
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)

@@ -178,6 +178,11 @@ W8A8_LMHEAD = MatvecTile(rows=256, k_chunk=64, k_slices=1, stages=6, tma=True, s
 DOWN_E4M3_16_SPLIT = MatvecTile(rows=32, k_chunk=512, stages=3, k_splits=2)
 # bf16 from 32 rows: down's swapped tiles 64 rows wide, K over 4 tasks of 128-column chunks, pipelined (merge_after)
 DOWN_WIDE_SPLIT = MatvecTile(rows=64, k_chunk=128, k_slices=1, stages=3, swap=True, k_splits=4)
+# bf16 from 32 rows where K is short: down unsplit in the other matrices' swapped tiles (fit_to_programs)
+DOWN_WIDE = MatvecTile(k_chunk=256, k_slices=1, stages=3, swap=True)
+# the fewest columns of K a part of DOWN_WIDE_SPLIT streams for the split to pay: on the H100 (s91a) parts of 1,792
+# (Qwen2.5-1.5B) and 2,048 (Llama-3.2-1B) columns made the step 4-8% faster, parts of 384 (SmolLM2-135M) 2-3% slower
+DOWN_SPLIT_MIN_COLUMNS = 1024
 
 
 def parts_of_k(chunks: int, wanted: int) -> int:
@@ -220,6 +225,12 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
     1.688 -> 1.615 at 2,048 (and its logits nearer the weight-only reference: no activations quantized); Qwen2.5-1.5B
     +2.4% (its busiest costs tie: kept), Llama-3.2-1B +8% (kept). int8-row not timed.
 
+    bf16's wide down (DOWN_WIDE_SPLIT, from 32 rows) unsplit (DOWN_WIDE) where its parts of K would stream under
+    DOWN_SPLIT_MIN_COLUMNS: a part of a few chunks is all its pipeline's prologue and drain, and its merge a round
+    trip more. On the H100 (s91a, against the unsplit tile in the same call) SmolLM2-135M's K of 1,536 in parts of 384
+    columns read 0.892 / 1.260 ms at 32 / 64 rows against 0.871 / 1.220 unsplit; Qwen2.5-1.5B's parts of 1,792 2.178 /
+    2.616 against 2.372 / 2.740, Llama-3.2-1B's of 2,048 1.392 / 1.731 against 1.466 / 1.866.
+
     QKV's runs of 8 rows (tiles of 16) where its tiles of 32 would fill under a third of the programs: SmolLM2's 960
     rows are 30 of them. Timed alone on the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8);
     Qwen2.5-1.5B's 64 tiles measured within 1.3% either way (kept), Llama-3.2-1B's 96 become 192, two a program: 17%
@@ -235,6 +246,10 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
         out[Op.GATEUP] = min(options, key=lambda t: busiest_cost(ffn, t.rows, programs))
     if rows == 16 and gate_up.w8a8:
         out[Op.GATEUP] = min((gate_up, GATEUP_8BIT_16_ROWS), key=lambda t: busiest_cost(ffn, t.rows, programs))
+    if tiles[Op.DOWN] == DOWN_WIDE_SPLIT:
+        chunks = -(-ffn // DOWN_WIDE_SPLIT.k_chunk)
+        if ffn // parts_of_k(chunks, DOWN_WIDE_SPLIT.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
+            out[Op.DOWN] = DOWN_WIDE
     qkv = tiles[Op.QKV]
     if not qkv.swap and qkv.rows >= 16 and 3 * -(-qkv_rows // (2 * qkv.rows)) < programs:
         out[Op.QKV] = qkv._replace(rows=qkv.rows // 2)
