@@ -181,9 +181,9 @@ BK2X = {"bf16": 512, "fp8": 1024, "int8-row": 1024, "int8": 512}  # twice the de
 _ATT_CH128 = {"wide_chunk_rows": 1, "wide_split_min_chunks": 2}  # one-row attention in 128-position chunks
 
 
-def _no_wait(op: Op) -> Callable[[str], KernelConfig]:
-    """Timing only: `op`'s tasks start without waiting for their inputs (KernelConfig.skip_waits)."""
-    return lambda w: KernelConfig(skip_waits=(op,))
+def _no_wait(*ops: Op) -> Callable[[str], KernelConfig]:
+    """Timing only: `ops`' tasks start without waiting for their inputs (KernelConfig.skip_waits)."""
+    return lambda w: KernelConfig(skip_waits=ops)
 
 
 VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
@@ -292,6 +292,13 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # ... only one op's tasks (the others wait as usual): what that one boundary costs the step, which says where finer
     # dependencies (a consumer streaming the part of its K whose producers are done) would pay
     **{f"no-wait-{op.name.lower()}": _no_wait(op) for op in (Op.QKV, Op.ATTN, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD)},
+    # ... groups of them: no single boundary saved over 1% on the H100 where all of them together saved 14% (s91b), so
+    # which phases' overlap makes the difference: the attention chain's (QKV, attention, O), the FFN's (gate/up, down),
+    # every layer op's (the LM head still waits), every op's but attention's
+    "no-wait-small": _no_wait(Op.QKV, Op.ATTN, Op.OPROJ),
+    "no-wait-ffn": _no_wait(Op.GATEUP, Op.DOWN),
+    "no-wait-layers": _no_wait(Op.QKV, Op.ATTN, Op.OPROJ, Op.GATEUP, Op.DOWN),
+    "no-wait-but-attn": _no_wait(Op.QKV, Op.OPROJ, Op.GATEUP, Op.DOWN, Op.LMHEAD),
     # no launch of one LM row (KernelConfig.one_lm_row_min 0): a step of prompt rows alone (the prompt layout) runs its
     # bucket's LM head over every seat's row, as before s85
     "lm-all": lambda w: KernelConfig(one_lm_row_min=0),
