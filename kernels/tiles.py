@@ -116,8 +116,9 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     one-row steps read slower, against their unfitted tiles). bf16's down from 32 rows in 64-row swapped tiles, K
     over 4 tasks (w-d-r64-ks4): Llama 32 / 64 rows 1.458 / 1.859 -> 1.387 / 1.727 ms at context 128, 2.230 / 3.245
     -> 2.172 / 3.118 at 2,048; the same tiles with the merge inside the loop were slower than the default (3.362 ms).
-    SmolLM2's 16-row FP8 down and Qwen's and SmolLM2's wide bf16 ones take the same splits, not yet timed against
-    the unsplit tiles (bench variant down-unsplit)."""
+    Against the unsplit tiles on every model (s91a, bench variant down-unsplit): Qwen2.5-1.5B's and SmolLM2-135M's
+    16-row FP8 down 6% and 2% faster split, Qwen's wide bf16 one 5-8%; SmolLM2's wide bf16 one (K of 1,536) 2-3%
+    slower, so fit_to_programs leaves it unsplit."""
     lm_wide = MatvecTile(rows=64, k_chunk=128, k_slices=1, tma=True)
     if int8:
         if rows <= 16:
