@@ -28,6 +28,7 @@ SCRIPTS = {
     "idle-gap": ("bench.idle_gap", "decode steps after the GPU idles, and its clocks: light load's slow steps (GPU)"),
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),
     "gluon-proto": ("bench.gluon_proto", "gate/up alone: Gluon swap-AB (TMA, wgmma) vs Triton vs cuBLAS (GPU)"),
+    "gluon-chain": ("bench.gluon_chain", "the loader's prototype: a layer's matrices chained, ring vs drain (GPU)"),
     "fp8-quality": ("bench.fp8_quality", "what FP8 weights cost in perplexity and greedy agreement"),
     "tool-speech": ("bench.tool_speech", "20 tool round trips: does each follow-up end in speech (CPU or GPU)"),
     "diag": ("bench._diag", "the megakernel's per-step logits error against the reference (GPU)"),
