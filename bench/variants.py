@@ -137,11 +137,12 @@ def _k_split(weights: str, ops: tuple[Op, ...], rows: int, parts: int, wide: boo
 
 
 def _down_weight_only(weights: str) -> Callable[[int], dict[Op, MatvecTile]]:
-    """FP8 in the 64-row bucket: down weight-only in the tiles it had before W8A8_DOWN became its default there
-    (those of 8-bit weights without W8A8); other formats and buckets keep the default."""
+    """FP8 from 32 rows: down weight-only in the tiles it had before W8A8_DOWN became its default there (those of
+    8-bit weights without W8A8: the 64-row bucket's until s82, the 32-row one's until s95); other formats and buckets
+    keep the default."""
     def table(b: int) -> dict[Op, MatvecTile]:
         tiles = _tiles(weights)(b)
-        if weights != "fp8" or b < 64:
+        if weights != "fp8" or b < WIDE:
             return tiles
         return tiles | {Op.DOWN: default_tiles(True, b)[Op.DOWN]}
 
@@ -408,10 +409,12 @@ VARIANTS: dict[str, Callable[[str], KernelConfig]] = {
     # FP8 from 32 rows: down W8A8 in gate/up's 64-row swapped tiles over 4 parts of K, as the default does at 64
     # (s82 on the H100: 3.4% slower at 32 rows)
     "w-dn-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.DOWN,))),
+    # ... fitted to the programs as the default is (s95: unfitted, SmolLM2's and Qwen's steps read the fit's loss)
+    "w-dn-a8-ks4-fit": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.DOWN,)), fit_tiles=True),
     # ... and O W8A8 in the same tiles (K over 4 tasks; s82: within 0.2% of the default at 64 rows)
     "w-o-a8-ks4": lambda w: KernelConfig(tiles=_wide_w8a8(w, (Op.OPROJ, Op.DOWN))),
-    # FP8's down weight-only in the 64-row bucket, as before s82
-    "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w)),
+    # FP8's down weight-only from 32 rows, as before s82 (64 rows) and s95 (32 rows), fitted as the default is
+    "dn-weight-only": lambda w: KernelConfig(tiles=_down_weight_only(w), fit_tiles=True),
     # attention at one row in chunks of 128 positions, splits of two chunks at least (256 positions: as many splits
     # as the default's 4 x 64): at context 128 the (row, KV head) task that does all the work streams one chunk, not
     # two in a chain (s67's timeline: those 8 tasks ran ~4 us past their wait, O waited for the last). s71 (H200): +1.0%

@@ -106,8 +106,12 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
     "The LM head in a launch of its own"). In the 64-row bucket down runs W8A8 too, in gate/up's 64-row
     swapped tiles with K over 4 tasks (W8A8_DOWN: its N = 2,048 alone makes 32 tiles): on the H100 the 64-row FP8 step
     1.765 -> 1.728 ms (-2.1%; mixed with a prompt's chunk 1.746 -> 1.703, -2.5%; context 2,048 -0.5 / -1.8%) for
-    +0.02% perplexity over gate/up's and the LM head's W8A8 on SmolLM2. At 32 rows it was 3.4% slower in the same run
-    (1.262 -> 1.305 ms), at 16 rows 10.6% on the H200 (bench/NOTES.md "Down W8A8 in the 64-row bucket").
+    +0.02% perplexity over gate/up's and the LM head's W8A8 on SmolLM2. At 16 rows it was 10.6% slower on the H200
+    (bench/NOTES.md "Down W8A8 in the 64-row bucket"). At 32 rows too since its split is pipelined (s95, bench variant
+    w-dn-a8-ks4-fit against the default in one H100 call, ms a step, decode / mixed rows): Llama-3.2-1B 1.292 / 1.259
+    -> 1.189 / 1.163 at context 128 (-8%), 2.021 / 1.888 -> 1.939 / 1.788 at 2,048 (-4 / -5%); Qwen2.5-1.5B -2.8 /
+    -2.5% at 128, +2.1 / +2.9% at 2,048; SmolLM2-135M +9% (fit_to_programs keeps its short K weight-only there; before
+    the pipelining, 3.4% slower on Llama: 1.262 -> 1.305 ms).
 
     Split K, pipelined (MatvecTile.merge_after; bench/NOTES.md "Split tasks pipelined"), on the H100 against the
     unsplit tiles in the same calls: e4m3's 16-row down in 32-row tiles, K over 2 tasks (bench variant dn-r32-ks2)
@@ -155,7 +159,7 @@ def default_tiles(fp8: bool = False, rows: int = 1, int8: bool = False, e4m3: bo
             for op in (Op.QKV, Op.OPROJ, Op.DOWN)}
     wide[Op.GATEUP] = W8A8_GATEUP if e4m3 or a8_int8 else \
         MatvecTile(rows=64 if fp8 else 32, k_chunk=256, k_slices=1, stages=4 if fp8 else 3, swap=True)
-    if e4m3 and rows >= 64:
+    if e4m3:
         wide[Op.DOWN] = W8A8_DOWN
     elif not fp8:  # bf16: down's K over 4 tasks of 64-row tiles (docstring)
         wide[Op.DOWN] = DOWN_WIDE_SPLIT
@@ -181,6 +185,8 @@ DOWN_E4M3_16_SPLIT = MatvecTile(rows=32, k_chunk=512, stages=3, k_splits=2)
 DOWN_WIDE_SPLIT = MatvecTile(rows=64, k_chunk=128, k_slices=1, stages=3, swap=True, k_splits=4)
 # bf16 from 32 rows where K is short: down unsplit in the other matrices' swapped tiles (fit_to_programs)
 DOWN_WIDE = MatvecTile(k_chunk=256, k_slices=1, stages=3, swap=True)
+# e4m3 at 32 rows where K is short: down weight-only, unsplit, in the other matrices' swapped tiles (fit_to_programs)
+DOWN_WIDE_8BIT = DOWN_WIDE._replace(stages=4)
 # the fewest columns of K a part of DOWN_WIDE_SPLIT streams for the split to pay: on the H100 (s91a) parts of 1,792
 # (Qwen2.5-1.5B) and 2,048 (Llama-3.2-1B) columns made the step 4-8% faster, parts of 384 (SmolLM2-135M) 2-3% slower
 DOWN_SPLIT_MIN_COLUMNS = 1024
@@ -232,6 +238,10 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
     columns read 0.892 / 1.260 ms at 32 / 64 rows against 0.871 / 1.220 unsplit; Qwen2.5-1.5B's parts of 1,792 2.178 /
     2.616 against 2.372 / 2.740, Llama-3.2-1B's of 2,048 1.392 / 1.731 against 1.466 / 1.866.
 
+    e4m3's down at 32 rows (W8A8_DOWN) weight-only and unsplit (DOWN_WIDE_8BIT) by the same rule: SmolLM2's K of 1,536
+    in parts of 512 read 0.997 / 0.991 ms unsplit against 1.093 / 1.080 split (s95, H100, context 128; +8-9% at
+    2,048 too); Llama's parts of 2,048 and Qwen's of 1,792 keep it.
+
     QKV's runs of 8 rows (tiles of 16) where its tiles of 32 would fill under a third of the programs: SmolLM2's 960
     rows are 30 of them. Timed alone on the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8);
     Qwen2.5-1.5B's 64 tiles measured within 1.3% either way (kept), Llama-3.2-1B's 96 become 192, two a program: 17%
@@ -251,6 +261,10 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
         chunks = -(-ffn // DOWN_WIDE_SPLIT.k_chunk)
         if ffn // parts_of_k(chunks, DOWN_WIDE_SPLIT.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
             out[Op.DOWN] = DOWN_WIDE
+    if rows == 32 and tiles[Op.DOWN] == W8A8_DOWN:  # (64 rows keep W8A8_DOWN everywhere: not measured short)
+        chunks = -(-ffn // W8A8_DOWN.k_chunk)
+        if ffn // parts_of_k(chunks, W8A8_DOWN.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
+            out[Op.DOWN] = DOWN_WIDE_8BIT
     qkv = tiles[Op.QKV]
     if not qkv.swap and qkv.rows >= 16 and 3 * -(-qkv_rows // (2 * qkv.rows)) < programs:
         out[Op.QKV] = qkv._replace(rows=qkv.rows // 2)

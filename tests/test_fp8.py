@@ -100,10 +100,11 @@ def test_each_bucket_keeps_its_own_lm_head_and_gate_up_tiles() -> None:
 
 
 def test_w8a8_where_the_default_tiles_say() -> None:
-    """e4m3 weights run gate/up W8A8 in launches of 16 rows and more, down in the 64-row bucket (its K over 4
-    tasks), and the LM head W8A8 where it has 16 rows (the LM head's table is its own rows', at most the 16 sampled
-    of any bucket: kernels/tiles.py), and int8 with row scales gate/up and the LM head (int8 activations); fewer
-    rows, bf16 and int8 blocks never; W8A8 tiles over bf16 weights are refused."""
+    """e4m3 weights run gate/up W8A8 in launches of 16 rows and more, down in the 32- and 64-row buckets (its K over
+    4 tasks; fit_to_programs keeps a short K weight-only at 32), and the LM head W8A8 where it has 16 rows (the LM
+    head's table is its own rows', at most the 16 sampled of any bucket: kernels/tiles.py), and int8 with row scales
+    gate/up and the LM head (int8 activations); fewer rows, bf16 and int8 blocks never; W8A8 tiles over bf16 weights
+    are refused."""
     from kernels.instructions import Op
     from kernels.megakernel import KernelConfig
     from kernels.tiles import MATVECS, MatvecTile, default_tiles
@@ -113,7 +114,7 @@ def test_w8a8_where_the_default_tiles_say() -> None:
         tiles = default_tiles(True, rows, e4m3=True)
         assert tiles[Op.GATEUP].w8a8 == (rows >= 16) and (tiles[Op.GATEUP].swap or rows < 16)
         assert tiles[Op.LMHEAD].w8a8 == (rows == 16) and (tiles[Op.LMHEAD].swap or rows != 16)
-        assert tiles[Op.DOWN].w8a8 == (rows == 64) and (tiles[Op.DOWN].k_splits == 4) == (rows == 64)
+        assert tiles[Op.DOWN].w8a8 == (rows >= 32) and (tiles[Op.DOWN].k_splits == 4) == (rows >= 32)
         assert not any(t.w8a8 for op, t in tiles.items() if op not in (Op.GATEUP, Op.LMHEAD, Op.DOWN))
         assert not any(t.w8a8 for t in default_tiles(True, rows).values())  # int8 with row scales
         assert not any(t.w8a8 for t in default_tiles(False, rows).values())
