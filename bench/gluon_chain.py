@@ -143,10 +143,14 @@ class Chain:
     def timeline(self, mode: str, stages: int, launches: int = 5) -> dict:
         """Per phase kind (the median over its layers and the launches), µs: `imbalance`, the last program's release
         after the median program's; `signal`, the median program's wait ending after the last release;
-        `work_p50` / `work_max`, a program's time from its wait's end to its release."""
+        `work_p50` / `work_max`, a program's time from its wait's end to its release. And per program, for reading
+        the tail: `late_us_by_program`, its release after the phase's median release (mean over layers and launches;
+        a program that took none of a phase's claimed tasks counts 0), `sm_by_program` (the last launch's)."""
         prof = torch.zeros(PROGRAMS, self.sched.phases, 4, device="cuda", dtype=torch.int64)
         kernel, grid, args, kwargs = self.launch_args(mode, stages, prof)
         per: dict[str, dict[str, list[float]]] = {k: {} for k in gc.KINDS}
+        late = {k: torch.zeros(PROGRAMS, dtype=torch.float64) for k in gc.KINDS}
+        seen = dict.fromkeys(gc.KINDS, 0)
         for _ in range(launches):
             self.zero()
             prof.zero_()
@@ -164,7 +168,13 @@ class Chain:
                 kind = gc.KINDS[ph % len(gc.KINDS)]  # the phase whose programs wait (for the one before)
                 for k, v in stats.items():
                     per[kind].setdefault(k, []).append(v)
-        return {kind: {k: statistics.median(v) for k, v in d.items()} for kind, d in per.items()}
+                released = t[:, ph, 2]
+                late[kind] += torch.where(released > 0, released - released[released > 0].median(), 0.0)
+                seen[kind] += 1
+        sm = prof[:, :, 3].max(dim=1).values.tolist()
+        return {kind: {k: statistics.median(v) for k, v in d.items()} |
+                {"late_us_by_program": [round(x, 3) for x in (late[kind] / max(seen[kind], 1)).tolist()],
+                 "sm_by_program": sm} for kind, d in per.items()}
 
 
 def measure(weights: str, rows: int, layers: int, seed: int, read_gbps: float, save,  # noqa: ANN001
@@ -236,6 +246,15 @@ def markdown(doc: dict) -> str:
         for kind, t in r.get("timeline", {}).items():
             lines.append(f"| {r['weights']} | {r['rows']} | {r['variant']} | {kind} | {t['imbalance']:.2f} | "
                          f"{t['signal']:.2f} | {t['work_p50']:.2f} | {t['work_max']:.2f} |")
+    lines += ["", "The latest programs of each phase (mean µs after the phase's median release; program (SM)); the "
+              "JSON has every program's:", "", "| weights | rows | variant | phase | latest five |",
+              "| --- | ---: | --- | --- | --- |"]
+    for r in recs:
+        for kind, t in r.get("timeline", {}).items():
+            late = t.get("late_us_by_program", [])
+            top = sorted(range(len(late)), key=lambda p: -late[p])[:5]
+            cells = ", ".join(f"{late[p]:.2f} p{p} (SM {t['sm_by_program'][p]})" for p in top)
+            lines.append(f"| {r['weights']} | {r['rows']} | {r['variant']} | {kind} | {cells} |")
     return "\n".join(lines) + "\n"
 
 

@@ -173,6 +173,11 @@ def _now():
 
 
 @gluon.jit
+def _smid():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _wait(cnt_ptr, target, err_ptr):
     """Spin (acquire reads) until the counter reaches target; a wait that never ends sets the error flag."""
     seen = gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
@@ -251,7 +256,7 @@ def chain_kernel(tab_ptr, n_steps, w0, w1, w2, w3, act, cnt, err, prof, R, targe
     BM: gl.constexpr = w0.block_type.shape[0]
     BK: gl.constexpr = w0.block_type.shape[1]
     tab = tab_ptr + gl.program_id(0) * n_steps * NF
-    if TIMELINE:  # per phase, ns: the wait begun, the wait ended, the phase's sums added and released
+    if TIMELINE:  # per phase: the wait begun, the wait ended, the phase's sums added and released (ns); the SM
         prof = prof + gl.program_id(0) * (gl.load(tab + (n_steps - 1) * NF + F_PH) + 1) * 4
 
     ring = gl.allocate_shared_memory(w0.dtype, [STAGES, BM, BK], w0.layout)
@@ -320,6 +325,7 @@ def chain_kernel(tab_ptr, n_steps, w0, w1, w2, w3, act, cnt, err, prof, R, targe
                     gl.atomic_add(cnt + ph, 1, sem="release", scope="gpu")
                 if TIMELINE:
                     gl.store(prof + ph * 4 + 2, _now())
+                    gl.store(prof + ph * 4 + 3, _smid().to(gl.int64))
 
     for b in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(b))
@@ -486,6 +492,7 @@ def chain_steal_kernel(tasks, first, count, n_phases, n_tasks, w0, w1, w2, w3, a
                 gl.atomic_add(done + c_ph, 1, sem="release", scope="gpu")
                 if TIMELINE:
                     gl.store(prof + c_ph * 4 + 2, _now())
+                    gl.store(prof + c_ph * 4 + 3, _smid().to(gl.int64))
             i += 1
             # the wgmma before this one is done, its slot free: up to step i + STAGES - 1 (i now counts it)
             issued, more, i_rec, i_chunk, i_n, i_ph, n_mine = _fill(
