@@ -103,8 +103,9 @@ class Chain:
             tk.table, tk.first, tk.count = tk.table.cuda(), tk.first.cuda(), tk.count.cuda()
             self.tasks[mode] = tk
         tk = self.tasks[mode]
-        claims = self.claims.setdefault(mode, torch.zeros(PROGRAMS, tk.table.shape[0], device="cuda",
-                                                          dtype=torch.int32))  # alive as long as its graphs
+        if mode not in self.claims:  # alive as long as its graphs
+            self.claims[mode] = torch.zeros(PROGRAMS, tk.table.shape[0], device="cuda", dtype=torch.int32)
+        claims = self.claims[mode]
         return (gc.chain_steal_kernel, *gc.steal_launch_args(tk, self.weights, self.act, self.cnt[1], self.cnt[2],
                                                              self.err, claims, self.rows, PROGRAMS, stages,
                                                              prof=prof))

@@ -250,6 +250,24 @@ def _add_tile(acc, act, rec, R, BM: gl.constexpr, RP: gl.constexpr, num_warps: g
 
 
 @gluon.jit
+def _buffers(w0, X_LAYOUT: gl.constexpr, RP: gl.constexpr, KI: gl.constexpr, STAGES: gl.constexpr,
+             MAX_CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+    """A program's shared memory (the weight ring, a task's activation chunks, the ring's mbarriers, initialised) and
+    its zeroed wgmma accumulator [BM, RP]."""
+    BM: gl.constexpr = w0.block_type.shape[0]
+    BK: gl.constexpr = w0.block_type.shape[1]
+    ring = gl.allocate_shared_memory(w0.dtype, [STAGES, BM, BK], w0.layout)
+    x_smem = gl.allocate_shared_memory(w0.dtype, [MAX_CHUNKS, RP, BK], X_LAYOUT)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(ready.index(b), count=1)
+    fence_async_shared()
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, RP, KI])
+    return ring, x_smem, ready, gl.zeros([BM, RP], gl.float32, mma_layout)
+
+
+@gluon.jit
 def chain_kernel(tab_ptr, n_steps, w0, w1, w2, w3, act, cnt, err, prof, R, target, X_LAYOUT: gl.constexpr,
                  RP: gl.constexpr, KI: gl.constexpr, STAGES: gl.constexpr, MAX_CHUNKS: gl.constexpr,
                  MODE: gl.constexpr, TIMELINE: gl.constexpr, num_warps: gl.constexpr):
@@ -259,16 +277,7 @@ def chain_kernel(tab_ptr, n_steps, w0, w1, w2, w3, act, cnt, err, prof, R, targe
     if TIMELINE:  # per phase: the wait begun, the wait ended, the phase's sums added and released (ns); the SM
         prof = prof + gl.program_id(0) * (gl.load(tab + (n_steps - 1) * NF + F_PH) + 1) * 4
 
-    ring = gl.allocate_shared_memory(w0.dtype, [STAGES, BM, BK], w0.layout)
-    x_smem = gl.allocate_shared_memory(w0.dtype, [MAX_CHUNKS, RP, BK], X_LAYOUT)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(ready.index(b), count=1)
-    fence_async_shared()
-
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, RP, KI])
-    acc = gl.zeros([BM, RP], gl.float32, mma_layout)
+    ring, x_smem, ready, acc = _buffers(w0, X_LAYOUT, RP, KI, STAGES, MAX_CHUNKS, num_warps)
     issued = 0
     first = gl.minimum(n_steps, STAGES - 1)
     if MODE == 1:
@@ -429,15 +438,7 @@ def chain_steal_kernel(tasks, first, count, n_phases, n_tasks, w0, w1, w2, w3, a
     if TIMELINE:
         prof = prof + pid * n_phases * 4
 
-    ring = gl.allocate_shared_memory(w0.dtype, [STAGES, BM, BK], w0.layout)
-    x_smem = gl.allocate_shared_memory(w0.dtype, [MAX_CHUNKS, RP, BK], X_LAYOUT)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(ready.index(b), count=1)
-    fence_async_shared()
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, RP, KI])
-    acc = gl.zeros([BM, RP], gl.float32, mma_layout)
+    ring, x_smem, ready, acc = _buffers(w0, X_LAYOUT, RP, KI, STAGES, MAX_CHUNKS, num_warps)
 
     # the issuer: the task whose tiles go out next (i_rec, chunk i_chunk of i_n), the phase it claims from
     i_rec = tasks
