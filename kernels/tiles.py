@@ -185,7 +185,7 @@ DOWN_E4M3_16_SPLIT = MatvecTile(rows=32, k_chunk=512, stages=3, k_splits=2)
 DOWN_WIDE_SPLIT = MatvecTile(rows=64, k_chunk=128, k_slices=1, stages=3, swap=True, k_splits=4)
 # bf16 from 32 rows where K is short: down unsplit in the other matrices' swapped tiles (fit_to_programs)
 DOWN_WIDE = MatvecTile(k_chunk=256, k_slices=1, stages=3, swap=True)
-# e4m3 at 32 rows where K is short: down weight-only, unsplit, in the other matrices' swapped tiles (fit_to_programs)
+# e4m3 from 32 rows where K is short: down weight-only, unsplit, in the other matrices' swapped tiles (fit_to_programs)
 DOWN_WIDE_8BIT = DOWN_WIDE._replace(stages=4)
 # the fewest columns of K a part of DOWN_WIDE_SPLIT streams for the split to pay: on the H100 (s91a) parts of 1,792
 # (Qwen2.5-1.5B) and 2,048 (Llama-3.2-1B) columns made the step 4-8% faster, parts of 384 (SmolLM2-135M) 2-3% slower
@@ -238,9 +238,11 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
     columns read 0.892 / 1.260 ms at 32 / 64 rows against 0.871 / 1.220 unsplit; Qwen2.5-1.5B's parts of 1,792 2.178 /
     2.616 against 2.372 / 2.740, Llama-3.2-1B's of 2,048 1.392 / 1.731 against 1.466 / 1.866.
 
-    e4m3's down at 32 rows (W8A8_DOWN) weight-only and unsplit (DOWN_WIDE_8BIT) by the same rule: SmolLM2's K of 1,536
-    in parts of 512 read 0.997 / 0.991 ms unsplit against 1.093 / 1.080 split (s95, H100, context 128; +8-9% at
-    2,048 too); Llama's parts of 2,048 and Qwen's of 1,792 keep it.
+    e4m3's down from 32 rows (W8A8_DOWN) weight-only and unsplit (DOWN_WIDE_8BIT) by the same rule: SmolLM2's K of
+    1,536 in parts of 512 read 0.997 / 0.991 ms unsplit against 1.093 / 1.080 split at 32 rows (s95, H100, context 128;
+    +8-9% at 2,048 too), and at 64 rows 1.416 / 1.398 against 1.483 / 1.464 (context 128), 2.690 / 2.311 against
+    2.736 / 2.384 (2,048; s96, decode / mixed steps); Llama's parts of 2,048 and Qwen's of 1,792 keep it (Qwen
+    weight-only at 64 rows: +5 to +8%).
 
     QKV's runs of 8 rows (tiles of 16) where its tiles of 32 would fill under a third of the programs: SmolLM2's 960
     rows are 30 of them. Timed alone on the H100 2.0-4.4% faster a step at 1, 4, 8 and 16 rows (bf16 and FP8);
@@ -261,7 +263,7 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
         chunks = -(-ffn // DOWN_WIDE_SPLIT.k_chunk)
         if ffn // parts_of_k(chunks, DOWN_WIDE_SPLIT.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
             out[Op.DOWN] = DOWN_WIDE
-    if rows == 32 and tiles[Op.DOWN] == W8A8_DOWN:  # (64 rows keep W8A8_DOWN everywhere: not measured short)
+    if tiles[Op.DOWN] == W8A8_DOWN:
         chunks = -(-ffn // W8A8_DOWN.k_chunk)
         if ffn // parts_of_k(chunks, W8A8_DOWN.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
             out[Op.DOWN] = DOWN_WIDE_8BIT

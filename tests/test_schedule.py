@@ -273,11 +273,13 @@ def test_the_gpu_default_is_the_fitted_table() -> None:
     ("smollm2-135m", "bf16", 32, 36, 1),
     ("smollm2-135m", "bf16", 64, 36, 1),
     # e4m3 from 32 rows: down W8A8, K over 4 tasks (Qwen's 35 chunks of 256 columns: 5), where each part streams
-    # 1,024 columns at least; SmolLM2's 6 chunks would make parts of 512: at 32 rows weight-only and unsplit
+    # 1,024 columns at least; SmolLM2's 6 chunks would make parts of 512: weight-only and unsplit (32 and 64 rows)
     ("llama-3.2-1b", "fp8", 64, 128, 4),
     ("llama-3.2-1b", "fp8", 32, 128, 4),
     ("qwen2.5-1.5b", "fp8", 32, 120, 5),
+    ("qwen2.5-1.5b", "fp8", 64, 120, 5),
     ("smollm2-135m", "fp8", 32, 36, 1),
+    ("smollm2-135m", "fp8", 64, 36, 1),
     # unsplit elsewhere: bf16's 16 rows, e4m3's 8
     ("llama-3.2-1b", "bf16", 16, 128, 1),
     ("llama-3.2-1b", "fp8", 8, 128, 1),
