@@ -176,13 +176,15 @@ def markdown(doc: dict[str, Any]) -> str:
                       "verdict (from arrival: the front end and the forecast; of it, arrival to the engine's receipt, "
                       "the client's own send within that (its x-request-start to the server's first sight), "
                       "and the forecast's own time), and how long a delta of tokens waited "
-                      "from the engine's publishing it to the front end's event loop reading it, and the front end's "
+                      "from the engine's publishing it to the front end's event loop reading it (of it the hop: "
+                      "the engine's send to the front end's reader), and the front end's "
                       "event loop's own lateness (a 5 ms sleep's late wake-up; the longest in ms)", "",
                   "| backend | run | iterations | host time per iteration p50 µs | p99 µs | GPU idle between steps "
                   "p50 µs | p99 µs | GPU step p50 µs | p99 µs | steps over 5 ms | arrival to verdict p50 µs | p99 µs "
                   "| arrival to engine p50 µs | of it the client's send p50 µs | forecast p50 µs "
-                  "| token delivery p50 µs | p99 µs | front-end loop lag p99 µs | max ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| token delivery p50 µs | p99 µs | of it the hop p50 µs | p99 µs "
+                  "| front-end loop lag p99 µs | max ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['backend']} | {r['kind']} | {r['loop_iterations']} | {fmt(r['host_us_p50'])} | "
                   f"{fmt(r['host_us_p99'])} | {fmt(r['gpu_idle_us_p50'])} | {fmt(r['gpu_idle_us_p99'])} | "
                   f"{fmt(r.get('step_gpu_us_p50'))} | {fmt(r.get('step_gpu_us_p99'))} | "
@@ -191,6 +193,7 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"{fmt(r.get('received_us_p50'))} | {fmt(r.get('transit_us_p50'))} | "
                   f"{fmt(r.get('forecast_us_p50'))} | "
                   f"{fmt(r.get('delivery_us_p50'))} | {fmt(r.get('delivery_us_p99'))} | "
+                  f"{fmt(r.get('hop_us_p50'))} | {fmt(r.get('hop_us_p99'))} | "
                   f"{fmt(r.get('front_lag_us_p99'))} | {fmt(r.get('front_lag_ms_max'))} |"
                   for r in looped]
     gapped = [r for r in looped if r.get("idle_gaps")]

@@ -23,6 +23,7 @@ RECEIVED = "parley_engine_received_seconds"
 TRANSIT = "parley_request_transit_seconds"  # of RECEIVED: the client's send to the server's first sight (its header)
 FORECAST = "parley_admission_forecast_seconds"
 DELIVERY = "parley_token_delivery_seconds"
+HOP = "parley_token_hop_seconds"  # of DELIVERY: the engine's send to the front end's reader (between processes)
 FRONT_LAG = "parley_front_end_loop_lag_seconds"
 GENERATED = "parley_generation_tokens"  # a counter: the tokens the engine's steps made
 IDLE_GAPS, IDLE_GAP_SECONDS = "parley_gpu_idle_gaps", "parley_gpu_idle_gap_seconds"  # counters, by `after`
@@ -110,7 +111,8 @@ def figures(raw: Path, loadtest: str) -> dict[str, Any]:
     verdict_us_p50/p99 (arrival to admission's verdict), of it received_us_p50/p99 (arrival to the engine's receipt;
     of that, transit_us_p50/p99: the client's send to the server's first sight) and forecast_us_p50/p99 (the verdict's
     own time), delivery_us_p50/p99
-    (a delta of tokens from the engine's publishing it to the front end's reading it) and loop_iterations
+    (a delta of tokens from the engine's publishing it to the front end's reading it; of it hop_us_p50/p99, the
+    engine's send to the front end's reader) and loop_iterations
     over one loadtest; {} where it was not scraped, None
     for a figure the server did not measure (the GPU's idle time on a CPU)."""
     return _between_files(raw / f"{loadtest}{BEFORE}", raw / f"{loadtest}{AFTER}")
@@ -138,7 +140,7 @@ def between(before: str | None, after: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, name in (("host", HOST), ("gpu_idle", GPU_IDLE), ("step_gpu", STEP_GPU), ("verdict", VERDICT),
                       ("received", RECEIVED), ("transit", TRANSIT), ("forecast", FORECAST), ("delivery", DELIVERY),
-                      ("front_lag", FRONT_LAG)):
+                      ("hop", HOP), ("front_lag", FRONT_LAG)):
         h = over(before, after, name)
         for q in (50, 99):
             v = None if h is None else quantile(h, q / 100)

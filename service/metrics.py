@@ -253,6 +253,11 @@ class FrontEndMetrics:
             "parley_token_delivery_seconds", "From the engine publishing a request's tokens (its step committed) to "
             "the front end's event loop reading them for the SSE or WebSocket reply: a busy event loop, a GIL held "
             "elsewhere or the hop between processes, seen per delta", buckets=LOOP_BUCKETS, registry=r)
+        self.token_hop = Histogram(
+            "parley_token_hop_seconds", "From the engine publishing a step's tokens to this front end's reader taking "
+            "them off the engine's socket (the hop between processes, once a message): the first part of "
+            "parley_token_delivery_seconds; the rest is this event loop's turns to the reply", buckets=LOOP_BUCKETS,
+            registry=r)
         self.request_transit = Histogram(
             "parley_request_transit_seconds", "From the send time a request's x-request-start header gives to this "
             "server's first sight of it (the client's own send, a proxy, a router's retries): the first part of "

@@ -253,6 +253,7 @@ def test_loop_metrics_reads_a_histogram_between_two_scrapes(tmp_path: Path) -> N
     assert figures["host_us_p99"] == 200.0  # the 99th: the second bucket's last
     assert figures["gpu_idle_us_p50"] is None and figures["gpu_idle_us_p99"] is None
     assert figures["delivery_us_p50"] is None  # a server before parley_token_delivery_seconds: None, not 0
+    assert figures["hop_us_p50"] is None  # nor one before parley_token_hop_seconds
     assert figures["transit_us_p50"] is None  # nor one before parley_request_transit_seconds
     assert figures["step_gpu_us_p99"] is None and figures["slow_gpu_steps"] is None
     assert loop_metrics.figures(tmp_path, "never-scraped") == {}

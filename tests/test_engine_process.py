@@ -248,12 +248,17 @@ def test_streams_tools_and_one_metrics(proc_server: Server) -> None:
     assert max(series.values()) == 1, [k for k, v in series.items() if v > 1]
     for family in ("parley_requests_total", "parley_engine_host_seconds", "parley_decode_step_seconds",
                    "parley_kv_slots_free", "parley_admission_guard_target", "parley_api_key_refusals_total",
-                   "parley_info", "parley_token_delivery_seconds", "parley_front_end_loop_lag_seconds"):
+                   "parley_info", "parley_token_delivery_seconds", "parley_token_hop_seconds",
+                   "parley_front_end_loop_lag_seconds"):
         assert family in helps, family
     # the tokens' hop from the engine process to the front end, timed per delta: the streamed 6 and the tool call's
     delivered = scrape_metrics(base)
     assert delivered["parley_token_delivery_seconds_count"] >= 2
     assert delivered["parley_token_delivery_seconds_sum"] / delivered["parley_token_delivery_seconds_count"] < 0.1
+    # ... and of it the hop between the processes, once a message: at most one a delta, never longer than the delivery
+    hops = delivered["parley_token_hop_seconds_count"]
+    assert 1 <= hops <= delivered["parley_token_delivery_seconds_count"]
+    assert 0 < delivered["parley_token_hop_seconds_sum"] <= delivered["parley_token_delivery_seconds_sum"]
     assert httpx.get(f"{base}/v1/latency_model", timeout=30).json()["sla_ms"] == 60000
 
 

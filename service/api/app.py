@@ -50,6 +50,7 @@ def create_app(runtime: Runtime | Callable[[], Runtime] | None = None, max_body_
         if connect is not None:
             try:
                 state.client = await connect()
+                state.client.on_hop = state.metrics.token_hop.observe
             except Exception as e:
                 state.failed = f"the engine process could not start: {e}"
                 log.exception("start-up failed")

@@ -199,6 +199,9 @@ class EngineClient:
         self._status_at = time.monotonic()
         self.dead: str | None = None  # why the engine process is gone
         self.on_dead: list[Callable[[str], None]] = []
+        # hears, once a message of tokens, how long it took from the engine's send to this reader (the hop between
+        # processes: parley_token_hop_seconds)
+        self.on_hop: Callable[[float], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -330,8 +333,9 @@ class EngineClient:
         while True:
             frame = await inbox.recv()
             while True:  # everything that is there, before the loop runs anything else
+                received = time.perf_counter()
                 try:
-                    self._dispatch(ipc.TO_FRONT_END.decode(frame))
+                    self._dispatch(ipc.TO_FRONT_END.decode(frame), received)
                 except Exception:
                     log.exception("a message from the engine could not be handled")
                 try:
@@ -339,8 +343,10 @@ class EngineClient:
                 except zmq.Again:
                     break
 
-    def _dispatch(self, m: object) -> None:
+    def _dispatch(self, m: object, received: float) -> None:
         if isinstance(m, StepOutput):
+            if self.on_hop is not None and any(o.token_ids for o in m.outs):  # (as deliveries count: with tokens)
+                self.on_hop(received - m.sent)
             streams = self._streams
             for o in m.outs:
                 stream = streams.get(o.rid)
