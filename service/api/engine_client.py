@@ -345,8 +345,8 @@ class EngineClient:
 
     def _dispatch(self, m: object, received: float) -> None:
         if isinstance(m, StepOutput):
-            if self.on_hop is not None and any(o.token_ids for o in m.outs):  # (as deliveries count: with tokens)
-                self.on_hop(received - m.sent)
+            if self.on_hop is not None and m.sent is not None and any(o.token_ids for o in m.outs):
+                self.on_hop(received - m.sent)  # (as deliveries count: messages with tokens)
             streams = self._streams
             for o in m.outs:
                 stream = streams.get(o.rid)
