@@ -162,7 +162,7 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
     body = ("--extra-body", extra_body) if extra_body else ()
 
     def profiled(test: Loadtest) -> Loadtest:
-        return replace(test, profile=any(test.name.endswith(f"-{p}") for p in _names(profile)))
+        return _profiled(test, profile)
 
     servers = []
     for run in runs:
@@ -193,6 +193,12 @@ def e2e(name: str = "e2e", only: str = "", serve_args: str = "", single_requests
     return Benchmark(name, "e2e", tuple(servers))
 
 
+def _profiled(test: Loadtest, profile: str) -> Loadtest:
+    """The loadtest, py-spy recording the server beside it where its name is, or ends with `-` and, one of `profile`'s
+    (comma-separated)."""
+    return replace(test, profile=any(test.name == p or test.name.endswith(f"-{p}") for p in _names(profile)))
+
+
 # -- voice -----------------------------------------------------------------------------------------------------------
 VOICE_TURNS = 8  # the voice scenario's (parley-loadtest --scenario voice): for the estimate only
 
@@ -201,7 +207,7 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
           think_s: float = 0.5, fresh: str = "32,1000,2000,4000", fresh_requests: int = 10, fresh_out: int = 64,
           sweep_rates: str = "1,2,4,8,16", sweep_s: float = 10.0, sweep_workers: int = 1,
           endpoints: str = "chat,realtime", voice_args: str = "", capacity_rates: str = "2,4,8,16",
-          after_refusal: str = "fall-back") -> Benchmark:
+          after_refusal: str = "fall-back", profile: str = "") -> Benchmark:
     """Voice: one server (synthetic Llama-3.2-1B, the megakernel, `weights`, 8k context; `serve_args` replace or add
     flags) measured by `parley-loadtest --scenario voice` (8 turns, a 1,500-token system prompt, 40-token messages,
     64-token replies, barge-in and preemptive starts on 30% of turns; `voice_args` changes them): `sessions` voice
@@ -214,7 +220,10 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
     on time, beside how many admission let in and served on time; the report's capacity is the highest of those rates
     at which it served 99% of them on time. `after_refusal`: what a session does at a refused turn (parley-loadtest
     --after-refusal): by default it goes on as a voice agent with a fallback LLM does, so admission on and off are
-    asked for the same turns (before 2026-12-03 the sweeps hung up: fewer turns asked, higher admitted shares)."""
+    asked for the same turns (before 2026-12-03 the sweeps hung up: fewer turns asked, higher admitted shares).
+    `profile`: loadtests (the ends of their names, comma-separated: `sweep-chat`, `session-realtime`, `fresh-32`, ...)
+    during which py-spy records the server's processes into the raw folder (bench/host_profile.py), as e2e's does: the
+    voice sweeps' turns that come in ~40 ms over their forecast with nothing handed over (bench/NOTES.md, s96)."""
     extra = ("--after-refusal", after_refusal, *shlex.split(voice_args))
     turn_s = think_s + 0.15
     session_tests = [
@@ -242,10 +251,12 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
 
     sweep_tests = [swept("sweep", ep, rates) for ep in _names(endpoints)]
     serve = with_flags((*LLAMA, *MEGAKERNEL, "--weights", weights, "--max-context", "8192", *PRICE), serve_args)
-    servers = [Server(f"megakernel.{weights}", serve, (*session_tests, *fresh_tests, *sweep_tests))]
+    tests = tuple(_profiled(t, profile) for t in (*session_tests, *fresh_tests, *sweep_tests))
+    servers = [Server(f"megakernel.{weights}", serve, tests)]
     if _floats(capacity_rates):  # the same arrivals (the same seed) with admission off
         servers.append(Server(f"megakernel.{weights}.admissionoff", with_flags(serve, ADMISSION_OFF),
-                              tuple(swept("capacity", ep, _floats(capacity_rates)) for ep in _names(endpoints)),
+                              tuple(_profiled(swept("capacity", ep, _floats(capacity_rates)), profile)
+                                    for ep in _names(endpoints)),
                               start_s=WARM_START_S, needs_own_server=True))
     return Benchmark(name, "voice", tuple(servers))
 

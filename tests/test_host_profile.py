@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.host_profile import compare, main, py_spy, summarize
-from bench.runs import e2e
+from bench.runs import e2e, voice
 
 # py-spy's `record --format raw --threads --subprocesses` lines: [process;]thread (id): name;frames... count
 RECORDED = """\
@@ -85,6 +85,15 @@ def test_the_plan_records_the_named_loadtests_only() -> None:
     profiled = {t.name for s in servers.values() for t in s.loadtests if t.profile}
     assert profiled == {"megakernel.fp8-sweep-32", "megakernel.fp8-capacity-32"}
     assert not any(t.profile for s in e2e(only="megakernel.fp8").servers for t in s.loadtests)
+
+
+def test_the_voice_plan_records_the_named_loadtests_only() -> None:
+    """bench voice's loadtests carry no server label: a name given whole is recorded, on whichever server runs it (the
+    sweep on the admitting one, the capacity run on the admission-off one), and no other."""
+    bench = voice(weights="fp8", profile="sweep-chat,capacity-realtime")
+    profiled = {(s.label, t.name) for s in bench.servers for t in s.loadtests if t.profile}
+    assert profiled == {("megakernel.fp8", "sweep-chat"), ("megakernel.fp8.admissionoff", "capacity-realtime")}
+    assert not any(t.profile for s in voice(weights="fp8").servers for t in s.loadtests)
 
 
 @pytest.mark.slow
