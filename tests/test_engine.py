@@ -596,13 +596,32 @@ def test_a_step_the_gpu_ran_slowly_is_logged_against_its_recent_median(caplog):
         now[0] += 3.0
         slow.observe(0.0022)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["the GPU ran a step in 2.00 ms, 2.0x its recent median of 1.00 ms (1 such steps since the last "
-                     "report)", "the GPU ran a step in 2.20 ms, 2.2x its recent median of 1.00 ms (2 such steps since "
-                     "the last report)"]
+    assert lines == ["the GPU ran a decode step in 2.00 ms, 2.0x the recent median of its kind, 1.00 ms (1 such steps "
+                     "since the last report)", "the GPU ran a decode step in 2.20 ms, 2.2x the recent median of its "
+                     "kind, 1.00 ms (2 such steps since the last report)"]
     fresh = SlowGpuSteps()
     with caplog.at_level(logging.WARNING, logger="parley.engine"):
         fresh.observe(0.5)  # a first step (a compile, a capture) has no median to be judged against
     assert len(caplog.records) == 2
+
+
+def test_prompt_steps_are_judged_against_prompt_steps(caplog):
+    """A voice sweep's prompt steps over ~2,000 cached positions take 3-7x a decode step: against decode steps they
+    were logged once a turn. Each kind against its own median: the prompt steps pass, a decode step's stall among them
+    is still logged, and a prompt step twice its kind's median too."""
+    now = [0.0]
+    slow = SlowGpuSteps(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        for i in range(200):
+            slow.observe(0.001)
+            if i % 5 == 0:
+                slow.observe(0.005, "prompt")
+        assert not caplog.records
+        slow.observe(0.0045)  # a decode step stalled among them
+        now[0] += 3.0
+        slow.observe(0.011, "prompt")
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["the GPU ran a decode step",
+                                                                          "the GPU ran a prompt step"]
 
 
 def test_timings_say_which_token_they_time(tiny):

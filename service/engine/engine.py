@@ -538,7 +538,8 @@ class Engine:
             t3 = time.perf_counter()
             self._clock.mark("launch")
             tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step, self._token_ring)
-            self._clock.step_end(consecutive=inflight is not None)
+            prompt = bool(plan.copies or plan.launches or plan.chunks)
+            self._clock.step_end(consecutive=inflight is not None, kind="prompt" if prompt else "decode")
             self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}
             self._clock.mark("choose")

@@ -61,7 +61,7 @@ class LoopClock:
         self._free: list[Event] = []
         self._start: Event | None = None  # the step being launched
         # launched, not read yet: (start, end, consecutive, the host's path to its start)
-        self._steps: deque[tuple[Event, Event, bool, LaunchPath | None]] = deque()
+        self._steps: deque[tuple[Event, Event, bool, LaunchPath | None, str]] = deque()
         self._path = path or HostPath()
         self._start_path: LaunchPath | None = None
         self.idle_gaps = idle_gaps or IdleGaps()
@@ -83,15 +83,16 @@ class LoopClock:
         if self.gpu:
             self._path.mark(phase)
 
-    def step_end(self, consecutive: bool) -> None:
-        """After a step's last launch; `consecutive`: launched while the step before it was still in flight."""
+    def step_end(self, consecutive: bool, kind: str = "decode") -> None:
+        """After a step's last launch; `consecutive`: launched while the step before it was still in flight; `kind`:
+        what its slowness is judged against (SlowGpuSteps: `decode` rows alone, or `prompt`)."""
         if not self.gpu or self._start is None:
             return
         start, self._start = self._start, None
-        self._steps.append((start, self._record(), consecutive and not self._broken, self._start_path))
+        self._steps.append((start, self._record(), consecutive and not self._broken, self._start_path, kind))
         self._broken = False
         if len(self._steps) > MAX_PENDING:  # never read (no GPU is this far behind): dropped, not kept growing
-            old_start, old_end, _, _ = self._steps.popleft()
+            old_start, old_end, _, _, _ = self._steps.popleft()
             self._release(old_start, *(() if self._last_end is None else (self._last_end,)))
             self._last_end = old_end
 
@@ -115,7 +116,7 @@ class LoopClock:
         before each step launched while the last one ran, once the GPU has started it; each step's time on the GPU,
         once it has finished."""
         while self._steps:
-            start, end, consecutive, path = self._steps[0]
+            start, end, consecutive, path, kind = self._steps[0]
             if not start.query():
                 return
             if consecutive and self._last_end is not None and self.gpu_idle is not None:
@@ -128,13 +129,13 @@ class LoopClock:
                 self._release(self._last_end)
                 self._last_end = None
             if not end.query():
-                self._steps[0] = (start, end, False, path)  # its gap is read: only its own time is left
+                self._steps[0] = (start, end, False, path, kind)  # its gap is read: only its own time is left
                 return
             self._steps.popleft()
             seconds = max(0.0, start.elapsed_time(end)) / 1e3
             if self.step_gpu is not None:
                 self.step_gpu.observe(seconds)
-            self._slow_gpu.observe(seconds)
+            self._slow_gpu.observe(seconds, kind)
             self._release(start)
             self._last_end = end
 

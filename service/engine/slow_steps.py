@@ -114,21 +114,27 @@ RECENT_GPU_STEPS = 256
 
 class SlowGpuSteps(Throttled):
     """Steps the GPU itself ran slowly (CUDA events: not the host, not a wait), against the median of its recent
-    steps: a request alone on an idle H100 reached its 64th token 40% late with every step slower and no host stall,
-    so the log says when and how much, to line up with the GPU's clocks. At most once every `every_s`."""
+    steps of the same kind: a request alone on an idle H100 reached its 64th token 40% late with every step slower and
+    no host stall, so the log says when and how much, to line up with the GPU's clocks. At most once every `every_s`.
+    Kinds apart (`decode`: decode rows alone; `prompt`: a step that carries prompt rows, prefix copies or prefill
+    launches): against one median, a voice sweep's ~2,000-position prompt steps were logged once a turn (2,207 in
+    3 minutes, bench/NOTES.md s96), and a decode step's own stall drowned among them."""
 
     def __init__(self, factor: float = SLOW_GPU_FACTOR, every_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(0.0, every_s, clock)
         self.factor = factor
-        self._recent = RecentWindow(RECENT_GPU_STEPS)
+        self._recent: dict[str, RecentWindow] = {}
 
-    def observe(self, seconds: float) -> None:
-        median = self._recent.median() if len(self._recent) >= 16 else None
-        self._recent.add(seconds)
+    def observe(self, seconds: float, kind: str = "decode") -> None:
+        recent = self._recent.get(kind)
+        if recent is None:
+            recent = self._recent[kind] = RecentWindow(RECENT_GPU_STEPS)
+        median = recent.median() if len(recent) >= 16 else None
+        recent.add(seconds)
         if median is None:
             return
         self.slow_s = self.factor * median
         if count := self.due(seconds):
-            log.warning("the GPU ran a step in %.2f ms, %.1fx its recent median of %.2f ms (%d such steps since the "
-                        "last report)", seconds * 1e3, seconds / median, median * 1e3, count)
+            log.warning("the GPU ran a %s step in %.2f ms, %.1fx the recent median of its kind, %.2f ms (%d such "
+                        "steps since the last report)", kind, seconds * 1e3, seconds / median, median * 1e3, count)
