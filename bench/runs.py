@@ -221,8 +221,8 @@ def voice(name: str = "voice", weights: str = "bf16", serve_args: str = "", sess
     at which it served 99% of them on time. `after_refusal`: what a session does at a refused turn (parley-loadtest
     --after-refusal): by default it goes on as a voice agent with a fallback LLM does, so admission on and off are
     asked for the same turns (before 2026-12-03 the sweeps hung up: fewer turns asked, higher admitted shares).
-    `profile`: loadtests (the ends of their names, comma-separated: `sweep-chat`, `session-realtime`, `fresh-32`, ...)
-    during which py-spy records the server's processes into the raw folder (bench/host_profile.py), as e2e's does: the
+    `profile`: loadtests (their names, comma-separated: `sweep-chat`, `session-realtime`, `fresh-32`, ...) during
+    which py-spy records the server's processes into the raw folder (bench/host_profile.py), as e2e's does: the
     voice sweeps' turns that come in ~40 ms over their forecast with nothing handed over (bench/NOTES.md, s96)."""
     extra = ("--after-refusal", after_refusal, *shlex.split(voice_args))
     turn_s = think_s + 0.15
