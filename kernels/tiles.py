@@ -190,6 +190,8 @@ DOWN_WIDE_8BIT = DOWN_WIDE._replace(stages=4)
 # the fewest columns of K a part of DOWN_WIDE_SPLIT streams for the split to pay: on the H100 (s91a) parts of 1,792
 # (Qwen2.5-1.5B) and 2,048 (Llama-3.2-1B) columns made the step 4-8% faster, parts of 384 (SmolLM2-135M) 2-3% slower
 DOWN_SPLIT_MIN_COLUMNS = 1024
+# each wide split down and the unsplit tile fit_to_programs takes instead where K is short
+UNSPLIT_DOWN = {DOWN_WIDE_SPLIT: DOWN_WIDE, W8A8_DOWN: DOWN_WIDE_8BIT}
 
 
 def parts_of_k(chunks: int, wanted: int) -> int:
@@ -259,14 +261,10 @@ def fit_to_programs(tiles: TileTable, rows: int, eight_bit: bool, qkv_rows: int,
         out[Op.GATEUP] = min(options, key=lambda t: busiest_cost(ffn, t.rows, programs))
     if rows == 16 and gate_up.w8a8:
         out[Op.GATEUP] = min((gate_up, GATEUP_8BIT_16_ROWS), key=lambda t: busiest_cost(ffn, t.rows, programs))
-    if tiles[Op.DOWN] == DOWN_WIDE_SPLIT:
-        chunks = -(-ffn // DOWN_WIDE_SPLIT.k_chunk)
-        if ffn // parts_of_k(chunks, DOWN_WIDE_SPLIT.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
-            out[Op.DOWN] = DOWN_WIDE
-    if tiles[Op.DOWN] == W8A8_DOWN:
-        chunks = -(-ffn // W8A8_DOWN.k_chunk)
-        if ffn // parts_of_k(chunks, W8A8_DOWN.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
-            out[Op.DOWN] = DOWN_WIDE_8BIT
+    down = tiles[Op.DOWN]
+    unsplit = UNSPLIT_DOWN.get(down)
+    if unsplit is not None and ffn // parts_of_k(-(-ffn // down.k_chunk), down.k_splits) < DOWN_SPLIT_MIN_COLUMNS:
+        out[Op.DOWN] = unsplit
     qkv = tiles[Op.QKV]
     if not qkv.swap and qkv.rows >= 16 and 3 * -(-qkv_rows // (2 * qkv.rows)) < programs:
         out[Op.QKV] = qkv._replace(rows=qkv.rows // 2)
