@@ -561,6 +561,62 @@ def test_a_slow_engine_iteration_is_logged_with_where_its_time_went(caplog):
                      "since the last report, this the longest)"]
 
 
+def test_a_slow_iteration_names_the_step_it_launched_and_asks_only_when_slow(caplog):
+    """What the iteration launched (its rows, prompt rows and positions) beside its phases: a voice turn's prompt step
+    over 2,000 cached positions and a lone decode row's stall read alike without it. The words are built only for a
+    slow iteration: the engine thread's time per step is what the GPU waits for."""
+    now = [0.0]
+    asked = []
+
+    def step():
+        asked.append(1)
+        return "1 rows (0 prompt) over 2078 positions"
+
+    slow = SlowIterations(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        slow.observe({"plan": 0.0002, "decode": 0.001}, step=step)  # not slow: not asked
+        assert not asked
+        slow.observe({"decode": 0.0064}, step=step)
+    assert caplog.records[0].getMessage().startswith(
+        "an engine iteration took 6.4 ms launching 1 rows (0 prompt) over 2078 positions (decode 6.4;")
+
+
+class PartedDecoder(ReferenceDecoder):
+    """A decoder that says its call's parts, as the megakernel's does (its wait for its last input copy, its launch);
+    this one's wait is 7 ms of sleep."""
+
+    def __init__(self, model):
+        super().__init__(model.config, model.weights, max_slots=4, max_context=256)
+        self.decode_phases = {}
+
+    def decode(self, slots, token_ids, positions, draws=None, sampled_rows=None, masks=None):
+        time.sleep(0.007)
+        out = super().decode(slots, token_ids, positions, draws, sampled_rows, masks)
+        self.decode_phases = {"input wait": 0.007, "launch": 0.0}
+        return out
+
+
+def test_a_slow_iteration_splits_decode_into_the_decoders_own_parts(tiny, caplog):
+    """A decode of milliseconds on the H100 named no part: the decoder's own parts stand beside the rest of decode,
+    and the phases still add up to the iteration."""
+    dec = PartedDecoder(tiny)
+    eng = Engine(dec, tiny.tokenizer, eos_token_ids=(), sla_tokens=8)
+    eng.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="parley.engine"):
+            q: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+            eng.submit(tiny.tokenizer.encode("hello there"), GREEDY, q.put)
+            collect(q)
+    finally:
+        eng.stop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("an engine iteration took")]
+    assert lines, "a 7 ms decode makes a slow iteration"
+    phases = dict(p.rsplit(" ", 1) for p in lines[0].split(" (", 1)[1].split(";")[0].split(", "))
+    assert float(phases["decode: input wait"]) == 7.0 and "decode: launch" in phases
+    total = float(lines[0].split(" ms")[0].rsplit(" ", 1)[1])
+    assert abs(sum(map(float, phases.values())) - total) < 0.3  # the wait counted once, not in decode too
+
+
 def test_a_slow_iteration_says_whether_the_thread_ran_or_waited(caplog):
     """The engine thread's own clock beside a slow iteration's phases: 8 ms of Python ran on a CPU; 8 ms asleep (a
     lock, the GIL, a device wait) did not, and blocked."""

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import importlib.util
 import struct
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,9 @@ class MegakernelDecoder:
         self._host_masks = torch.zeros(self.kernel.masks.shape, dtype=torch.int32, pin_memory=pinned)
         # the last asynchronous copy out of _host; _host is not rewritten before it has run
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        # the last decode's host time in its parts (the engine's slow-iteration log): the wait for that copy, and what
+        # came after the step's start (its copies and launch); the rest of decode is the rows' preparation
+        self.decode_phases: dict[str, float] = {}
         self._inputs = torch.cat([torch.stack([self.kernel.tokens, self.kernel.slots, self.kernel.positions]),
                                   self.kernel.draw, torch.zeros_like(self.kernel.draw[:2]), self.kernel.blocks])
         self.kernel.tokens, self.kernel.slots, self.kernel.positions = self._inputs[:3].unbind(0)
@@ -202,8 +206,10 @@ class MegakernelDecoder:
             raise ValueError(f"a position is outside the context of {self.max_context}")
         b = self.bucket(n)
         pad = b - n
+        t0 = time.perf_counter()
         if self._copied is not None:
             self._copied.synchronize()
+        t1 = time.perf_counter()
         on_device = isinstance(token_ids, torch.Tensor)  # the last step's tokens: never leave the GPU
         fed: Fed | None = None
         listed: list[int] = []  # the tokens from the host
@@ -250,6 +256,7 @@ class MegakernelDecoder:
                 self._host[6, i] = 1
         if self.before_launch is not None:
             self.before_launch()
+        t2 = time.perf_counter()
         if masks:
             self.kernel.masks[:m].copy_(self._host_masks[:m], non_blocking=True)
         self._inputs.copy_(self._host, non_blocking=True)
@@ -266,6 +273,7 @@ class MegakernelDecoder:
         # one row samples at most (a prompt alone, a voice turn's new tokens): the bucket's launch whose LM head takes
         # one row, where it has one
         self.run_step(b, blocks, m <= 1 and b in self._one_lm_buckets)
+        self.decode_phases = {"input wait": t1 - t0, "launch": time.perf_counter() - t2}
         logits, argmax, sampled = self._outputs_of[m]
         if self.output_views:
             return DecodeOutput(logits, argmax, None if draws is None else sampled)

@@ -87,9 +87,11 @@ class SlowIterations(Throttled):
         super().__init__(slow_s, every_s, clock)
         self._worst: tuple[float, str] | None = None  # the longest slow iteration not reported yet: (s, its text)
 
-    def observe(self, phases: dict[str, float], since: ThreadClock | None = None) -> None:
+    def observe(self, phases: dict[str, float], since: ThreadClock | None = None,
+                step: Callable[[], str] | None = None) -> None:
         """The line logged is the longest iteration since the last report, not whichever one made the report due:
-        a 23-iteration report on the H200 described a 5.8 ms one while its neighbours had stalled streams 12 ms."""
+        a 23-iteration report on the H200 described a 5.8 ms one while its neighbours had stalled streams 12 ms.
+        `step`: the step it launched, in words (its rows, prompt rows, positions), asked only of a slow one."""
         total = sum(phases.values())
         if total <= self.slow_s:
             return
@@ -99,8 +101,9 @@ class SlowIterations(Throttled):
                 now = thread_clock()
                 ran = (f"; the thread ran {(now.cpu_s - since.cpu_s) * 1e3:.1f} ms on a CPU, blocked "
                        f"{now.waits - since.waits} times, was preempted {now.preempted - since.preempted} times")
-            self._worst = (total, f"{total * 1e3:.1f} ms ({', '.join(f'{k} {v * 1e3:.1f}' for k, v in phases.items())}"
-                                  f"{ran}")
+            launched = f" launching {step()}" if step is not None else ""
+            self._worst = (total, f"{total * 1e3:.1f} ms{launched} "
+                                  f"({', '.join(f'{k} {v * 1e3:.1f}' for k, v in phases.items())}{ran}")
         if count := self.due(total):
             _, text = self._worst
             self._worst = None
