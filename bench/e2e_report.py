@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import admission_trace, loop_metrics, token_gaps
+from bench import admission_trace, loop_metrics, slow_log, token_gaps
 from bench.device import describe, file_stem
 from bench.publish import publish, pyplot
 
@@ -131,7 +131,8 @@ def build(raw: Path) -> dict[str, Any]:
     serve = {} if plan.get("url") else {s["label"]: s["serve"] for s in servers}  # at a URL: not our flags
     startup = raw / "startup.json"
     return {**info, "servers": serve, "startup_s": json.loads(startup.read_text()) if startup.exists() else {},
-            "records": records, "targets": targets(servers, records), "admission": admission_trace.of_raw(raw)}
+            "records": records, "targets": targets(servers, records), "admission": admission_trace.of_raw(raw),
+            "slow_iterations": slow_log.of_servers(raw, [s["label"] for s in servers])}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -246,6 +247,7 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"{fmt(p.get('host_us_p50'))} | {fmt(p.get('host_us_p99'))} | {fmt(p.get('gpu_idle_us_p99'))} |"
                   for p in r["sweep"]]
     lines += admission_trace.markdown(doc.get("admission", {}))
+    lines += slow_log.section(doc.get("slow_iterations", {}))
     if doc["servers"]:
         startup = doc.get("startup_s", {})
         lines += ["", "Servers (seconds from start to /health 200): " + "; ".join(

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import loop_metrics
+from bench import loop_metrics, slow_log
 from bench.device import file_stem
 from bench.publish import publish, pyplot
 from loadtest.record import RequestRecord
@@ -64,8 +64,10 @@ def build(raw: Path) -> dict[str, Any]:
     serve = None if planned.get("url") else planned["servers"][0]["serve"]
     startup = raw / "startup.json"  # seconds from the server's start to /health 200
     startup_s = next(iter(json.loads(startup.read_text()).values()), None) if startup.exists() else None
+    labels = [s["label"] for s in planned.get("servers", [])]
     out = {**info, "model": cfg["model"], "serve": serve, "startup_s": startup_s, "sla_tokens": n,
-           "sla_ms": cfg["sla_ms"], "records": records, "sweep": sweep, "capacity": capacity}
+           "sla_ms": cfg["sla_ms"], "records": records, "sweep": sweep, "capacity": capacity,
+           "slow_iterations": slow_log.of_servers(raw, labels)}
     return out | {"capacity_rate": capacity_rates(out), "targets": targets(out)}
 
 
@@ -246,6 +248,7 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{'–' if k is None else _pct(k['admitted_share'])} | {'–' if k is None else _count(k)} |")
         lines += [""] + [f"Capacity, {ep}: " + ("below the lowest rate measured." if rate is None else
                                                  f"{rate:g} sessions/s.") for ep, rate in doc["capacity_rate"].items()]
+    lines += slow_log.section(doc.get("slow_iterations", {}))
     lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {_f(t['measured'], 3)} | {'–' if t['met'] is None else 'yes' if t['met'] else 'no'} |"
               for t in doc["targets"]]
