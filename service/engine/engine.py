@@ -453,7 +453,11 @@ class Engine:
         self._slow_iterations.observe({"plan": t_plan - now, **self._launch_phases, "handed over": overlapped,
                                        "complete": t_complete - t_launch, "gauges": end - t_complete}, thread,
                                       lambda: f"{plan.rows} rows ({plan.prompt_rows} prompt) over {plan.kv_positions} "
-                                              "positions")
+                                              "positions",
+                                      # the decoder's own parts of its call, where it says them (the megakernel's wait
+                                      # for its last input copy, its copies and launch after the step's start): a
+                                      # decode of milliseconds on the H100 named no part
+                                      {"decode": getattr(self.decoder, "decode_phases", {})})
         # the host's time leaves out what ran while the GPU ran the step just launched: no step waited for it
         self._clock.iteration(end - started - overlapped, self._read_wait + self._step_compute())
 
@@ -475,8 +479,7 @@ class Engine:
         if self.overlap:
             return 0.0
         p = self._launch_phases
-        decode = sum(v for k, v in p.items() if k == "decode" or k.startswith("decode: "))
-        return p.get("copies+prefills", 0.0) + decode + p.get("choose", 0.0) - p.get("mask wait", 0.0)
+        return p.get("copies+prefills", 0.0) + p.get("decode", 0.0) + p.get("choose", 0.0) - p.get("mask wait", 0.0)
 
     def _take_inbox(self) -> None:
         while True:
@@ -543,11 +546,7 @@ class Engine:
             tokens = sampler.choose(out, plan.sampled, collected, self._masks, masked_in_step, self._token_ring)
             prompt = bool(plan.copies or plan.launches or plan.chunks)
             self._clock.step_end(consecutive=inflight is not None, kind="prompt" if prompt else "decode")
-            # the decoder's own parts of its call, where it says them (the megakernel's wait for its last input copy,
-            # its copies and launch after the step's start): a decode of milliseconds on the H100 named no part
-            parts = {f"decode: {k}": v for k, v in getattr(self.decoder, "decode_phases", {}).items()}
-            self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1,
-                                   "decode": t3 - t2 - sum(parts.values()), **parts,
+            self._launch_phases = {"copies+prefills": t1 - t0, "feed": t2 - t1, "decode": t3 - t2,
                                    "choose": time.perf_counter() - t3}
             self._clock.mark("choose")
             if tokens.mask_waits:  # grammar masks not ready in time: the engine thread waited (part of choose)

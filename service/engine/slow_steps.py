@@ -88,10 +88,11 @@ class SlowIterations(Throttled):
         self._worst: tuple[float, str] | None = None  # the longest slow iteration not reported yet: (s, its text)
 
     def observe(self, phases: dict[str, float], since: ThreadClock | None = None,
-                step: Callable[[], str] | None = None) -> None:
+                step: Callable[[], str] | None = None, parts: dict[str, dict[str, float]] | None = None) -> None:
         """The line logged is the longest iteration since the last report, not whichever one made the report due:
         a 23-iteration report on the H200 described a 5.8 ms one while its neighbours had stalled streams 12 ms.
-        `step`: the step it launched, in words (its rows, prompt rows, positions), asked only of a slow one."""
+        `step`: the step it launched, in words (its rows, prompt rows, positions); `parts`: a phase's own parts, shown
+        as `phase: part` and taken out of it. Both are read only for a slow iteration: every step passes here."""
         total = sum(phases.values())
         if total <= self.slow_s:
             return
@@ -102,13 +103,24 @@ class SlowIterations(Throttled):
                 ran = (f"; the thread ran {(now.cpu_s - since.cpu_s) * 1e3:.1f} ms on a CPU, blocked "
                        f"{now.waits - since.waits} times, was preempted {now.preempted - since.preempted} times")
             launched = f" launching {step()}" if step is not None else ""
+            shown = _with_parts(phases, parts) if parts else phases
             self._worst = (total, f"{total * 1e3:.1f} ms{launched} "
-                                  f"({', '.join(f'{k} {v * 1e3:.1f}' for k, v in phases.items())}{ran}")
+                                  f"({', '.join(f'{k} {v * 1e3:.1f}' for k, v in shown.items())}{ran}")
         if count := self.due(total):
             _, text = self._worst
             self._worst = None
             log.warning("an engine iteration took %s; %d iterations over %.0f ms since the last report%s)", text,
                         count, self.slow_s * 1e3, ", this the longest" if count > 1 else "")
+
+
+def _with_parts(phases: dict[str, float], parts: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The phases, each with its parts (`parts[phase]`) after it as `phase: part`, and what they leave of it."""
+    out = {}
+    for name, seconds in phases.items():
+        own = parts.get(name, {})
+        out[name] = seconds - sum(own.values())
+        out.update({f"{name}: {part}": s for part, s in own.items()})
+    return out
 
 
 SLOW_GPU_FACTOR = 1.5  # a step this many times the GPU's recent median took longer on the GPU itself
