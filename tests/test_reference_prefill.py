@@ -144,3 +144,16 @@ def test_graphed_prefill_matches_eager_on_gpu():
     assert d.slow_prefills == slow + 1
     d.prefill(1, list(range(16)), start_pos=496)  # ends there too but pads nothing: graphed
     assert d.slow_prefills == slow + 1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_a_product_of_a_few_rows_padded_on_the_cpu_is_each_rows_own(rows):
+    """On the CPU a product of 2-3 rows runs padded to CPU_FEWEST_ROWS (MKL is slower at 2-3 rows than at 4): each
+    row still gets its own product (fresh random rows, weight and bias), in the input's shape."""
+    from service.backends.reference import CPU_FEWEST_ROWS, linear
+
+    x, w, b = torch.randn(rows, 1, 96), torch.randn(160, 96), torch.randn(160)
+    out = linear(x, w, b)
+    assert out.shape == (rows, 1, 160) and 1 < CPU_FEWEST_ROWS
+    assert_same(out, torch.stack([torch.nn.functional.linear(x[i], w, b) for i in range(rows)]), f"{rows} rows")
+    assert_same(linear(x[:, 0], w), x[:, 0] @ w.T, f"{rows} rows, no bias, 2-D")

@@ -20,9 +20,19 @@ from service.backends.decoder import DecodeOutput, Draw, Fed, mask_logits
 from service.model.config import ModelConfig
 from service.model.weights import LayerWeights, ModelWeights
 
+CPU_FEWEST_ROWS = 4  # on the CPU a product of fewer rows (but more than one) runs as this many, the rest zeros:
+# PyTorch's float32 GEMM (MKL) is slower at 2-3 rows than at 4 (SmolLM2's LM head: 26 and 37 ms against 21 on a
+# 2-core Xeon VM), and a 3-row decode step took 131-145 ms against a 4-row one's 82-110. The calibration, which
+# holds more rows never faster, forecast the 3-row steps at the 4-row time: a strict-SLA burst whose three admitted
+# requests decoded together came 3% past the SLA (bench/NOTES.md, s99). Padded, 3 rows take 88-90 ms.
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): the one place where a weight multiplies (another weight format changes only this)."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and 1 < rows < CPU_FEWEST_ROWS:
+        padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, CPU_FEWEST_ROWS - rows))
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
