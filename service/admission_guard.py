@@ -21,7 +21,11 @@ second-largest score: the levels a busy server reaches rarely are the ones that 
 said 1.14 where FP8 requests admitted at 30 req/s on the H100 reached their SLA token at p99 116 ms. Where all of them
 together have fewer, the stretch is a prior and the pool's second-largest score averaged, the prior weighing as
 PRIOR_SCORES scores: a fresh server starts from the prior and relaxes as it sees its own requests (on a GPU, the single
-streams a benchmark sends first have it admitting beside others within a few dozen requests). Never above the pool's
+streams a benchmark sends first have it admitting beside others within a few dozen requests). Not before the pool has
+PRIOR_SCORES: a handful of scores says nothing of a 1-in-100 tail, and until then the stretch is the prior, or their
+second-largest where that is higher. Averaged in from the first few, one burst on the 2-core CPU (four scores near
+1.02) took the next burst's stretch to 1.42; that burst admitted three, whose 3-row steps the calibration had put at
+a 4-row step's time and which ran 1.46x their forecast: all three late (bench/NOTES.md, s99). Never above the pool's
 conformal quantile once there is one (its largest score, from half of N: 199 scores at 0.995): that bound holds without
 the prior, which held a fresh H100's voice sweep at 1.03-1.05 for 20 s with 199-398 scores at hand, none over 1.02,
 until the 399th dropped the stretch to 1.01 at once (bench/NOTES.md, s79); where the largest is a stall, the prior's
@@ -181,9 +185,9 @@ class AdmissionGuard:
                 own_seen = own.ranked[-2] if own is not None and len(own) > 1 else 0.0
                 return max(pooled_quantile(pool, n, self.target), own_seen)
         prior = PRIOR_ALONE if level.alone else PRIOR_LOADED
-        if not pool:
-            return prior
-        seen = largest(pool, 2)[1] if n > 1 else prior  # the largest score never decides alone
+        if n < PRIOR_SCORES:  # too few to say anything of a tail: the prior holds, or what they saw if more
+            return max(prior, largest(pool, 2)[1]) if n > 1 else prior
+        seen = largest(pool, 2)[1]  # the largest score never decides alone
         blended = (n * seen + PRIOR_SCORES * prior) / (n + PRIOR_SCORES)
         # A pool already large enough for a conformal quantile (its largest score: from 199 scores at 0.995) bounds
         # the stretch by itself; the prior stands in only above it, where one stall is that largest score.

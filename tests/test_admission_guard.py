@@ -85,11 +85,30 @@ def test_a_pool_with_a_conformal_quantile_is_not_held_up_by_the_prior():
     assert guard.stretch(BESIDE_ONE) == pytest.approx(prior_average([*scores, 40.0]))
 
 
+def test_a_fresh_servers_first_bursts_are_judged_by_the_prior_until_it_has_seen_enough():
+    """A burst of four on the 2-core CPU leaves four scores near 1.02: averaged with the prior, they took the next
+    burst's stretch to 1.42, and that burst (three rows a step, which the calibration had not timed) ran 1.46x its
+    forecast. Fewer than PRIOR_SCORES scores say nothing of a
+    1-in-100 tail: the prior holds until there are that many (or what they saw, where it is higher), then relaxes."""
+    guard = AdmissionGuard(0.99)
+    stretches = []
+    for _ in range(PRIOR_SCORES // 4):
+        stretches.append(guard.stretch(BUSY))
+        for _ in range(4):
+            guard.observe(BUSY, 1.02, stretches[-1])
+    assert stretches == [PRIOR_LOADED] * (PRIOR_SCORES // 4)
+    assert guard.stretch(BUSY) == pytest.approx((1.02 + PRIOR_LOADED) / 2)  # PRIOR_SCORES seen: they weigh as it
+    worse = AdmissionGuard(0.99)
+    for x in (1.9, 1.8, 1.1):  # a few scores over the prior: the second-largest of them, not the prior
+        worse.observe(BUSY, x, PRIOR_LOADED)
+    assert worse.stretch(BUSY) == pytest.approx(1.8)
+
+
 def test_one_stall_never_decides_but_a_pattern_does():
     guard = AdmissionGuard(0.99)
     guard.observe(BESIDE_ONE, 40.0, 1.5)  # a compile: a first request 40x late
     assert guard.stretch(BESIDE_ONE) == PRIOR_LOADED
-    for _ in range(10):
+    for _ in range(PRIOR_SCORES):
         guard.observe(BESIDE_ONE, 1.0, 1.5)
     assert guard.stretch(BESIDE_ONE) < PRIOR_LOADED
     for _ in range(guard.enough):
@@ -265,7 +284,9 @@ def _pooled_stretch_by_sorting(guard: AdmissionGuard, level: Level) -> float:
         if len(pool) >= guard.enough:
             own = sorted(scores.get(level, []))
             return max(conformal_quantile(sorted(pool), guard.target), own[-2] if len(own) > 1 else 0.0)
-    seen = sorted(pool)[-2] if len(pool) > 1 else PRIOR_LOADED
+    if len(pool) < PRIOR_SCORES:
+        return max(PRIOR_LOADED, sorted(pool)[-2]) if len(pool) > 1 else PRIOR_LOADED
+    seen = sorted(pool)[-2]
     blended = (len(pool) * seen + PRIOR_SCORES * PRIOR_LOADED) / (len(pool) + PRIOR_SCORES)
     return min(blended, conformal_quantile(sorted(pool), guard.target))  # the pool's own bound, once it has one
 
