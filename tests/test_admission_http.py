@@ -209,7 +209,21 @@ def cpu_calibration(tmp_path_factory) -> CpuCalibration:
 def strict_cpu_server(tmp_path, cpu_calibration):
     from tests.server_support import start_server
 
-    yield from served(start_server(tmp_path / "parley.log", *cpu_calibration.flags(cpu_calibration.strict_sla_ms)))
+    yield from served(start_server(tmp_path / "parley.log", *cpu_calibration.flags(cpu_calibration.strict_sla_ms),
+                                   "--admission-log", str(tmp_path / ADMISSION_LOG)))
+
+
+ADMISSION_LOG = "admission.jsonl"
+
+
+def sla_tokens_seen(log: Path) -> str:
+    """The admission log's SLA-token lines so far, one per admitted request (its level, the stretch it was admitted
+    with, its score): what a late burst's failure shows, so that the guard's learning can be read from CI."""
+    if not log.exists():
+        return ""
+    keys = ("req", "level", "stretch", "score", "after_verdict_ms", "model_ms", "steps_ms", "late")
+    lines = [json.loads(line) for line in log.read_text().splitlines() if '"sla_token"' in line]
+    return "\n".join(json.dumps({k: x.get(k) for k in keys}) for x in lines)
 
 
 async def stream_embedded(client, base, i):
@@ -230,7 +244,8 @@ async def stream_embedded(client, base, i):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("repeat", range(3))
-def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_cpu_server, cpu_calibration, repeat):
+def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_cpu_server, cpu_calibration, repeat,
+                                                                         tmp_path):
     """Three bursts on a fresh strict-SLA server: whatever it admits reaches its SLA token in time, every time; then
     one request on the idle server is admitted (and on time): admission never refuses what an idle server can serve.
     Three fresh servers: each starts from the guard's prior. A burst or the lone request is judged on a steady host
@@ -250,7 +265,7 @@ def test_a_strict_sla_cpu_server_delivers_every_admitted_request_on_time(strict_
         wait_idle(base)
         time.sleep(1.1)  # past the idle server's probe interval (admission.PROBE_EVERY_S)
         return [f"burst {b}, SLA {sla_ms} ms: {len(ok)} admitted, these late (s): {late}\n"
-                f"{strict_cpu_server.log_tail()}"] if late else []
+                f"{strict_cpu_server.log_tail()}\n{sla_tokens_seen(tmp_path / ADMISSION_LOG)}"] if late else []
 
     def alone() -> list[str]:
         [r] = asyncio.run(burst(1))
