@@ -25,6 +25,7 @@ SCRIPTS = {
     "ncu-step": ("bench.ncu_step", "where one decode step's warps wait, line by line, under Nsight Compute (GPU)"),
     "boundary": ("bench.boundary", "one phase boundary's latency by the way programs signal readiness (GPU)"),
     "host-wake": ("bench.host_wake", "an idle server's thread and process hops after idle gaps, by wait mode (CPU)"),
+    "token-hop": ("bench.token_hop", "the engine's way back to a front end: ZeroMQ against the frame socket (CPU)"),
     "idle-gap": ("bench.idle_gap", "decode steps after the GPU idles, and its clocks: light load's slow steps (GPU)"),
     "sm90-compile": ("bench.sm90_compile", "compile the megakernel for sm_90 without a GPU, report registers"),
     "gluon-proto": ("bench.gluon_proto", "gate/up alone: Gluon swap-AB (TMA, wgmma) vs Triton vs cuBLAS (GPU)"),

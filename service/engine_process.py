@@ -42,6 +42,7 @@ import zmq
 from service.config import ServeConfig, front_end_count
 from service.engine import ipc
 from service.engine.admission import Rejected
+from service.engine.frame_socket import FrameSender
 from service.engine.grammar import GrammarError, grammars
 from service.engine.handoff import Then
 from service.engine.kv_slots import Session
@@ -80,8 +81,10 @@ class EngineService:
         self.rt = rt
         self.engine = rt.engine
         self.ctx = zmq.Context()
+        self.addresses = addresses
         self.inbox = ipc.pull(self.ctx, addresses.engine)
-        self.outs = [ipc.push(self.ctx, addresses.front_end(i)) for i in range(front_ends)]
+        # each front end's socket, connected when it says Hello (frame_socket.py); None before, or once it is gone
+        self.outs: list[FrameSender | None] = [None] * front_ends
         self._send_lock = threading.Lock()  # the engine, input, side and status threads share the sockets
         self._outboxes: list[list[Out]] = [[] for _ in self.outs]  # the iteration's deltas by front end (engine thread)
         self._live: dict[int, Request] = {}  # rid → the admitted request, until it ends
@@ -102,7 +105,8 @@ class EngineService:
         frame = ipc.ENCODER.encode(message)
         with self._send_lock:
             for out in self.outs if front_end is None else (self.outs[front_end],):
-                out.send(frame, copy=False)
+                if out is not None:  # a front end that has not said Hello yet misses a heartbeat, nothing else
+                    out.send(frame)
 
     def _to(self, id_: int) -> int:
         """The front end a request or query id came from."""
@@ -197,6 +201,15 @@ class EngineService:
         if orphans:
             log.warning("front end %d restarted: cancelled the %d requests its predecessor left running", fe,
                         len(orphans))
+        try:
+            out = FrameSender.connect(self.addresses.front_end_frames(fe))
+        except OSError as e:  # it said Hello and died: a successor says Hello again
+            log.error("front end %d said hello, but its socket is gone: %s", fe, e)
+            return
+        with self._send_lock:
+            old, self.outs[fe] = self.outs[fe], out
+            if old is not None:
+                old.close()
         self._send(Ready(self.info), fe)
 
     def _stop_accepting(self) -> None:
@@ -319,8 +332,11 @@ class EngineService:
         self.engine.stop()
         if self._status_thread.is_alive():
             self._status_thread.join(timeout=5)
-        for s in (self.inbox, *self.outs):
-            s.close(linger=0)
+        self.inbox.close(linger=0)
+        with self._send_lock:
+            for out in self.outs:
+                if out is not None:
+                    out.close()
         self.ctx.term()
 
 

@@ -1,7 +1,8 @@
 """EngineClient: the front end's side of the engine process (`parley serve --engine-process`,
-service/engine_process.py), on the event loop. It sends Submits, cancels and session changes; one reader task takes
-the engine's messages (a StepOutput per engine iteration: one wake-up of the event loop per step, whatever the number
-of streams) and hands each RemoteStream its deltas. A watchdog notices the engine process gone (its exit, or its
+service/engine_process.py), on the event loop. It sends Submits, cancels and session changes; the engine's messages
+come on a socket of this front end's own (service/engine/frame_socket.py), read by the event loop when it turns
+readable (a StepOutput per engine iteration: one wake-up of the loop per step, whatever the number of streams), and
+each RemoteStream gets its deltas. A watchdog notices the engine process gone (its exit, or its
 heartbeat silent for HEARTBEAT_TIMEOUT_S): every stream then ends in an error, /health says why, and `on_dead` runs.
 
 RemoteStream reads as streaming.EngineStream does (`async for` deltas, cancel, close), so the handlers do not know
@@ -22,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import zmq
-import zmq.asyncio
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.api.streaming import QueuedDeltas
 from service.engine import ipc
 from service.engine.admission import Rejected
+from service.engine.frame_socket import FrameReader
 from service.engine.grammar import GrammarError
 from service.engine.messages import (
     Answer,
@@ -176,14 +177,14 @@ def pidfd(pid: int | None) -> int | None:
 
 class EngineClient:
     def __init__(self, info: EngineInfo, addresses: ipc.Addresses, ctx: zmq.Context,
-                 inbox: zmq.asyncio.Socket, exit_code: Callable[[], int | str | None] | None = None,
+                 reader: FrameReader, exit_code: Callable[[], int | str | None] | None = None,
                  front_end: int = 0, front_ends: int = 1, out: zmq.Socket | None = None,
                  exit_fd: int | None = None) -> None:
         self.info = info
         self.tokenizer = tokenizer_of(info)
         self.eos = frozenset(info.eos_token_ids)
         self._ctx = ctx
-        self._inbox = inbox
+        self._reader = reader  # the engine's messages (frame_socket.py); on_frame is set to _on_frame by connect
         self._out = out if out is not None else ipc.push(ctx, addresses.engine)
         self._send_lock = threading.Lock()  # the drain thread sends too
         self._exit_code = exit_code  # the engine process's exit status, or why it is gone (None while it runs)
@@ -210,22 +211,29 @@ class EngineClient:
         """Bind front end `front_end`'s socket (of `front_ends`), say Hello and wait for the engine's Ready (sent once
         it is loaded, warm and calibrated); a RuntimeError if its process exits first. `engine_pid`: the engine
         process, whose exit a pidfd then tells at once."""
+        arrived: asyncio.Queue[tuple[bytes, float]] = asyncio.Queue()
+        reader = FrameReader(addresses.front_end_frames(front_end), lambda *frame: arrived.put_nowait(frame))
         ctx = zmq.Context()
-        inbox = zmq.asyncio.Socket.from_socket(ipc.pull(ctx, addresses.front_end(front_end)))
         out = ipc.push(ctx, addresses.engine)  # queued until the engine binds (it may still be loading)
-        out.send(ipc.ENCODER.encode(Hello(front_end)))
+        out.send(ipc.ENCODER.encode(Hello(front_end)))  # after the bind: the engine connects to it on this Hello
         while True:
             if exit_code is not None and (code := exit_code()) is not None:
-                inbox.close(linger=0)
+                reader.close()
                 out.close(linger=0)
                 ctx.term()
                 raise RuntimeError(f"the engine process exited with {code} before it was ready")
-            if await inbox.poll(200):
-                message = ipc.TO_FRONT_END.decode(await inbox.recv())
-                if isinstance(message, Ready):
-                    break
-        client = cls(message.info, addresses, ctx, inbox, exit_code, front_end, front_ends, out, pidfd(engine_pid))
-        client._tasks = [asyncio.create_task(client._read()), asyncio.create_task(client._watch())]
+            try:
+                frame, _ = await asyncio.wait_for(arrived.get(), 0.2)
+            except TimeoutError:
+                continue
+            message = ipc.TO_FRONT_END.decode(frame)
+            if isinstance(message, Ready):
+                break
+        client = cls(message.info, addresses, ctx, reader, exit_code, front_end, front_ends, out, pidfd(engine_pid))
+        reader.on_frame = client._on_frame
+        while not arrived.empty():  # what came right behind Ready
+            client._on_frame(*arrived.get_nowait())
+        client._tasks = [asyncio.create_task(client._watch())]
         return client
 
     # -- requests -------------------------------------------------------------------------------------------------
@@ -327,21 +335,12 @@ class EngineClient:
         return self.dead is not None or (s is not None and not s.accepting and s.running == 0 and s.waiting == 0)
 
     # -- the reader and the watchdog --------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        inbox = self._inbox
-        now: zmq.Socket[bytes] = zmq.Socket.shadow(inbox.underlying)  # the same socket, read without waiting
-        while True:
-            frame = await inbox.recv()
-            while True:  # everything that is there, before the loop runs anything else
-                received = time.perf_counter()
-                try:
-                    self._dispatch(ipc.TO_FRONT_END.decode(frame), received)
-                except Exception:
-                    log.exception("a message from the engine could not be handled")
-                try:
-                    frame = now.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+    def _on_frame(self, frame: bytes, received: float) -> None:
+        """A message from the engine, on the event loop as it is read (the reader hands over all that is there)."""
+        try:
+            self._dispatch(ipc.TO_FRONT_END.decode(frame), received)
+        except Exception:
+            log.exception("a message from the engine could not be handled")
 
     def _dispatch(self, m: object, received: float) -> None:
         if isinstance(m, StepOutput):
@@ -421,7 +420,7 @@ class EngineClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._inbox.close(linger=0)
+        self._reader.close()
         self._out.close(linger=0)
         self._ctx.term()
         if self._exit_fd is not None:

@@ -1,7 +1,9 @@
-"""The transport between the engine process and its front ends: ZeroMQ over Unix-domain sockets, MessagePack
-(msgspec) frames, as vLLM V1 and SGLang do. The engine binds one PULL socket every front end PUSHes to; each front end
-binds a PULL socket of its own that the engine PUSHes to. Either side may start first: ZeroMQ queues what is sent
-before the peer binds. Send queues are unbounded (SNDHWM 0): a send never blocks the engine's loop.
+"""The transport between the engine process and its front ends: Unix-domain sockets, MessagePack (msgspec) frames,
+as vLLM V1 and SGLang do. The engine binds one ZeroMQ PULL socket every front end PUSHes to: the engine may still be
+loading when a front end says Hello, and ZeroMQ queues what is sent before the peer binds. Each front end binds a
+stream socket of its own that the engine connects to on its Hello, and writes to without a ZeroMQ I/O thread between
+(service/engine/frame_socket.py: the way back is a token's way to its user). Neither side's sends block the engine's
+loop: ZeroMQ's send queues are unbounded (SNDHWM 0), the frame socket queues what the kernel cannot take now.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class Addresses:
 
     def front_end(self, fe: int) -> str:
         return f"ipc://{self.root}/fe{fe}"
+
+    def front_end_frames(self, fe: int) -> str:
+        """Front end `fe`'s socket for the engine's messages (service/engine/frame_socket.py)."""
+        return f"{self.root}/fe{fe}.frames"
 
     def remove(self) -> None:
         """The socket files and the directory (the process that made them does, at exit)."""

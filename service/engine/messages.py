@@ -1,6 +1,7 @@
 """What the engine process and its front end say to each other (`parley serve --engine-process`): msgspec structs,
-encoded as MessagePack (ipc.py carries them over ZeroMQ). Engine → front end is one message per engine iteration
-(StepOutput: every request's delta of that iteration) or per request event (Verdict), never one per token.
+encoded as MessagePack (ipc.py: over ZeroMQ to the engine, frame_socket.py back). Engine → front end is one message
+per engine iteration (StepOutput: every request's delta of that iteration) or per request event (Verdict), never one
+per token.
 
 front end → engine: Hello (once, at its start), Submit, Cancel, CloseSession, Truncate, Query, Drain
 engine → front end: Ready (per Hello, once warm), Verdict (per Submit), StepOutput (per iteration with output),
