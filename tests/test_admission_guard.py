@@ -88,8 +88,8 @@ def test_a_pool_with_a_conformal_quantile_is_not_held_up_by_the_prior():
 def test_a_fresh_servers_first_bursts_are_judged_by_the_prior_until_it_has_seen_enough():
     """A burst of four on the 2-core CPU leaves four scores near 1.02: averaged with the prior, they took the next
     burst's stretch to 1.42, and that burst (three rows a step, which the calibration had not timed) ran 1.46x its
-    forecast. Fewer than PRIOR_SCORES scores say nothing of a
-    1-in-100 tail: the prior holds until there are that many (or what they saw, where it is higher), then relaxes."""
+    forecast. Fewer than PRIOR_SCORES scores say nothing of a 1-in-100 tail: the prior holds until there are that
+    many (or what they saw, where it is higher), then relaxes."""
     guard = AdmissionGuard(0.99)
     stretches = []
     for _ in range(PRIOR_SCORES // 4):

@@ -14,6 +14,16 @@ def address() -> str:
     return Addresses.fresh().front_end_frames(0)
 
 
+async def read_all(sender: FrameSender, got: list[bytes], n: int, timeout_s: float = 10.0) -> None:
+    """The event loop reads until `n` frames came; meanwhile the sender flushes what waits, as the engine's next send
+    (a heartbeat's at the latest) does."""
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"timed out with {len(got)} of {n} frames"
+        await asyncio.sleep(0.001)
+        sender.flush()
+
+
 async def wait_for(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -31,9 +41,7 @@ def test_frames_of_every_size_arrive_whole_and_in_order():
         for f in frames:
             sender.send(f)
             await asyncio.sleep(0)  # the loop reads some as they come, not only all at the end
-        while len(got) < len(frames):  # a large frame may wait for the reader: the engine's next send flushes it
-            await asyncio.sleep(0.001)
-            sender.flush()
+        await read_all(sender, got, len(frames))
         assert got == frames and sender.waiting == 0
         sender.close()
         reader.close()
@@ -52,9 +60,7 @@ def test_a_front_end_that_stops_reading_never_blocks_the_engine():
         for f in frames:  # the event loop does not run meanwhile: nobody reads
             sender.send(f)
         assert time.perf_counter() - t0 < 5.0 and sender.waiting > 0  # queued here, not blocked on the kernel
-        while len(got) < len(frames):  # it reads again; the engine's next sends (a heartbeat's) flush what waits
-            await asyncio.sleep(0.001)
-            sender.flush()
+        await read_all(sender, got, len(frames))  # it reads again
         assert got == frames and sender.waiting == 0
         sender.close()
         reader.close()
