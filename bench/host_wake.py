@@ -5,15 +5,16 @@
 An idle server's first token pays every thread and process hop between the front end and the engine thread, each a
 wake-up of a sleeping thread, and the front end's Python on a core that idled. Under load they are awake: on the
 H100 an idle server's arrival-to-engine read 0.82 ms past the client's send, 0.52 under 110 req/s (bench/NOTES.md).
-This probe plays the engine process's path (service/engine/ipc.py's sockets: ZeroMQ PUSH/PULL over Unix sockets,
-an input thread polling them, an Event that wakes the engine thread, the reply pushed back) between two processes,
+This probe plays the engine process's path (service/engine/ipc.py's ZeroMQ PUSH/PULL over a Unix socket to an input
+thread that polls it, an Event that wakes the engine thread, the reply written back on the front end's own stream
+socket as service/engine/frame_socket.py does) between two processes,
 with the host idle for `gap` before each request, and times each hop (perf_counter is CLOCK_MONOTONIC: one clock
 across processes on Linux):
 
 - `work`: the front end's Python for a request (JSON, a loop of dict work: ~0.2 ms warm), on the core that idled;
 - `to input`: the send to the engine process's input thread (two ZeroMQ I/O threads and the input thread's poll);
 - `to engine`: the input thread's Event to the engine thread;
-- `back`: the engine thread's reply to the front end's poll.
+- `back`: the engine thread's reply, a frame on the front end's socket, to the front end's blocking read.
 
 Modes, of the engine process's two threads while idle: `block` (as served: the input thread's poll with a 10 ms
 timeout, the engine thread's Event), `spin-input` (the input thread polls without waiting), `spin-both` (and the
@@ -27,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import socket
 import statistics
 import threading
 import time
@@ -37,6 +39,7 @@ import zmq
 from bench.device import file_stem
 from bench.publish import RESULTS, publish
 from service.engine import ipc
+from service.engine.frame_socket import HEADER, FrameSender, unix_address
 
 POLL_MS = 10  # the engine process's input thread (engine_process.STALE_POLL_MS)
 
@@ -45,7 +48,7 @@ def _engine(root: str, mode: str) -> None:
     """The engine process's path: an input thread on the PULL socket, an engine thread woken by an Event."""
     addr = ipc.Addresses(root)
     ctx = zmq.Context()
-    inbox, out = ipc.pull(ctx, addr.engine), ipc.push(ctx, addr.front_end(0))
+    inbox, out = ipc.pull(ctx, addr.engine), FrameSender.connect(addr.front_end_frames(0))
     wake, stop = threading.Event(), threading.Event()
     box: list[tuple[float, float]] = []
     lock = threading.Lock()
@@ -77,7 +80,23 @@ def _engine(root: str, mode: str) -> None:
         for sent, received in got:
             out.send(json.dumps([sent, received, woke]).encode())
     time.sleep(0.05)
+    out.close()
     ctx.destroy(linger=0)
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise RuntimeError("the engine process closed its socket")
+        data += chunk
+    return bytes(data)
+
+
+def _recv_frame(conn: socket.socket) -> bytes:
+    (n,) = HEADER.unpack(_recv_exactly(conn, HEADER.size))
+    return _recv_exactly(conn, n)
 
 
 def _work() -> int:
@@ -95,17 +114,18 @@ def measure(mode: str, gaps_ms: list[float], requests: int) -> dict[str, dict[st
     root = ipc.Addresses.fresh().root
     addr = ipc.Addresses(root)
     ctx = zmq.Context()
-    back = ipc.pull(ctx, addr.front_end(0))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(unix_address(addr.front_end_frames(0)))  # bound before the engine connects, as a front end's Hello
+    listener.listen(1)
+    listener.settimeout(30)
     to_engine = ipc.push(ctx, addr.engine)
     proc = mp.get_context("spawn").Process(target=_engine, args=(root, mode), daemon=True)
     proc.start()
-    poller = zmq.Poller()
-    poller.register(back, zmq.POLLIN)
+    back, _ = listener.accept()
+    back.settimeout(30)
     # the first reply says the engine process is up
     to_engine.send(json.dumps(time.perf_counter()).encode())
-    if not poller.poll(30_000):
-        raise RuntimeError("the engine process did not answer")
-    back.recv()
+    _recv_frame(back)
     out: dict[str, dict[str, float]] = {}
     for gap in gaps_ms:
         rows: list[tuple[float, float, float, float, float]] = []
@@ -115,9 +135,9 @@ def measure(mode: str, gaps_ms: list[float], requests: int) -> dict[str, dict[st
             _work()
             t1 = time.perf_counter()
             to_engine.send(json.dumps(t1).encode())
-            poller.poll()
+            frame = _recv_frame(back)
             t_back = time.perf_counter()
-            sent, received, woke = json.loads(back.recv())
+            sent, received, woke = json.loads(frame)
             rows.append((t1 - t0, received - sent, woke - received, t_back - woke, t_back - t0))
         cols = list(zip(*rows, strict=True))
         names = ("work", "to input", "to engine", "back", "round trip")
@@ -127,6 +147,8 @@ def measure(mode: str, gaps_ms: list[float], requests: int) -> dict[str, dict[st
                             for n, c in zip(names, cols, strict=True)}
     to_engine.send(json.dumps(None).encode())
     proc.join(5)
+    back.close()
+    listener.close()
     ctx.destroy(linger=0)
     return out
 

@@ -104,3 +104,18 @@ def test_the_token_hop_benchmark_times_both_ways(tmp_path):
     for r in doc["runs"]:
         assert r["messages"] == 190 and 0 < r["p50"] <= r["p99"] < 1e6
     assert "| 1000 | 1 | frames |" in next(tmp_path.glob("token-hop-*-t.md")).read_text()
+
+
+def test_the_host_wake_probe_replies_on_the_front_ends_socket(tmp_path):
+    """`python -m bench host-wake` plays the engine process's path with the way back on the front end's own socket:
+    every hop is timed, each shorter than the round trip that holds it."""
+    import json
+
+    from bench.host_wake import main
+
+    assert main(["--gaps-ms", "0", "--requests", "20", "--modes", "block", "--tag", "t", "--out",
+                 str(tmp_path)]) == 0
+    [doc] = [json.loads(p.read_text()) for p in tmp_path.glob("host-wake-*-t.json")]
+    row = doc["modes"]["block"]["0"]
+    for hop in ("work", "to input", "to engine", "back"):
+        assert 0 < row[f"{hop} p50 us"] < row["round trip p90 us"]
